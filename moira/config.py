@@ -1,0 +1,105 @@
+"""Moira's parameters: the coverage target and the kernels' work-split constants.
+
+The defaults are the paper's (section 3.3): C = 24, N_J = 32, N_T = 4096, and K_B = 8, 4, 2
+thresholds per bisection pass for rows of fewer than 256, 1,024 and more pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+PAGE_SIZE = 64
+"""Tokens per KV-cache page. Summaries and the estimate are defined per 64-token page."""
+
+BISECTION_BITS = 24
+"""Select shrinks the threshold interval 2**24-fold: passes = 24 / log2(K_B)."""
+
+MAX_PAGES_PER_SEQ = 32768
+"""Longest row Select keeps on chip (2M tokens)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoiraConfig:
+    """What Moira selects and how its kernels split the work; validated on creation.
+
+    Parameters
+    ----------
+    gamma:
+        Coverage target γ in (0, 1]: each (request, KV head) row keeps the fewest pages whose
+        estimated group-mean attention share reaches γ (paper Eq. 3). ``1.0`` keeps every page.
+    top_k:
+        If set, Select runs in fixed-count mode instead (paper 3.5): every row keeps ``top_k``
+        pages, the sink and current page included, and rows of at most ``top_k`` pages are read
+        in full. ``gamma`` is then ignored.
+    chunk_pages:
+        C, the fewest pages one Attend program processes (so a short row needs one program).
+    min_chunks_per_row:
+        N_J, the fewest programs Attend launches per row.
+    min_programs:
+        N_T, the fewest programs Attend launches in all (so a few long rows still fill the GPU).
+    bisection_ways:
+        The K_B schedule: ``((max_pages, K_B), ...)`` in increasing ``max_pages``; a step whose
+        block table holds fewer than ``max_pages`` pages per row uses that K_B, and the last
+        entry's K_B applies beyond. Each K_B is a power of two whose log2 divides 24.
+    """
+
+    gamma: float = 0.98
+    top_k: int | None = None
+    chunk_pages: int = 24
+    min_chunks_per_row: int = 32
+    min_programs: int = 4096
+    bisection_ways: tuple[tuple[int, int], ...] = ((256, 8), (1024, 4), (4096, 2))
+
+    def __post_init__(self):
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)):
+            raise ValueError(f"gamma must be a float in (0, 1], got {self.gamma!r}")
+        if not (0.0 < float(self.gamma) <= 1.0):
+            raise ValueError(
+                f"gamma must lie in (0, 1] (the fraction of attention mass to keep; 1.0 keeps "
+                f"every page), got {self.gamma!r}"
+            )
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 2
+        ):
+            raise ValueError(
+                f"top_k must be None (coverage rule) or an int >= 2 (pages per row, sink and "
+                f"current page included), got {self.top_k!r}"
+            )
+        for name in ("chunk_pages", "min_chunks_per_row", "min_programs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        ways = self.bisection_ways
+        if not ways or any(len(entry) != 2 for entry in ways):
+            raise ValueError(
+                f"bisection_ways must be a non-empty tuple of (max_pages, K_B) pairs, got {ways!r}"
+            )
+        bounds = [bound for bound, _ in ways]
+        if bounds != sorted(bounds) or len(set(bounds)) != len(bounds) or bounds[0] < 1:
+            raise ValueError(
+                f"bisection_ways must list strictly increasing positive max_pages, got {ways!r}"
+            )
+        for _, k_b in ways:
+            if not isinstance(k_b, int) or k_b < 2 or k_b & (k_b - 1):
+                raise ValueError(f"bisection_ways: K_B must be a power of two >= 2, got {k_b!r}")
+            if BISECTION_BITS % int(math.log2(k_b)):
+                raise ValueError(
+                    f"bisection_ways: log2(K_B) must divide {BISECTION_BITS} so the passes "
+                    f"shrink the interval exactly 2**{BISECTION_BITS}-fold, got K_B={k_b}"
+                )
+
+    def replace(self, **changes) -> MoiraConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def bisection_ways_for(self, max_pages: int) -> int:
+        """K_B for a block table of ``max_pages`` pages per row."""
+        for bound, k_b in self.bisection_ways:
+            if max_pages < bound:
+                return k_b
+        return self.bisection_ways[-1][1]
+
+    def chunks_per_row(self, num_rows: int) -> int:
+        """J of Eq. (4): programs Attend launches per row for a step of ``num_rows`` rows."""
+        return max(self.min_chunks_per_row, -(-self.min_programs // max(num_rows, 1)))

@@ -1,0 +1,397 @@
+"""The public API: page summaries, the graph-safe sparse decode step, and attention over any
+selector's page lists.
+
+Tensor conventions (vLLM's):
+
+- ``query`` / ``out``: ``[batch, num_heads, head_dim]``, bf16 or fp16. Query head ``h * G + g``
+  belongs to KV head ``h`` (G = num_heads / num_kv_heads).
+- ``key_cache`` / ``value_cache``: ``[num_pages, 64, num_kv_heads, head_dim]``, the query's
+  dtype, any strides (views of vLLM's packed ``[..., 2 * head_dim]`` K|V tensor work).
+- ``block_table``: ``[batch, max_pages_per_seq]`` int32 physical page ids.
+- ``seq_lens``: ``[batch]`` int32, tokens in the cache per request, the current token included
+  (already written). 0 marks a padded row: its output is zeros. Values are not checked on the
+  host (that would sync); a row's pages are clamped to the block table's width.
+- ``summaries``: ``[num_pages, num_kv_heads, 2, head_dim]`` (0 = mean, 1 = population variance
+  of the page's keys), float32, bf16 or fp16.
+- ``page_lists``: ``[batch, num_kv_heads, max_pages]`` int32 *logical* page indices;
+  ``page_counts``: ``[batch, num_kv_heads]`` int32, the valid prefix of each list.
+
+Nothing on the decode path reads GPU memory from the host or sizes a launch from a value in
+GPU memory, so with a ``DecodeWorkspace`` a whole step can be captured in a CUDA graph and
+replayed with new lengths and cache contents.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import MAX_PAGES_PER_SEQ, PAGE_SIZE, MoiraConfig
+from .kernels import interpreting
+from .kernels.attend import attend as _launch_attend
+from .kernels.estimate import estimate as _launch_estimate
+from .kernels.merge import merge as _launch_merge
+from .kernels.select import select as _launch_select
+from .kernels.summarize import summarize_filled_slots, summarize_pages
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+CACHE_DTYPES = (torch.bfloat16, torch.float16)
+SUMMARY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks (shapes, dtypes and devices only: values stay on the GPU)
+# --------------------------------------------------------------------------------------------
+
+
+def _require(condition, message):
+    if not condition:
+        raise ValueError(message)
+
+
+def _check_device(**tensors):
+    devices = {t.device for t in tensors.values()}
+    names = ", ".join(tensors)
+    _require(len(devices) == 1, f"{names} must be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    _require(
+        device.type == "cuda" or interpreting(),
+        f"{names} are on {device}: Moira's kernels need a CUDA device (or TRITON_INTERPRET=1, "
+        f"Triton's CPU interpreter, for tests); move the tensors with .cuda()",
+    )
+
+
+def _check_cache(key_cache, value_cache, name="key_cache"):
+    _require(key_cache.dim() == 4, f"{name} must be [num_pages, 64, num_kv_heads, head_dim], "
+             f"got shape {tuple(key_cache.shape)}")
+    if key_cache.dtype not in CACHE_DTYPES:
+        fp8 = "float8" in str(key_cache.dtype)
+        raise ValueError(
+            f"{name} has dtype {key_cache.dtype}: "
+            + ("an FP8 KV cache is not supported yet; use a bf16 or fp16 cache "
+               "(vLLM: --kv-cache-dtype auto)" if fp8 else "use bfloat16 or float16")
+        )
+    _require(key_cache.shape[1] == PAGE_SIZE,
+             f"{name} has pages of {key_cache.shape[1]} tokens: Moira needs 64-token pages "
+             f"(vLLM: --block-size 64)")
+    _require(key_cache.shape[3] in SUPPORTED_HEAD_DIMS,
+             f"{name} has head_dim {key_cache.shape[3]}, which has no kernel; supported: "
+             f"{SUPPORTED_HEAD_DIMS}")
+    if value_cache is not None:
+        _require(value_cache.shape == key_cache.shape,
+                 f"value_cache shape {tuple(value_cache.shape)} must equal key_cache shape "
+                 f"{tuple(key_cache.shape)}")
+        _require(value_cache.dtype == key_cache.dtype,
+                 f"value_cache dtype {value_cache.dtype} must equal key_cache dtype "
+                 f"{key_cache.dtype}")
+
+
+def _check_table(block_table, seq_lens, batch=None):
+    _require(block_table.dim() == 2 and block_table.dtype == torch.int32,
+             f"block_table must be a 2-D int32 tensor [batch, max_pages_per_seq], got "
+             f"{block_table.dtype} of shape {tuple(block_table.shape)}")
+    _require(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32,
+             f"seq_lens must be a 1-D int32 tensor [batch], got {seq_lens.dtype} of shape "
+             f"{tuple(seq_lens.shape)}")
+    _require(seq_lens.shape[0] == block_table.shape[0],
+             f"seq_lens has {seq_lens.shape[0]} rows but block_table has {block_table.shape[0]}")
+    if batch is not None:
+        _require(block_table.shape[0] == batch,
+                 f"block_table has {block_table.shape[0]} rows but query has batch {batch}")
+
+
+def _check_step(query, key_cache, value_cache, block_table, seq_lens):
+    """Validate a decode step's inputs; return ``(batch, num_heads, num_kv_heads, head_dim)``."""
+    _require(query.dim() == 3, f"query must be [batch, num_heads, head_dim], got shape "
+             f"{tuple(query.shape)}")
+    _check_cache(key_cache, value_cache)
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    _require(query.dtype == key_cache.dtype,
+             f"query dtype {query.dtype} must equal the cache dtype {key_cache.dtype}")
+    _require(head_dim == key_cache.shape[3],
+             f"query head_dim {head_dim} must equal the cache head_dim {key_cache.shape[3]}")
+    _require(num_heads % num_kv_heads == 0,
+             f"query has {num_heads} heads, not a multiple of the cache's {num_kv_heads} KV heads")
+    _check_table(block_table, seq_lens, batch)
+    _check_device(query=query, key_cache=key_cache, value_cache=value_cache,
+                  block_table=block_table, seq_lens=seq_lens)
+    return batch, num_heads, num_kv_heads, head_dim
+
+
+def _check_summaries(summaries, key_cache):
+    num_pages, _, num_kv_heads, head_dim = key_cache.shape
+    expected = (num_pages, num_kv_heads, 2, head_dim)
+    _require(tuple(summaries.shape) == expected,
+             f"summaries must have shape {expected} ([num_pages, num_kv_heads, 2, head_dim]), "
+             f"got {tuple(summaries.shape)}")
+    _require(summaries.dtype in SUMMARY_DTYPES,
+             f"summaries dtype {summaries.dtype} must be one of {SUMMARY_DTYPES}")
+    _check_device(summaries=summaries, key_cache=key_cache)
+
+
+def _check_out(out, query):
+    if out is not None:
+        _require(out.shape == query.shape and out.dtype == query.dtype
+                 and out.device == query.device,
+                 f"out must match query ({tuple(query.shape)}, {query.dtype}, {query.device}), "
+                 f"got ({tuple(out.shape)}, {out.dtype}, {out.device})")
+
+
+def _resolve_scale(scale, head_dim):
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    _require(isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0,
+             f"scale must be a positive finite float, got {scale!r}")
+    return float(scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Workspace
+# --------------------------------------------------------------------------------------------
+
+
+class DecodeWorkspace:
+    """Preallocated buffers for decode steps of up to ``max_batch`` requests and
+    ``max_pages_per_seq`` pages, so that a step allocates nothing (CUDA-graph safe).
+
+    One workspace serves every layer of a model (layers run one after another). Buffers:
+
+    - ``log_masses`` float32, ``max_batch * num_kv_heads * G * max_pages_per_seq``: Estimate's
+      output, viewed per step as ``[batch * num_kv_heads, G, max_pages]``.
+    - ``page_lists`` int32 ``[max_batch * num_kv_heads * max_pages_per_seq]`` and
+      ``page_counts`` int32 ``[max_batch * num_kv_heads]``: Select's output.
+    - ``partial_out`` / ``partial_lse`` float32: Attend's per-chunk partials, sized for the
+      largest ``rows * J`` of any batch up to ``max_batch`` (J from ``config``).
+    """
+
+    def __init__(self, max_batch, max_pages_per_seq, num_heads, num_kv_heads, head_dim, *,
+                 device, config=None):
+        self.config = config or MoiraConfig()
+        _require(isinstance(max_batch, int) and max_batch >= 1,
+                 f"max_batch must be a positive int, got {max_batch!r}")
+        _require(isinstance(max_pages_per_seq, int) and 1 <= max_pages_per_seq <= MAX_PAGES_PER_SEQ,
+                 f"max_pages_per_seq must be an int in [1, {MAX_PAGES_PER_SEQ}], got "
+                 f"{max_pages_per_seq!r}")
+        _require(num_heads % num_kv_heads == 0,
+                 f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+        _require(head_dim in SUPPORTED_HEAD_DIMS,
+                 f"head_dim {head_dim} has no kernel; supported: {SUPPORTED_HEAD_DIMS}")
+        self.max_batch = max_batch
+        self.max_pages_per_seq = max_pages_per_seq
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.device = torch.device(device)
+        max_rows = max_batch * num_kv_heads
+        # rows * max(N_J, ceil(N_T / rows)) <= max(N_J * rows, N_T + rows)
+        slots = max(self.config.min_chunks_per_row * max_rows,
+                    self.config.min_programs + max_rows)
+        f32, i32 = torch.float32, torch.int32
+        self.log_masses = torch.empty(max_rows * self.group * max_pages_per_seq, dtype=f32,
+                                      device=device)
+        self.page_lists = torch.empty(max_rows * max_pages_per_seq, dtype=i32, device=device)
+        self.page_counts = torch.empty(max_rows, dtype=i32, device=device)
+        self.partial_out = torch.empty(slots * self.group * head_dim, dtype=f32, device=device)
+        self.partial_lse = torch.empty(slots * self.group, dtype=f32, device=device)
+
+    @classmethod
+    def for_step(cls, query, key_cache, block_table, config=None):
+        """A workspace that fits exactly this step's shapes."""
+        return cls(query.shape[0], block_table.shape[1], query.shape[1], key_cache.shape[2],
+                   query.shape[2], device=query.device, config=config)
+
+    def check_fits(self, batch, num_heads, num_kv_heads, head_dim, max_pages, device):
+        _require(batch <= self.max_batch,
+                 f"workspace holds {self.max_batch} requests, the step has {batch}: build the "
+                 f"DecodeWorkspace with a larger max_batch")
+        _require(max_pages <= self.max_pages_per_seq,
+                 f"workspace holds {self.max_pages_per_seq} pages per request, block_table has "
+                 f"{max_pages}: build the DecodeWorkspace with a larger max_pages_per_seq")
+        _require((num_kv_heads, num_heads // num_kv_heads, head_dim)
+                 == (self.num_kv_heads, self.group, self.head_dim),
+                 f"workspace was built for {self.num_kv_heads} KV heads, G={self.group}, "
+                 f"head_dim={self.head_dim}; the step has {num_kv_heads}, "
+                 f"{num_heads // num_kv_heads}, {head_dim}")
+        _require(torch.device(device) == self.device,
+                 f"workspace is on {self.device}, the step on {device}")
+
+    def selection_buffers(self, batch, max_pages):
+        """Views ``(log_masses [rows, G, max_pages], page_lists [batch, Hkv, max_pages],
+        page_counts [batch, Hkv])`` for a step."""
+        rows = batch * self.num_kv_heads
+        log_masses = self.log_masses[: rows * self.group * max_pages].view(
+            rows, self.group, max_pages)
+        page_lists = self.page_lists[: rows * max_pages].view(batch, self.num_kv_heads,
+                                                               max_pages)
+        page_counts = self.page_counts[:rows].view(batch, self.num_kv_heads)
+        return log_masses, page_lists, page_counts
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+
+
+def summarize(key_cache, block_table, seq_lens, summaries=None):
+    """Write the summary of every full page that ``block_table`` references.
+
+    Parameters
+    ----------
+    key_cache : ``[num_pages, 64, num_kv_heads, head_dim]`` bf16/fp16, any strides.
+    block_table : ``[batch, max_pages_per_seq]`` int32.
+    seq_lens : ``[batch]`` int32; logical page p of request b is summarized if
+        ``64 * (p + 1) <= seq_lens[b]``. Partial pages are left untouched.
+    summaries : optional ``[num_pages, num_kv_heads, 2, head_dim]`` float32/bf16/fp16 to
+        write into; by default a new tensor of the cache's dtype (uninitialized where no full
+        page lands).
+
+    Returns
+    -------
+    summaries : index ``[..., 0, :]`` holds the per-channel mean, ``[..., 1, :]`` the
+        population variance of the page's 64 keys.
+    """
+    _check_cache(key_cache, None)
+    _check_table(block_table, seq_lens)
+    if summaries is None:
+        num_pages, _, num_kv_heads, head_dim = key_cache.shape
+        summaries = torch.empty(num_pages, num_kv_heads, 2, head_dim, dtype=key_cache.dtype,
+                                device=key_cache.device)
+    _check_summaries(summaries, key_cache)
+    _check_device(key_cache=key_cache, block_table=block_table, seq_lens=seq_lens)
+    return summarize_pages(key_cache, block_table, seq_lens, summaries)
+
+
+def update_summaries(key_cache, slot_mapping, summaries):
+    """Summarize the pages that the slots just written have filled (graph-safe).
+
+    ``slot_mapping`` ``[num_tokens]`` int32/int64 holds each written token's cache slot
+    ``page * 64 + offset`` (vLLM's slot mapping; negative entries are padding). Every page whose
+    last slot (offset 63) appears is summarized from the cache, so call this after the keys are
+    written. Returns ``summaries``.
+    """
+    _check_cache(key_cache, None)
+    _require(slot_mapping.dim() == 1 and slot_mapping.dtype in (torch.int32, torch.int64),
+             f"slot_mapping must be a 1-D int32/int64 tensor, got {slot_mapping.dtype} of shape "
+             f"{tuple(slot_mapping.shape)}")
+    _check_summaries(summaries, key_cache)
+    _check_device(key_cache=key_cache, slot_mapping=slot_mapping)
+    return summarize_filled_slots(key_cache, slot_mapping, summaries)
+
+
+def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
+                      page_counts, scale, workspace, out):
+    config = workspace.config
+    rows = query.shape[0] * key_cache.shape[2]
+    chunks_per_row = config.chunks_per_row(rows)
+    _launch_attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
+                   scale=scale, chunk_floor=config.chunk_pages, chunks_per_row=chunks_per_row,
+                   out=out, partial_out=workspace.partial_out,
+                   partial_lse=workspace.partial_lse)
+    _launch_merge(page_counts, workspace.partial_out, workspace.partial_lse, out,
+                  num_kv_heads=key_cache.shape[2], chunk_floor=config.chunk_pages,
+                  chunks_per_row=chunks_per_row)
+    return out
+
+
+def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
+           scale=None, config=None, workspace=None, out=None):
+    """Exact attention of every (request, KV head) row over the pages of its list.
+
+    Parameters
+    ----------
+    page_lists : ``[batch, num_kv_heads, max_list]`` int32 logical page indices, each page at
+        most once; tokens at or past ``seq_lens[b]`` are masked.
+    page_counts : ``[batch, num_kv_heads]`` int32, how many entries of each list are valid
+        (0: the row's output is zeros).
+    scale : softmax scale, default ``1 / sqrt(head_dim)``.
+    config : the work split (C, N_J, N_T); ignored if ``workspace`` is given.
+    workspace : a ``DecodeWorkspace`` (required to capture the call in a CUDA graph).
+    out : optional ``[batch, num_heads, head_dim]`` output tensor.
+
+    Returns
+    -------
+    out : ``[batch, num_heads, head_dim]``, the query's dtype.
+    """
+    batch, num_heads, num_kv_heads, head_dim = _check_step(query, key_cache, value_cache,
+                                                           block_table, seq_lens)
+    _require(page_lists.dim() == 3 and page_lists.dtype == torch.int32
+             and tuple(page_lists.shape[:2]) == (batch, num_kv_heads),
+             f"page_lists must be int32 [batch={batch}, num_kv_heads={num_kv_heads}, max_list], "
+             f"got {page_lists.dtype} of shape {tuple(page_lists.shape)}")
+    _require(page_counts.dtype == torch.int32
+             and tuple(page_counts.shape) == (batch, num_kv_heads),
+             f"page_counts must be int32 [batch={batch}, num_kv_heads={num_kv_heads}], got "
+             f"{page_counts.dtype} of shape {tuple(page_counts.shape)}")
+    _check_device(query=query, page_lists=page_lists, page_counts=page_counts)
+    _check_out(out, query)
+    scale = _resolve_scale(scale, head_dim)
+    if workspace is None:
+        workspace = DecodeWorkspace(batch, block_table.shape[1] or 1, num_heads, num_kv_heads,
+                                    head_dim, device=query.device, config=config)
+    workspace.check_fits(batch, num_heads, num_kv_heads, head_dim, block_table.shape[1],
+                         query.device)
+    out = torch.empty_like(query) if out is None else out
+    return _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
+                             page_counts, scale, workspace, out)
+
+
+def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_lens, *,
+                  gamma=None, top_k=None, scale=None, return_pages=False, config=None,
+                  workspace=None, out=None):
+    """One sparse decode step: Estimate -> Select -> Attend -> Merge.
+
+    Parameters
+    ----------
+    query : ``[batch, num_heads, head_dim]`` bf16/fp16, one token per request.
+    key_cache, value_cache : ``[num_pages, 64, num_kv_heads, head_dim]``, any strides.
+    summaries : ``[num_pages, num_kv_heads, 2, head_dim]`` from ``summarize`` /
+        ``update_summaries``; every full page of every row must be summarized.
+    block_table : ``[batch, max_pages_per_seq]`` int32.
+    seq_lens : ``[batch]`` int32, the current token included (0 = padded row, output zeros).
+    gamma : coverage target in (0, 1]; default ``config.gamma`` (0.98). 1.0 keeps every page.
+    top_k : fixed-count mode: keep this many pages per row (sink and current page included)
+        instead of applying the coverage rule; default ``config.top_k`` (None).
+    scale : softmax scale, default ``1 / sqrt(head_dim)``.
+    return_pages : also return the page lists and counts.
+    config : a ``MoiraConfig`` (default: the paper's); ignored if ``workspace`` is given.
+    workspace : a ``DecodeWorkspace``; without one, buffers are allocated for this call. Pass
+        one to capture the step in a CUDA graph.
+    out : optional ``[batch, num_heads, head_dim]`` output tensor.
+
+    Returns
+    -------
+    out : ``[batch, num_heads, head_dim]`` in the query's dtype; with ``return_pages``,
+        ``(out, page_lists, page_counts)``: ``[batch, num_kv_heads, max_pages_per_seq]`` int32
+        logical pages (sink first, current page last; entries past the count are unspecified)
+        and ``[batch, num_kv_heads]`` int32. These are views into the workspace, overwritten
+        by its next step.
+    """
+    batch, num_heads, num_kv_heads, head_dim = _check_step(query, key_cache, value_cache,
+                                                           block_table, seq_lens)
+    _check_summaries(summaries, key_cache)
+    _check_out(out, query)
+    max_pages = block_table.shape[1]
+    _require(1 <= max_pages <= MAX_PAGES_PER_SEQ,
+             f"block_table has {max_pages} pages per request; Select supports 1 to "
+             f"{MAX_PAGES_PER_SEQ} (2M tokens)")
+    if workspace is None:
+        workspace = DecodeWorkspace(batch, max_pages, num_heads, num_kv_heads, head_dim,
+                                    device=query.device, config=config)
+    workspace.check_fits(batch, num_heads, num_kv_heads, head_dim, max_pages, query.device)
+    config = workspace.config
+    # validate overrides through the config's own checks
+    config = config.replace(gamma=config.gamma if gamma is None else gamma,
+                            top_k=config.top_k if top_k is None else top_k)
+    scale = _resolve_scale(scale, head_dim)
+    out = torch.empty_like(query) if out is None else out
+
+    log_masses, page_lists, page_counts = workspace.selection_buffers(batch, max_pages)
+    _launch_estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses)
+    _launch_select(log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
+                   max_pages=max_pages, gamma=config.gamma, top_k=config.top_k,
+                   ways=config.bisection_ways_for(max_pages))
+    _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
+                      page_counts, scale, workspace, out)
+    return (out, page_lists, page_counts) if return_pages else out

@@ -1,0 +1,120 @@
+"""Attend (paper 3.3, Eq. 4, Alg. 2): self-planning split-KV attention over ragged page lists.
+
+Every row (request, KV head) gets the same J programs, fixed at launch from the batch shape
+alone. Program (row, j) reads the row's list length n from GPU memory and plans for itself:
+
+    c = max(C, ceil(n / J))      pages per chunk
+    m = ceil(n / c)              chunks of this row (at least 1)
+
+and processes pages [j c, min((j + 1) c, n)) or exits if j >= m. All G query heads of the group
+share each K/V tile (one read of every K/V byte per group). A single-chunk row writes its output
+directly; otherwise each chunk writes its normalized partial output and log-sum-exp for Merge.
+
+Bytes: 2 * 64 * D cache elements per listed page, plus q, and the partials of split rows.
+"""
+
+import math
+
+import triton
+import triton.language as tl
+
+from ..config import PAGE_SIZE
+
+
+@triton.jit
+def plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per_row):
+    """(list length n, pages per chunk c, chunks m) of a row: Eq. (4), shared with Merge."""
+    count = tl.load(page_counts + b * stride_cb + head * stride_ch)
+    chunk = tl.maximum(chunk_floor, tl.cdiv(count, chunks_per_row))
+    return count, chunk, tl.maximum(tl.cdiv(count, chunk), 1)
+
+
+@triton.jit
+def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
+                   out, partial_out, partial_lse,
+                   stride_qb, stride_qh, stride_qd,
+                   stride_kp, stride_kt, stride_kh, stride_kd,
+                   stride_vp, stride_vt, stride_vh, stride_vd,
+                   stride_bt, stride_pb, stride_ph, stride_cb, stride_ch,
+                   stride_ob, stride_oh, stride_od,
+                   num_kv_heads, max_pages, qk_scale_log2, chunk_floor, chunks_per_row,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PAGE: tl.constexpr):
+    row = tl.program_id(0)
+    chunk_id = tl.program_id(1)
+    b = row // num_kv_heads
+    head = row % num_kv_heads
+    count, chunk, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
+                                        chunk_floor, chunks_per_row)
+    if chunk_id >= num_chunks:
+        return
+
+    groups = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    tokens = tl.arange(0, PAGE)
+    heads = head * GROUP + groups
+    q = tl.load(query + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+                + dims[None, :] * stride_qd, mask=groups[:, None] < GROUP, other=0.0)
+    seq_len = tl.load(seq_lens + b)
+    row_pages = page_lists + b.to(tl.int64) * stride_pb + head * stride_ph
+    row_table = block_table + b.to(tl.int64) * stride_bt
+
+    running_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # log2 domain
+    running_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    start = chunk_id * chunk
+    for i in range(start, tl.minimum(start + chunk, count)):
+        logical = tl.load(row_pages + i)
+        valid = logical * PAGE + tokens < seq_len  # masks the current page's tail
+        page = tl.load(row_table + logical, mask=logical < max_pages, other=0).to(tl.int64)
+        keys = tl.load(key_cache + page * stride_kp + head * stride_kh
+                       + tokens[:, None] * stride_kt + dims[None, :] * stride_kd,
+                       mask=valid[:, None], other=0.0)
+        values = tl.load(value_cache + page * stride_vp + head * stride_vh
+                         + tokens[:, None] * stride_vt + dims[None, :] * stride_vd,
+                         mask=valid[:, None], other=0.0)
+        logits = tl.dot(q, tl.trans(keys)) * qk_scale_log2
+        logits = tl.where(valid[None, :], logits, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # fully masked so far
+        rescale = tl.exp2(running_max - shift)
+        # normalize by the same rounded weights that multiply V: the output stays a weighted
+        # average (rounding perturbs weights, not the total), about half the error otherwise
+        probs = tl.exp2(logits - shift[:, None]).to(values.dtype)
+        running_sum = running_sum * rescale + tl.sum(probs.to(tl.float32), axis=1)
+        acc = acc * rescale[:, None] + tl.dot(probs, values)
+        running_max = new_max
+
+    empty = running_sum == 0.0  # no key in this chunk: zeros, and lse = -inf for Merge
+    running_sum = tl.where(empty, 1.0, running_sum)
+    result = acc / running_sum[:, None]
+    head_mask = groups[:, None] < GROUP
+    if num_chunks == 1:
+        tl.store(out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
+                 + dims[None, :] * stride_od, result.to(out.dtype.element_ty), mask=head_mask)
+    else:
+        slot = (row.to(tl.int64) * chunks_per_row + chunk_id) * GROUP + groups
+        tl.store(partial_out + slot[:, None] * HEAD_DIM + dims[None, :], result, mask=head_mask)
+        lse = tl.where(empty, float("-inf"),
+                       (running_max + tl.log2(running_sum)) * 0.6931471805599453)
+        tl.store(partial_lse + slot, lse, mask=groups < GROUP)
+
+
+def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
+           scale, chunk_floor, chunks_per_row, out, partial_out, partial_lse):
+    """Launch (batch * KV heads, J) programs. ``partial_out`` ``[>= rows * J * G * D]`` and
+    ``partial_lse`` ``[>= rows * J * G]`` are float32 scratch (only split rows write them)."""
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    _attend_kernel[(batch * num_kv_heads, chunks_per_row)](
+        query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
+        out, partial_out, partial_lse,
+        *query.stride(), *key_cache.stride(), *value_cache.stride(),
+        block_table.stride(0), *page_lists.stride()[:2], *page_counts.stride(), *out.stride(),
+        num_kv_heads, block_table.shape[1], scale * math.log2(math.e), chunk_floor,
+        chunks_per_row,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        PAGE=PAGE_SIZE, num_warps=4, num_stages=3,
+    )
+    return out

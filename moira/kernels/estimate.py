@@ -1,0 +1,114 @@
+"""Estimate (paper 3.1, Eq. 2): the log-mass of every page for every query head.
+
+    log m_{g,P} = s q_g . mu_P + 1/2 (s q_g)^2 . sigma_P^2 + log 64
+
+from the page summaries, without reading keys; the sink (page 0) and the current (last) page,
+which has no summary yet, are computed exactly from their keys.
+
+Grid: (rows = batch * KV heads, page blocks of ``PAGES_PER_PROGRAM``); a program past its row's
+last page exits. Bytes: every page's summary (2 * D values) once, two pages of keys per row,
+and G floats written per page.
+"""
+
+import math
+
+import triton
+import triton.language as tl
+
+from ..config import PAGE_SIZE
+
+PAGES_PER_PROGRAM = 64
+
+
+@triton.jit
+def exact_page_log_mass(q, key_cache, page, head, valid_tokens,
+                        stride_kp, stride_kt, stride_kh, stride_kd, scale,
+                        HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
+    """log sum_t exp(scale * q_g . k_t) over the first ``valid_tokens`` keys of a page.
+
+    q: ``[G_PAD, HEAD_DIM]`` in the cache's dtype; returns ``[G_PAD]`` float32."""
+    tokens = tl.arange(0, PAGE)
+    dims = tl.arange(0, HEAD_DIM)
+    valid = tokens < valid_tokens
+    keys = tl.load(key_cache + page.to(tl.int64) * stride_kp + head * stride_kh
+                   + tokens[:, None] * stride_kt + dims[None, :] * stride_kd,
+                   mask=valid[:, None], other=0.0)
+    logits = tl.dot(q, tl.trans(keys)) * scale
+    logits = tl.where(valid[None, :], logits, float("-inf"))
+    peak = tl.max(logits, axis=1)
+    return peak + tl.log(tl.sum(tl.exp(logits - peak[:, None]), axis=1))
+
+
+@triton.jit
+def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_masses,
+                     stride_qb, stride_qh, stride_qd,
+                     stride_kp, stride_kt, stride_kh, stride_kd,
+                     stride_sp, stride_sh, stride_ss, stride_sd,
+                     stride_bt, stride_lr, stride_lg,
+                     num_kv_heads, max_pages, scale,
+                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     PAGE: tl.constexpr, BLOCK_P: tl.constexpr):
+    row = tl.program_id(0)
+    first = tl.program_id(1) * BLOCK_P
+    b = row // num_kv_heads
+    head = row % num_kv_heads
+    seq_len = tl.load(seq_lens + b)
+    pages_in_row = tl.minimum(tl.cdiv(seq_len, PAGE), max_pages)
+    if first >= pages_in_row:
+        return
+    last = pages_in_row - 1
+
+    groups = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    pages = first + tl.arange(0, BLOCK_P)
+    in_row = pages < pages_in_row
+    q = tl.load(query + b.to(tl.int64) * stride_qb + (head * GROUP + groups)[:, None] * stride_qh
+                + dims[None, :] * stride_qd, mask=groups[:, None] < GROUP, other=0.0)
+
+    # mvar from the summaries, in float32 (the variance term squares q)
+    physical = tl.load(block_table + b.to(tl.int64) * stride_bt + pages, mask=in_row, other=0)
+    src = summaries + physical.to(tl.int64)[:, None] * stride_sp + head * stride_sh \
+        + dims[None, :] * stride_sd
+    summarized = (pages + 1) * PAGE <= seq_len  # the current page may have no summary yet
+    mean = tl.load(src, mask=summarized[:, None], other=0.0).to(tl.float32)
+    var = tl.load(src + stride_ss, mask=summarized[:, None], other=0.0).to(tl.float32)
+    q_scaled = q.to(tl.float32) * scale
+    est = tl.dot(q_scaled, tl.trans(mean), input_precision="ieee") \
+        + 0.5 * tl.dot(q_scaled * q_scaled, tl.trans(var), input_precision="ieee") \
+        + math.log(PAGE)
+
+    # the sink and the current page: exact
+    if first == 0:
+        sink_page = tl.load(block_table + b.to(tl.int64) * stride_bt)
+        sink = exact_page_log_mass(q, key_cache, sink_page, head, seq_len,
+                                   stride_kp, stride_kt, stride_kh, stride_kd, scale,
+                                   HEAD_DIM, PAGE)
+        est = tl.where(pages[None, :] == 0, sink[:, None], est)
+    if last < first + BLOCK_P:
+        current_page = tl.load(block_table + b.to(tl.int64) * stride_bt + last)
+        current = exact_page_log_mass(q, key_cache, current_page, head, seq_len - last * PAGE,
+                                      stride_kp, stride_kt, stride_kh, stride_kd, scale,
+                                      HEAD_DIM, PAGE)
+        est = tl.where(pages[None, :] == last, current[:, None], est)
+
+    dst = log_masses + row.to(tl.int64) * stride_lr + groups[:, None] * stride_lg + pages[None, :]
+    tl.store(dst, est, mask=(groups[:, None] < GROUP) & in_row[None, :])
+
+
+def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses):
+    """Fill ``log_masses`` ``[batch * num_kv_heads, G, >= max_pages]`` float32 (pages past a
+    row's end are not written)."""
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_pages = block_table.shape[1]
+    grid = (batch * num_kv_heads, triton.cdiv(max_pages, PAGES_PER_PROGRAM))
+    _estimate_kernel[grid](
+        query, key_cache, summaries, block_table, seq_lens, log_masses,
+        *query.stride(), *key_cache.stride(), *summaries.stride(),
+        block_table.stride(0), log_masses.stride(0), log_masses.stride(1),
+        num_kv_heads, max_pages, scale,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM, num_warps=4,
+    )
+    return log_masses

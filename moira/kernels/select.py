@@ -1,0 +1,115 @@
+"""Select (paper 3.2, Eq. 3, Alg. 1): each row's page list, by bisection on the threshold.
+
+One program per (request, KV head) row keeps the row's group-mean shares on chip:
+
+    share_P = 1/G sum_g softmax_P(log m_{g,.})
+
+Coverage mode keeps the sink, the current page, and every middle page whose share is at least
+tau, the largest threshold whose kept middle mass reaches gamma - share_sink - share_current.
+tau is found without sorting: each pass tries K_B evenly spaced thresholds in [lo, hi] with one
+reduction and keeps the sub-interval that holds tau; 24 / log2(K_B) passes shrink it 2**24-fold.
+Because lo never passes tau, the kept set is the exact rule's set plus at most pages whose share
+lies within (max share) * 2**-24 of tau.
+
+Fixed-count mode (paper 3.5) bisects on the *number* of middle pages above the threshold and
+keeps exactly ``top_k`` pages per row (rows of at most ``top_k`` pages keep all); pages tied
+within the final interval are taken in page order.
+
+Output: ``page_lists[b, h, :count]`` logical pages (sink, kept middle pages in increasing order,
+current page) and ``page_counts[b, h] = count``. Entries past the count are not written.
+"""
+
+import triton
+import triton.language as tl
+
+from ..config import BISECTION_BITS, PAGE_SIZE
+
+
+@triton.jit
+def _select_kernel(log_masses, seq_lens, page_lists, page_counts,
+                   stride_lr, stride_lg, stride_pb, stride_ph, stride_cb, stride_ch,
+                   num_kv_heads, max_pages, gamma, top_k,
+                   GROUP: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr,
+                   PASSES: tl.constexpr, FIXED_COUNT: tl.constexpr, PAGE: tl.constexpr):
+    row = tl.program_id(0)
+    b = row // num_kv_heads
+    head = row % num_kv_heads
+    pages_in_row = tl.minimum(tl.cdiv(tl.load(seq_lens + b), PAGE), max_pages)
+    lists = page_lists + b.to(tl.int64) * stride_pb + head * stride_ph
+    counts = page_counts + b * stride_cb + head * stride_ch
+    if pages_in_row == 0:
+        tl.store(counts, 0)
+        return
+
+    # group-mean attention share of every page
+    pages = tl.arange(0, BLOCK)
+    in_row = pages < pages_in_row
+    shares = tl.zeros([BLOCK], dtype=tl.float32)
+    for g in range(GROUP):
+        ell = tl.load(log_masses + row.to(tl.int64) * stride_lr + g * stride_lg + pages,
+                      mask=in_row, other=float("-inf"))
+        weights = tl.exp(ell - tl.max(ell, axis=0))
+        shares += weights / tl.sum(weights, axis=0)
+    shares = shares / GROUP
+
+    last = pages_in_row - 1
+    forced = tl.sum(tl.where((pages == 0) | (pages == last), shares, 0.0), axis=0)
+    middle = (pages > 0) & (pages < last)
+    candidate = tl.where(middle, shares, -1.0)  # shares are >= 0: -1 is below every threshold
+    top = tl.max(candidate, axis=0)
+    fractions = tl.arange(0, WAYS).to(tl.float32) / WAYS
+
+    if FIXED_COUNT:
+        needed = top_k - 2
+        lo = top * 0.0
+        hi = top * (1.0 + 1e-6) + 1e-30  # strictly above every share: nothing is kept at hi
+        for _ in range(PASSES):
+            tau = lo + (hi - lo) * fractions
+            above = tl.sum((candidate[None, :] >= tau[:, None]).to(tl.int32), axis=1)
+            enough = above >= needed
+            lo, hi = tl.max(tl.where(enough, tau, lo), axis=0), \
+                tl.min(tl.where(enough, hi, tau), axis=0)
+        sure = candidate >= hi  # fewer than `needed`
+        tied = (candidate >= lo) & (candidate < hi)
+        missing = needed - tl.sum(sure.to(tl.int32), axis=0)
+        keep = sure | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= missing))
+        keep = tl.where(pages_in_row <= top_k, middle, keep)
+    else:
+        target = gamma - forced
+        lo = top * 0.0
+        hi = top
+        for _ in range(PASSES):
+            tau = lo + (hi - lo) * fractions
+            mass = tl.sum(tl.where(candidate[None, :] >= tau[:, None], candidate[None, :], 0.0),
+                          axis=1)
+            enough = mass >= target
+            lo, hi = tl.max(tl.where(enough, tau, lo), axis=0), \
+                tl.min(tl.where(enough, hi, tau), axis=0)
+        # gamma = 1 keeps every page (even shares that underflow to 0); a target the forced
+        # pages already meet keeps no middle page
+        lo = tl.where(gamma >= 1.0, -0.5, tl.where(target <= 0.0, 2.0, lo))
+        keep = candidate >= lo
+
+    # compaction: sink, kept middle pages in order, current page
+    kept = tl.sum(keep.to(tl.int32), axis=0)
+    tl.store(lists + tl.cumsum(keep.to(tl.int32), axis=0), pages, mask=keep)
+    tl.store(lists, 0)
+    tl.store(lists + kept + 1, last, mask=last > 0)
+    tl.store(counts, kept + tl.minimum(pages_in_row, 2))
+
+
+def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
+           top_k, ways):
+    """Fill ``page_lists`` ``[batch, num_kv_heads, >= max_pages]`` and ``page_counts``
+    ``[batch, num_kv_heads]`` (int32) from ``log_masses`` ``[rows, G, >= max_pages]``."""
+    rows, group = log_masses.shape[0], log_masses.shape[1]
+    block = max(16, triton.next_power_of_2(max_pages))
+    _select_kernel[(rows,)](
+        log_masses, seq_lens, page_lists, page_counts,
+        log_masses.stride(0), log_masses.stride(1), *page_lists.stride()[:2],
+        *page_counts.stride(), num_kv_heads, max_pages, float(gamma), int(top_k or 0),
+        GROUP=group, BLOCK=block, WAYS=ways, PASSES=BISECTION_BITS // (ways.bit_length() - 1),
+        FIXED_COUNT=top_k is not None, PAGE=PAGE_SIZE,
+        num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
+    )
+    return page_lists, page_counts

@@ -1,0 +1,321 @@
+"""The executable spec: every stage of Moira in plain float32 PyTorch.
+
+Each function here is the definition its Triton kernel is tested against; it favours clarity
+over speed (Python loops over rows, sorting where the kernels bisect). Shapes and layouts are
+those of the public API (see ``moira.decode``):
+
+- ``query`` ``[batch, num_heads, head_dim]``; query head ``h * G + g`` belongs to KV head ``h``.
+- ``key_cache`` / ``value_cache`` ``[num_pages, 64, num_kv_heads, head_dim]``.
+- ``block_table`` ``[batch, max_pages_per_seq]`` physical page ids; ``seq_lens`` ``[batch]``
+  tokens in the cache, the current token included.
+- A *row* is one (request, KV head) pair; its pages are the logical pages
+  ``0 .. ceil(seq_len / 64) - 1``: page 0 is the sink, the last one the current page.
+- ``page_lists`` ``[batch, num_kv_heads, max_pages]`` logical page indices, the first
+  ``page_counts[b, h]`` entries valid; ``page_counts`` ``[batch, num_kv_heads]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import PAGE_SIZE, MoiraConfig
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def num_pages(seq_len: int, max_pages: int) -> int:
+    """Pages of a row: ceil(seq_len / 64), at most the block table's width."""
+    return min(-(-int(seq_len) // PAGE_SIZE), max_pages)
+
+
+def _grouped_query(query, b, num_kv_heads, scale):
+    """Row queries of request b, scaled: ``[num_kv_heads, G, head_dim]`` float32."""
+    _, num_heads, head_dim = query.shape
+    return query[b].float().view(num_kv_heads, num_heads // num_kv_heads, head_dim) * scale
+
+
+# --------------------------------------------------------------------------------------------
+# Page summaries (section 3.1)
+# --------------------------------------------------------------------------------------------
+
+
+def summarize(key_cache, block_table, seq_lens, summaries=None):
+    """Per-channel mean and population variance of the 64 keys of every full page.
+
+    Returns ``summaries`` ``[num_pages, num_kv_heads, 2, head_dim]`` (index 0 = mean,
+    1 = variance), float32 unless a tensor is passed in. Pages that no row fills are untouched.
+    """
+    total_pages, _, num_kv_heads, head_dim = key_cache.shape
+    if summaries is None:
+        summaries = torch.zeros(
+            total_pages, num_kv_heads, 2, head_dim, dtype=torch.float32, device=key_cache.device
+        )
+    for b in range(block_table.shape[0]):
+        full_pages = min(int(seq_lens[b]) // PAGE_SIZE, block_table.shape[1])
+        for page in block_table[b, :full_pages].tolist():
+            keys = key_cache[page].float()  # [64, num_kv_heads, head_dim]
+            summaries[page, :, 0] = keys.mean(dim=0)
+            summaries[page, :, 1] = keys.var(dim=0, unbiased=False)
+    return summaries
+
+
+# --------------------------------------------------------------------------------------------
+# Estimate (Eq. 2) and the exact page masses
+# --------------------------------------------------------------------------------------------
+
+
+def _page_keys(key_cache, block_table, seq_len, b, page):
+    """Keys of logical page ``page`` of request b up to seq_len: ``[tokens, kv_heads, D]``."""
+    tokens = min(PAGE_SIZE, int(seq_len) - page * PAGE_SIZE)
+    return key_cache[int(block_table[b, page]), :tokens].float()
+
+
+def _exact_page_log_mass(query_rows, keys):
+    """log sum_k exp(s q_g . k) over a page's keys, for every KV head and query head.
+
+    query_rows ``[kv_heads, G, D]`` (already scaled), keys ``[tokens, kv_heads, D]``.
+    Returns ``[kv_heads, G]``.
+    """
+    logits = torch.einsum("hgd,thd->hgt", query_rows, keys)
+    return torch.logsumexp(logits, dim=-1)
+
+
+def estimate(query, key_cache, summaries, block_table, seq_lens, scale=None):
+    """Log-mass of every page for every query head: mvar (Eq. 2) from the summaries, exact for
+    the sink (page 0) and the current page.
+
+    log m_{g,P} = s q_g . mu_P + 1/2 (s q_g)^2 . sigma_P^2 + log 64
+
+    Returns ``log_masses`` ``[batch, num_kv_heads, G, max_pages]`` float32, ``-inf`` past each
+    row's pages.
+    """
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_pages = block_table.shape[1]
+    scale = default_scale(head_dim) if scale is None else scale
+    log_masses = torch.full(
+        (batch, num_kv_heads, group, max_pages), -math.inf, device=query.device
+    )
+    for b in range(batch):
+        pages = num_pages(seq_lens[b], max_pages)
+        if pages == 0:
+            continue
+        q = _grouped_query(query, b, num_kv_heads, scale)  # [Hkv, G, D]
+        physical = block_table[b, :pages].long()
+        mean = summaries[physical, :, 0].float()  # [pages, Hkv, D]
+        var = summaries[physical, :, 1].float()
+        est = (
+            torch.einsum("hgd,phd->hgp", q, mean)
+            + 0.5 * torch.einsum("hgd,phd->hgp", q * q, var)
+            + math.log(PAGE_SIZE)
+        )
+        for page in {0, pages - 1}:
+            keys = _page_keys(key_cache, block_table, seq_lens[b], b, page)
+            est[:, :, page] = _exact_page_log_mass(q, keys)
+        log_masses[b, :, :, :pages] = est
+    return log_masses
+
+
+def exact_log_masses(query, key_cache, block_table, seq_lens, scale=None):
+    """Exact log-mass of every page, same shape as ``estimate`` (the oracle of Eq. 1)."""
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    max_pages = block_table.shape[1]
+    scale = default_scale(head_dim) if scale is None else scale
+    log_masses = torch.full(
+        (batch, num_kv_heads, num_heads // num_kv_heads, max_pages), -math.inf,
+        device=query.device,
+    )
+    for b in range(batch):
+        q = _grouped_query(query, b, num_kv_heads, scale)
+        for page in range(num_pages(seq_lens[b], max_pages)):
+            keys = _page_keys(key_cache, block_table, seq_lens[b], b, page)
+            log_masses[b, :, :, page] = _exact_page_log_mass(q, keys)
+    return log_masses
+
+
+def group_shares(log_masses):
+    """Attention share of each page, softmax over pages per query head, averaged over the G
+    query heads of the group: ``[batch, num_kv_heads, max_pages]`` (0 past a row's pages)."""
+    shares = torch.softmax(log_masses.float(), dim=-1).mean(dim=2)
+    return torch.nan_to_num(shares, nan=0.0)  # rows without pages
+
+
+# --------------------------------------------------------------------------------------------
+# Select: the coverage rule (Eq. 3) and fixed-K
+# --------------------------------------------------------------------------------------------
+
+
+def coverage_threshold(shares, gamma):
+    """tau of Eq. (3) for one row's shares ``[pages]``, and the number of middle pages it keeps.
+
+    The middle pages (all but the sink and the current page) are kept in decreasing share until
+    their sum reaches gamma minus the two forced pages' shares; every page at least as large as
+    the last one kept is kept (the rule is a threshold, so ties go in together).
+    Returns ``(tau, target)``; ``tau = inf`` keeps no middle page, ``tau = -inf`` keeps all.
+    """
+    middle = shares[1:-1]
+    target = gamma - float(shares[0]) - float(shares[-1])
+    if gamma >= 1.0:
+        return -math.inf, target
+    if middle.numel() == 0 or target <= 0:
+        return math.inf, target
+    ordered = torch.sort(middle, descending=True).values
+    reached = torch.searchsorted(torch.cumsum(ordered, 0), torch.tensor([target]))
+    last = min(int(reached), middle.numel() - 1)  # rounding: never past the last page
+    return float(ordered[last]), target
+
+
+def select(log_masses, seq_lens, *, gamma=0.98, top_k=None):
+    """The pages each row keeps: coverage rule (default) or, with ``top_k``, the ``top_k``
+    largest (sink and current page included; rows of at most ``top_k`` pages keep all; ties
+    broken by lower page index).
+
+    Returns ``(page_lists, page_counts)``: ``[batch, num_kv_heads, max_pages]`` int32 logical
+    pages, sink first, current page last, the middle in increasing order, ``-1`` past the count;
+    ``[batch, num_kv_heads]`` int32.
+    """
+    batch, num_kv_heads, _, max_pages = log_masses.shape
+    shares = group_shares(log_masses)
+    page_lists = torch.full((batch, num_kv_heads, max_pages), -1, dtype=torch.int32)
+    page_counts = torch.zeros((batch, num_kv_heads), dtype=torch.int32)
+    for b in range(batch):
+        pages = num_pages(seq_lens[b], max_pages)
+        for h in range(num_kv_heads):
+            row = shares[b, h, :pages].cpu()
+            if pages <= 2:
+                kept = list(range(pages))
+            elif top_k is not None:
+                middle = row[1:-1]
+                order = torch.sort(middle, descending=True, stable=True).indices
+                chosen = sorted((order[: max(top_k - 2, 0)] + 1).tolist())
+                kept = [0] + chosen + [pages - 1]
+            else:
+                tau, _ = coverage_threshold(row, gamma)
+                chosen = (torch.nonzero(row[1:-1] >= tau).flatten() + 1).tolist()
+                kept = [0] + chosen + [pages - 1]
+            page_lists[b, h, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
+            page_counts[b, h] = len(kept)
+    return page_lists.to(log_masses.device), page_counts.to(log_masses.device)
+
+
+def oracle_coverage(query, key_cache, block_table, seq_lens, gamma, scale=None):
+    """The oracle coverage set C*(gamma) of Eq. (1): per row, the fewest pages whose exact
+    group-mean attention share reaches gamma (no forced pages). Same return format as
+    ``select`` (pages in increasing order)."""
+    shares = group_shares(exact_log_masses(query, key_cache, block_table, seq_lens, scale))
+    batch, num_kv_heads, max_pages = shares.shape
+    page_lists = torch.full((batch, num_kv_heads, max_pages), -1, dtype=torch.int32)
+    page_counts = torch.zeros((batch, num_kv_heads), dtype=torch.int32)
+    for b in range(batch):
+        pages = num_pages(seq_lens[b], max_pages)
+        for h in range(num_kv_heads):
+            row = shares[b, h, :pages].cpu()
+            order = torch.sort(row, descending=True, stable=True).indices
+            needed = int(torch.searchsorted(torch.cumsum(row[order], 0), torch.tensor([gamma])))
+            kept = sorted(order[: min(needed + 1, pages)].tolist())
+            page_lists[b, h, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
+            page_counts[b, h] = len(kept)
+    return page_lists.to(shares.device), page_counts.to(shares.device)
+
+
+# --------------------------------------------------------------------------------------------
+# Attend: the self-planning work split (Eq. 4), attention over page lists, the LSE merge
+# --------------------------------------------------------------------------------------------
+
+
+def work_split(page_counts, num_rows, config=MoiraConfig()):
+    """Eq. (4) as a pure function of the row lengths.
+
+    Attend launches J = max(N_J, ceil(N_T / num_rows)) programs per row; program j of a row of
+    n pages processes pages ``[j c, min((j + 1) c, n))`` with c = max(C, ceil(n / J)), and
+    exits if ``j >= m = ceil(n / c)``. Program 0 always runs (it writes the output of an
+    empty row). Returns ``(J, chunk_pages, num_chunks)``, the last two shaped like
+    ``page_counts``.
+    """
+    chunks_per_row = config.chunks_per_row(num_rows)
+    counts = page_counts.long()
+    chunk_pages = torch.clamp(-(-counts // chunks_per_row), min=config.chunk_pages)
+    num_chunks = torch.clamp(-(-counts // chunk_pages), min=1)
+    return chunks_per_row, chunk_pages, num_chunks
+
+
+def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
+           scale=None, dtype=torch.float32):
+    """Exact attention of each row's G query heads over the tokens of its listed pages (tokens
+    at or past ``seq_len`` masked). A row with no page outputs zeros.
+
+    ``dtype`` is the compute dtype: float32 is the spec; bfloat16 gives the low-precision
+    baseline that tolerances are measured against. Returns ``[batch, num_heads, head_dim]``.
+    """
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    scale = default_scale(head_dim) if scale is None else scale
+    out = torch.zeros(batch, num_heads, head_dim, dtype=dtype, device=query.device)
+    offsets = torch.arange(PAGE_SIZE, device=query.device)
+    for b in range(batch):
+        for h in range(num_kv_heads):
+            pages = page_lists[b, h, : int(page_counts[b, h])].long()
+            tokens = (pages[:, None] * PAGE_SIZE + offsets).flatten()
+            valid = tokens < int(seq_lens[b])
+            physical = block_table[b, pages].long()
+            keys = key_cache[physical, :, h].reshape(-1, head_dim)[valid].to(dtype)
+            values = value_cache[physical, :, h].reshape(-1, head_dim)[valid].to(dtype)
+            if keys.shape[0] == 0:
+                continue
+            q = query[b, h * group : (h + 1) * group].to(dtype)
+            probs = torch.softmax((q @ keys.T).float() * scale, dim=-1)
+            out[b, h * group : (h + 1) * group] = probs.to(dtype) @ values
+    return out
+
+
+def merge(partial_out, partial_lse):
+    """Log-sum-exp combination of split-KV partials.
+
+    ``partial_out`` ``[..., splits, G, D]`` (each split's normalized output) and
+    ``partial_lse`` ``[..., splits, G]`` (natural-log LSE, ``-inf`` for an empty split).
+    Returns ``(out [..., G, D], lse [..., G])``; all-empty rows give zeros and ``-inf``.
+    """
+    lse = torch.logsumexp(partial_lse, dim=-2)
+    weights = torch.exp(partial_lse - lse.unsqueeze(-2)).nan_to_num(nan=0.0).unsqueeze(-1)
+    out = torch.where(weights > 0, weights * partial_out, 0.0).sum(dim=-3)
+    return out, lse
+
+
+def dense_attention(query, key_cache, value_cache, block_table, seq_lens, *, scale=None,
+                    dtype=torch.float32):
+    """Attention over every page of every row (``attend`` with full lists)."""
+    batch, max_pages = block_table.shape
+    num_kv_heads = key_cache.shape[2]
+    page_lists = torch.arange(max_pages, dtype=torch.int32, device=query.device)
+    page_lists = page_lists.expand(batch, num_kv_heads, max_pages)
+    page_counts = torch.tensor(
+        [[num_pages(seq_lens[b], max_pages)] * num_kv_heads for b in range(batch)],
+        dtype=torch.int32, device=query.device,
+    )
+    return attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
+                  scale=scale, dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# The whole step
+# --------------------------------------------------------------------------------------------
+
+
+def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_lens, *,
+                  gamma=None, top_k=None, scale=None, return_pages=False, config=None):
+    """Estimate -> Select -> Attend in float32; same contract as ``moira.sparse_decode``."""
+    config = config or MoiraConfig()
+    gamma = config.gamma if gamma is None else gamma
+    top_k = config.top_k if top_k is None else top_k
+    log_masses = estimate(query, key_cache, summaries, block_table, seq_lens, scale)
+    page_lists, page_counts = select(log_masses, seq_lens, gamma=gamma, top_k=top_k)
+    out = attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
+                 scale=scale)
+    return (out, page_lists, page_counts) if return_pages else out

@@ -1,0 +1,62 @@
+"""Shared builders and the flash-attention tolerance rule."""
+
+import torch
+
+from moira import MoiraConfig
+from moira.config import PAGE_SIZE
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Exercises multi-chunk rows, chunk boundaries and Merge at interpreter-friendly sizes:
+# J = max(3, ceil(8 / rows)), c = max(2, ceil(n / J)).
+SMALL_SPLIT = MoiraConfig(chunk_pages=2, min_chunks_per_row=3, min_programs=8)
+
+
+def make_cache(num_pages, num_kv_heads, head_dim, dtype=torch.bfloat16, layout="contiguous"):
+    """Random K and V caches ``[num_pages, 64, num_kv_heads, head_dim]``.
+
+    layout: "contiguous"; "packed" (views of one ``[..., 2 * head_dim]`` tensor, vLLM's NHD
+    K|V); "hnd" (permuted views of ``[num_pages, num_kv_heads, 64, head_dim]``)."""
+    shape = (num_pages, PAGE_SIZE, num_kv_heads, head_dim)
+    if layout == "contiguous":
+        return (torch.randn(shape, device=DEVICE).to(dtype),
+                torch.randn(shape, device=DEVICE).to(dtype))
+    if layout == "packed":
+        kv = torch.randn(num_pages, PAGE_SIZE, num_kv_heads, 2 * head_dim, device=DEVICE)
+        kv = kv.to(dtype)
+        return kv[..., :head_dim], kv[..., head_dim:]
+    if layout == "hnd":
+        k, v = (torch.randn(num_pages, num_kv_heads, PAGE_SIZE, head_dim, device=DEVICE)
+                .to(dtype).transpose(1, 2) for _ in range(2))
+        return k, v
+    raise ValueError(layout)
+
+
+def make_table(seq_lens, num_pages, extra_columns=1):
+    """A block table of distinct random physical pages, wide enough for the longest row plus
+    ``extra_columns``, and the int32 ``seq_lens`` tensor."""
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    width = max(1, -(-int(seq_lens.max()) // PAGE_SIZE)) + extra_columns
+    assert len(seq_lens) * width <= num_pages, "cache too small for distinct pages"
+    table = torch.randperm(num_pages)[: len(seq_lens) * width].view(len(seq_lens), width)
+    return table.to(torch.int32).to(DEVICE), seq_lens.to(DEVICE)
+
+
+def make_query(batch, num_heads, head_dim, dtype=torch.bfloat16):
+    return torch.randn(batch, num_heads, head_dim, device=DEVICE).to(dtype)
+
+
+def poisoned(*shape, dtype=torch.bfloat16):
+    """A tensor of NaNs: any element a kernel fails to write stays NaN."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def assert_attention_close(out, out_ref, out_lowp):
+    """flash-attention's rule: the kernel's error against the float32 reference is at most twice
+    that of the same reference computed in low precision, plus float32 noise."""
+    assert not torch.isnan(out).any(), "unwritten (NaN) output elements"
+    out_ref = out_ref.float()
+    atol = 2 * (out_ref + 0.3 - 0.3 - out_ref).abs().max().item()
+    error = (out.float() - out_ref).abs().max().item()
+    baseline = (out_lowp.float() - out_ref).abs().max().item()
+    assert error <= 2 * baseline + atol, f"error {error:.3e} > 2 x bf16 reference {baseline:.3e}"

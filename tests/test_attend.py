@@ -1,0 +1,94 @@
+import pytest
+import torch
+from helpers import (DEVICE, SMALL_SPLIT, assert_attention_close, make_cache, make_query,
+                     make_table, poisoned)
+
+import moira
+from moira import MoiraConfig
+from moira import reference as ref
+
+
+def random_lists(seq_lens, num_kv_heads, width, fraction=0.5, shuffle=False):
+    """Per-row random page subsets (any order), some empty, some full."""
+    batch = len(seq_lens)
+    page_lists = torch.full((batch, num_kv_heads, width), -1, dtype=torch.int32)
+    page_counts = torch.zeros((batch, num_kv_heads), dtype=torch.int32)
+    for b, length in enumerate(seq_lens.tolist()):
+        pages = ref.num_pages(length, width)
+        for h in range(num_kv_heads):
+            if (b + h) % 5 == 3:
+                keep = torch.arange(0)  # an empty list
+            elif (b + h) % 5 == 1:
+                keep = torch.arange(pages)  # the whole row
+            else:
+                keep = torch.nonzero(torch.rand(pages) < fraction).flatten()
+                keep = torch.unique(torch.cat([keep, torch.tensor([pages - 1])]))
+            if shuffle:
+                keep = keep[torch.randperm(len(keep))]
+            page_lists[b, h, : len(keep)] = keep.to(torch.int32)
+            page_counts[b, h] = len(keep)
+    return page_lists.to(DEVICE), page_counts.to(DEVICE)
+
+
+def check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config,
+                 scale=None):
+    out = poisoned(*query.shape, dtype=query.dtype)
+    moira.attend(query, keys, values, table, seq_lens, page_lists, page_counts, scale=scale,
+                 config=config, out=out)
+    args = [t.cpu() for t in (query, keys, values, table, seq_lens, page_lists, page_counts)]
+    out_ref = ref.attend(*args, scale=scale)
+    out_lowp = ref.attend(*args, scale=scale, dtype=query.dtype)
+    assert_attention_close(out, out_ref, out_lowp)
+    return out
+
+
+@pytest.mark.parametrize("group", [1, 4, 7, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("layout", ["contiguous", "packed", "hnd"])
+def test_attend_matches_reference(group, head_dim, layout):
+    num_kv_heads, num_pages = 2, 120
+    keys, values = make_cache(num_pages, num_kv_heads, head_dim, layout=layout)
+    # one token, one full page, a partial second page, rows that split unevenly
+    table, seq_lens = make_table([1, 64, 65, 64 * 7 + 3, 64 * 16, 64 * 11 + 63], num_pages)
+    query = make_query(len(seq_lens), num_kv_heads * group, head_dim)
+    page_lists, page_counts = random_lists(seq_lens.cpu(), num_kv_heads, table.shape[1],
+                                           shuffle=layout == "hnd")
+    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, SMALL_SPLIT)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attend_default_config_and_dtypes(dtype):
+    num_kv_heads, group, head_dim = 2, 4, 128
+    keys, values = make_cache(160, num_kv_heads, head_dim, dtype=dtype)
+    table, seq_lens = make_table([64 * 30 + 17, 64 * 50, 33], 160, extra_columns=0)
+    query = make_query(3, num_kv_heads * group, head_dim, dtype=dtype)
+    # J = max(32, 4096 / 6) = 683 programs per row; rows of 31 and 50 pages split in 2 and 3
+    page_lists, page_counts = random_lists(seq_lens.cpu(), num_kv_heads, table.shape[1],
+                                           fraction=0.9)
+    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, MoiraConfig(),
+                 scale=0.05)
+
+
+def test_padded_rows_output_zeros():
+    keys, values = make_cache(10, 1, 64)
+    table, seq_lens = make_table([0, 64 * 3, 0], 10, extra_columns=0)
+    query = make_query(3, 4, 64)
+    page_lists = torch.tensor([[[0, 0, 0]], [[2, 0, 1]], [[0, 0, 0]]], dtype=torch.int32,
+                              device=DEVICE)
+    page_counts = torch.tensor([[0], [3], [0]], dtype=torch.int32, device=DEVICE)
+    out = check_attend(query, keys, values, table, seq_lens, page_lists, page_counts,
+                       SMALL_SPLIT)
+    assert (out[0] == 0).all() and (out[2] == 0).all()
+
+
+def test_pages_past_seq_len_are_masked():
+    # a list may name pages at or past seq_len (e.g. a fixed window): they contribute nothing
+    keys, values = make_cache(12, 1, 64)
+    table, seq_lens = make_table([64 * 2 + 5], 12, extra_columns=3)
+    query = make_query(1, 4, 64)
+    page_lists = torch.tensor([[[0, 1, 2, 3, 4]]], dtype=torch.int32, device=DEVICE)
+    page_counts = torch.tensor([[5]], dtype=torch.int32, device=DEVICE)
+    out = check_attend(query, keys, values, table, seq_lens, page_lists, page_counts,
+                       SMALL_SPLIT)
+    dense = ref.dense_attention(*(t.cpu() for t in (query, keys, values, table, seq_lens)))
+    assert (out.float().cpu() - dense).abs().max() < 2e-2

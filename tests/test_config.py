@@ -1,0 +1,36 @@
+import pytest
+
+from moira import MoiraConfig
+
+
+def test_defaults_are_the_papers():
+    config = MoiraConfig()
+    assert (config.gamma, config.chunk_pages, config.min_chunks_per_row, config.min_programs) == (
+        0.98, 24, 32, 4096)
+    assert [config.bisection_ways_for(n) for n in (1, 255, 256, 1023, 1024, 4095, 20000)] == [
+        8, 8, 4, 4, 2, 2, 2]
+
+
+def test_chunks_per_row_is_eq4():
+    config = MoiraConfig()
+    assert config.chunks_per_row(32) == 128  # 131k x 4 on Llama: ceil(4096 / 32)
+    assert config.chunks_per_row(256) == 32  # 8k x 32: N_J wins
+    assert config.chunks_per_row(100) == 41
+
+
+@pytest.mark.parametrize("field, value", [
+    ("gamma", 0.0), ("gamma", -0.1), ("gamma", 1.01), ("gamma", float("nan")), ("gamma", "0.9"),
+    ("top_k", 1), ("top_k", 2.5), ("chunk_pages", 0), ("min_chunks_per_row", -1),
+    ("min_programs", 1.5), ("bisection_ways", ((256, 3),)), ("bisection_ways", ((256, 32),)),
+    ("bisection_ways", ((1024, 8), (256, 4))), ("bisection_ways", ()),
+])
+def test_bad_values_raise_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        MoiraConfig(**{field: value})
+
+
+def test_gamma_one_and_replace():
+    config = MoiraConfig(gamma=1.0)
+    assert config.replace(top_k=8).top_k == 8
+    with pytest.raises(ValueError, match="gamma"):
+        config.replace(gamma=2.0)

@@ -1,0 +1,165 @@
+"""The whole step through the public API: sparse_decode against the float32 reference."""
+
+import pytest
+import torch
+from helpers import (DEVICE, SMALL_SPLIT, assert_attention_close, make_cache, make_query,
+                     make_table, poisoned)
+
+import moira
+from moira import reference as ref
+from moira.synthetic import synthetic_context
+
+
+def structured_step(batch=3, num_kv_heads=2, group=4, head_dim=64, context=64 * 24 + 9):
+    ctx = synthetic_context(context, batch=batch, num_kv_heads=num_kv_heads, group=group,
+                            head_dim=head_dim, device=DEVICE, seed=int(torch.randint(1000, ())))
+    summaries = moira.summarize(ctx.key_cache, ctx.block_table, ctx.seq_lens,
+                                torch.zeros(ctx.key_cache.shape[0], num_kv_heads, 2, head_dim,
+                                            device=DEVICE))
+    return ctx, summaries
+
+
+def cpu(*tensors):
+    return [t.cpu() for t in tensors]
+
+
+@pytest.mark.parametrize("group", [1, 4, 7, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sparse_decode_matches_reference(group, head_dim):
+    ctx, summaries = structured_step(group=group, head_dim=head_dim)
+    inputs = (ctx.query, ctx.key_cache, ctx.value_cache, summaries, ctx.block_table,
+              ctx.seq_lens)
+    out = poisoned(*ctx.query.shape)
+    out, page_lists, page_counts = moira.sparse_decode(
+        *inputs, gamma=0.9, config=SMALL_SPLIT, return_pages=True, out=out)
+
+    expected_lists, expected_counts = ref.select(
+        ref.estimate(*cpu(ctx.query, ctx.key_cache, summaries, ctx.block_table, ctx.seq_lens)),
+        ctx.seq_lens.cpu(), gamma=0.9)
+    # the lists may differ only by pages within 1e-6 of the threshold; on these inputs, never
+    assert torch.equal(page_counts.cpu(), expected_counts)
+    for b in range(ctx.query.shape[0]):
+        for h in range(page_counts.shape[1]):
+            n = int(page_counts[b, h])
+            assert torch.equal(page_lists[b, h, :n].cpu(), expected_lists[b, h, :n])
+    assert (page_counts.cpu() < ref.num_pages(ctx.seq_lens[0], 1 << 20)).any()  # it is sparse
+
+    lists_and_counts = cpu(page_lists, page_counts)
+    base = cpu(ctx.query, ctx.key_cache, ctx.value_cache, ctx.block_table, ctx.seq_lens)
+    assert_attention_close(out, ref.attend(*base, *lists_and_counts),
+                           ref.attend(*base, *lists_and_counts, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("layout", ["packed", "hnd"])
+def test_gamma_one_is_dense(layout):
+    num_kv_heads, group, head_dim = 2, 4, 128
+    keys, values = make_cache(80, num_kv_heads, head_dim, layout=layout)
+    table, seq_lens = make_table([1, 64, 65, 64 * 11 + 40, 0], 80)
+    query = make_query(5, num_kv_heads * group, head_dim)
+    summaries = moira.summarize(keys, table, seq_lens)
+    out, _, page_counts = moira.sparse_decode(query, keys, values, summaries, table, seq_lens,
+                                              gamma=1.0, config=SMALL_SPLIT, return_pages=True)
+    assert page_counts.tolist() == [[1, 1], [1, 1], [2, 2], [12, 12], [0, 0]]
+    base = cpu(query, keys, values, table, seq_lens)
+    assert_attention_close(out, ref.dense_attention(*base),
+                           ref.dense_attention(*base, dtype=torch.bfloat16))
+    assert (out[4] == 0).all()  # the padded row
+
+
+def test_fixed_count_mode():
+    ctx, summaries = structured_step()
+    out, page_lists, page_counts = moira.sparse_decode(
+        ctx.query, ctx.key_cache, ctx.value_cache, summaries, ctx.block_table, ctx.seq_lens,
+        top_k=5, config=SMALL_SPLIT, return_pages=True)
+    assert (page_counts == 5).all()
+
+
+def test_workspace_is_reused_across_batches_and_widths():
+    ctx, summaries = structured_step(batch=3)
+    workspace = moira.DecodeWorkspace(4, 40, 8, 2, 64, device=DEVICE, config=SMALL_SPLIT)
+    inputs = (ctx.query, ctx.key_cache, ctx.value_cache, summaries)
+    first = moira.sparse_decode(*inputs, ctx.block_table, ctx.seq_lens, workspace=workspace)
+    fresh = moira.sparse_decode(*inputs, ctx.block_table, ctx.seq_lens, config=SMALL_SPLIT)
+    assert torch.equal(first, fresh)
+    sub = moira.sparse_decode(ctx.query[:2], *inputs[1:], ctx.block_table[:2, :30],
+                              ctx.seq_lens[:2], workspace=workspace)
+    assert torch.equal(sub, first[:2])
+    with pytest.raises(ValueError, match="max_batch"):
+        moira.sparse_decode(torch.cat([ctx.query] * 2), *inputs[1:],
+                            torch.cat([ctx.block_table] * 2), torch.cat([ctx.seq_lens] * 2),
+                            workspace=workspace)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad arguments: a ValueError that names the argument
+# --------------------------------------------------------------------------------------------
+
+
+def good_step():
+    keys, values = make_cache(8, 2, 64)
+    table, seq_lens = make_table([100], 8)
+    query = make_query(1, 8, 64)
+    summaries = moira.summarize(keys, table, seq_lens)
+    return dict(query=query, key_cache=keys, value_cache=values, summaries=summaries,
+                block_table=table, seq_lens=seq_lens)
+
+
+def call(step, **kwargs):
+    return moira.sparse_decode(step["query"], step["key_cache"], step["value_cache"],
+                               step["summaries"], step["block_table"], step["seq_lens"],
+                               **kwargs)
+
+
+@pytest.mark.parametrize("name, change, match", [
+    ("query", lambda t: t.float(), "query dtype"),
+    ("query", lambda t: t[0], "query must be"),
+    ("query", lambda t: t[:, :7], "multiple"),
+    ("key_cache", lambda t: t.float(), "key_cache has dtype"),
+    ("key_cache", lambda t: t.to(torch.float8_e4m3fn), "FP8"),
+    ("key_cache", lambda t: t[:, :16], "64-token pages"),
+    ("key_cache", lambda t: torch.cat([t, t[..., :32]], -1), "head_dim 96"),
+    ("value_cache", lambda t: t[:4], "value_cache shape"),
+    ("value_cache", lambda t: t.half(), "value_cache dtype"),
+    ("summaries", lambda t: t[..., :1, :], "summaries must have shape"),
+    ("summaries", lambda t: t.double(), "summaries dtype"),
+    ("block_table", lambda t: t.long(), "block_table"),
+    ("block_table", lambda t: torch.cat([t, t]), "seq_lens has 1 rows but block_table has 2"),
+    ("seq_lens", lambda t: t.long(), "seq_lens"),
+])
+def test_bad_inputs_raise_value_error(name, change, match):
+    step = good_step()
+    step[name] = change(step[name])
+    with pytest.raises(ValueError, match=match):
+        call(step)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(gamma=0.0), "gamma"), (dict(gamma=1.5), "gamma"), (dict(top_k=1), "top_k"),
+    (dict(scale=-1.0), "scale"), (dict(out=torch.empty(2, 3)), "out must match"),
+])
+def test_bad_options_raise_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        call(good_step(), **kwargs)
+
+
+def test_non_cuda_device_raises(monkeypatch):
+    import moira.decode
+
+    step = good_step()
+    monkeypatch.setattr(moira.decode, "interpreting", lambda: False)
+    if DEVICE == "cuda":
+        step = {name: t.cpu() for name, t in step.items()}
+    with pytest.raises(ValueError, match="CUDA device"):
+        call(step)
+
+
+def test_attend_checks_page_lists():
+    step = good_step()
+    lists = torch.zeros(1, 2, 2, dtype=torch.int64, device=DEVICE)
+    counts = torch.ones(1, 2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="page_lists"):
+        moira.attend(step["query"], step["key_cache"], step["value_cache"],
+                     step["block_table"], step["seq_lens"], lists, counts)
+    with pytest.raises(ValueError, match="page_counts"):
+        moira.attend(step["query"], step["key_cache"], step["value_cache"],
+                     step["block_table"], step["seq_lens"], lists.int(), counts[:, :1])

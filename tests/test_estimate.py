@@ -1,0 +1,55 @@
+import math
+
+import pytest
+import torch
+from helpers import DEVICE, make_cache, make_query, make_table, poisoned
+
+from moira import reference as ref
+from moira.kernels.estimate import estimate
+
+SEQ_LENS = {
+    "one-token": [1],
+    "one-page": [64],
+    "two-pages-partial": [65],
+    "mixed": [3, 128, 64 * 70 + 5, 64 * 9],  # one row spans two 64-page programs
+}
+
+
+@pytest.mark.parametrize("group", [1, 4, 7, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("lengths", list(SEQ_LENS))
+def test_estimate_matches_reference(group, head_dim, lengths):
+    num_kv_heads, num_pages = 2, 300
+    keys, _ = make_cache(num_pages, num_kv_heads, head_dim, layout="packed")
+    table, seq_lens = make_table(SEQ_LENS[lengths], num_pages)
+    query = make_query(len(SEQ_LENS[lengths]), num_kv_heads * group, head_dim)
+    summaries = ref.summarize(keys.cpu(), table.cpu(), seq_lens.cpu()).to(DEVICE)
+    summaries = summaries * torch.rand_like(summaries) * 2  # larger variance terms
+    max_pages = table.shape[1]
+    log_masses = poisoned(len(seq_lens) * num_kv_heads, group, max_pages, dtype=torch.float32)
+    scale = 1.3 / math.sqrt(head_dim)
+    estimate(query, keys, summaries, table, seq_lens, scale, log_masses)
+
+    expected = ref.estimate(query.cpu(), keys.cpu(), summaries.cpu(), table.cpu(),
+                            seq_lens.cpu(), scale)
+    got = log_masses.cpu().view_as(expected)
+    for b, length in enumerate(seq_lens.tolist()):
+        pages = ref.num_pages(length, max_pages)
+        torch.testing.assert_close(got[b, :, :, :pages], expected[b, :, :, :pages],
+                                   rtol=1e-5, atol=1e-4)
+        assert torch.isnan(got[b, :, :, pages:]).all()  # past the row: not written
+
+
+def test_estimate_bf16_summaries():
+    num_kv_heads, head_dim, group = 1, 128, 4
+    keys, _ = make_cache(20, num_kv_heads, head_dim, layout="hnd")
+    table, seq_lens = make_table([64 * 10 + 1], 20)
+    query = make_query(1, group, head_dim)
+    summaries = ref.summarize(keys.cpu(), table.cpu(), seq_lens.cpu()).to(DEVICE)
+    summaries = summaries.to(torch.bfloat16)
+    log_masses = poisoned(num_kv_heads, group, table.shape[1], dtype=torch.float32)
+    estimate(query, keys, summaries, table, seq_lens, 1 / math.sqrt(head_dim), log_masses)
+    expected = ref.estimate(query.cpu(), keys.cpu(), summaries.cpu(), table.cpu(),
+                            seq_lens.cpu())
+    torch.testing.assert_close(log_masses.cpu()[..., :11], expected.view_as(log_masses)[..., :11],
+                               rtol=1e-5, atol=1e-4)

@@ -1,0 +1,132 @@
+"""Select against the sorting reference, on the same log-masses."""
+
+import pytest
+import torch
+from helpers import DEVICE
+
+from moira import reference as ref
+from moira.config import PAGE_SIZE, MoiraConfig
+from moira.kernels.select import select
+
+NEAR = 1e-6  # pages this close to the threshold may differ from the reference's choice
+
+
+def run_select(log_masses, seq_lens, *, gamma=0.98, top_k=None, max_pages=None):
+    batch, num_kv_heads, group, width = log_masses.shape
+    max_pages = max_pages or width
+    page_lists = torch.full((batch, num_kv_heads, width), -7, dtype=torch.int32, device=DEVICE)
+    page_counts = torch.full((batch, num_kv_heads), -7, dtype=torch.int32, device=DEVICE)
+    select(log_masses.to(DEVICE).view(batch * num_kv_heads, group, width), seq_lens.to(DEVICE),
+           page_lists, page_counts, num_kv_heads=num_kv_heads, max_pages=max_pages,
+           gamma=gamma, top_k=top_k, ways=MoiraConfig().bisection_ways_for(max_pages))
+    return page_lists.cpu(), page_counts.cpu()
+
+
+def random_log_masses(seq_lens, num_kv_heads, group, spread, width=None):
+    width = width or max(1, -(-max(seq_lens) // PAGE_SIZE))
+    log_masses = torch.randn(len(seq_lens), num_kv_heads, group, width) * spread
+    log_masses += torch.randn(len(seq_lens), num_kv_heads, 1, width) * spread  # group agrees
+    for b, length in enumerate(seq_lens):
+        log_masses[b, ..., ref.num_pages(length, width):] = float("-inf")
+    return log_masses, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def check_lists(page_lists, page_counts, seq_lens):
+    for b, length in enumerate(seq_lens.tolist()):
+        pages = ref.num_pages(length, page_lists.shape[-1])
+        for h in range(page_lists.shape[1]):
+            kept = page_lists[b, h, : page_counts[b, h]].tolist()
+            if pages == 0:
+                assert kept == []
+                continue
+            assert kept[0] == 0 and kept[-1] == pages - 1
+            assert all(x < y for x, y in zip(kept, kept[1:]))  # increasing, no duplicates
+
+
+@pytest.mark.parametrize("group", [1, 4, 7, 8])
+@pytest.mark.parametrize("spread", [0.3, 2.0, 8.0])
+@pytest.mark.parametrize("gamma", [0.5, 0.9, 0.98, 0.999])
+def test_coverage_matches_reference(group, spread, gamma):
+    seq_lens = [1, 64, 65, 130, 64 * 37 + 9, 64 * 300, 0]
+    log_masses, seq_lens = random_log_masses(seq_lens, 2, group, spread)
+    page_lists, page_counts = run_select(log_masses, seq_lens, gamma=gamma)
+    check_lists(page_lists, page_counts, seq_lens)
+    expected_lists, expected_counts = ref.select(log_masses, seq_lens, gamma=gamma)
+    shares = ref.group_shares(log_masses)
+    for b, length in enumerate(seq_lens.tolist()):
+        pages = ref.num_pages(length, log_masses.shape[-1])
+        for h in range(2):
+            got = set(page_lists[b, h, : page_counts[b, h]].tolist())
+            want = set(expected_lists[b, h, : expected_counts[b, h]].tolist())
+            if pages <= 2:
+                assert got == want
+                continue
+            tau, _ = ref.coverage_threshold(shares[b, h, :pages], gamma)
+            for page in got ^ want:
+                assert abs(shares[b, h, page] - tau) <= NEAR, (b, h, page, tau)
+            kept_mass = shares[b, h, sorted(got)].sum()
+            assert kept_mass >= min(gamma, shares[b, h, :pages].sum()) - 1e-5
+
+
+def test_gamma_one_keeps_every_page_even_underflowing_ones():
+    log_masses, seq_lens = random_log_masses([64 * 50, 64 * 3 + 1, 64], 2, 4, 1.0)
+    log_masses[0, :, :, 7] = 300.0  # every other page's share underflows to 0 in float32
+    page_lists, page_counts = run_select(log_masses, seq_lens, gamma=1.0)
+    assert page_counts.tolist() == [[50, 50], [4, 4], [1, 1]]
+    check_lists(page_lists, page_counts, seq_lens)
+
+
+def test_target_met_by_forced_pages_keeps_only_them():
+    log_masses, seq_lens = random_log_masses([64 * 20], 1, 2, 0.5)
+    log_masses[..., 0] = 40.0  # the sink holds all the mass
+    page_lists, page_counts = run_select(log_masses, seq_lens, gamma=0.98)
+    assert page_lists[0, 0, : page_counts[0, 0]].tolist() == [0, 19]
+
+
+@pytest.mark.parametrize("top_k", [2, 3, 17, 64])
+def test_fixed_count_keeps_exactly_k(top_k):
+    seq_lens = [1, 64 * 2, 64 * 17, 64 * 40 + 3, 64 * 200]
+    log_masses, seq_lens = random_log_masses(seq_lens, 2, 4, 2.0)
+    log_masses[3, 0, :, 5:15] = 1.0  # exact ties at the cut
+    page_lists, page_counts = run_select(log_masses, seq_lens, top_k=top_k)
+    check_lists(page_lists, page_counts, seq_lens)
+    shares = ref.group_shares(log_masses)
+    for b, length in enumerate(seq_lens.tolist()):
+        pages = ref.num_pages(length, log_masses.shape[-1])
+        for h in range(2):
+            kept = page_lists[b, h, : page_counts[b, h]].tolist()
+            assert len(kept) == min(pages, top_k)
+            if pages <= top_k:
+                continue
+            middle = shares[b, h, 1 : pages - 1]
+            cut = torch.sort(middle, descending=True).values[top_k - 3] if top_k > 2 else 1.0
+            chosen = torch.tensor(kept[1:-1], dtype=torch.long) - 1
+            dropped = torch.ones(len(middle), dtype=torch.bool)
+            dropped[chosen] = False
+            assert (middle[chosen] >= cut - NEAR).all()
+            assert (middle[dropped] <= cut + NEAR).all()
+
+
+@pytest.mark.parametrize("pages", [4096, 16384])
+def test_long_rows(pages):
+    # 16,384 pages = 1M tokens on chip in one program
+    log_masses, seq_lens = random_log_masses([64 * pages - 5, 64 * 1000], 1, 2, 3.0,
+                                             width=pages)
+    page_lists, page_counts = run_select(log_masses, seq_lens, gamma=0.95)
+    check_lists(page_lists, page_counts, seq_lens)
+    expected_lists, expected_counts = ref.select(log_masses, seq_lens, gamma=0.95)
+    shares = ref.group_shares(log_masses)
+    for b in range(2):
+        got = set(page_lists[b, 0, : page_counts[b, 0]].tolist())
+        want = set(expected_lists[b, 0, : expected_counts[b, 0]].tolist())
+        pages_in_row = ref.num_pages(seq_lens[b], pages)
+        tau, _ = ref.coverage_threshold(shares[b, 0, :pages_in_row], 0.95)
+        assert all(abs(shares[b, 0, page] - tau) <= NEAR for page in got ^ want)
+
+
+def test_rows_clamped_to_block_table_width():
+    # seq_len claims more pages than the table holds: never read or write past it
+    log_masses, seq_lens = random_log_masses([64 * 8], 1, 1, 1.0)
+    seq_lens[0] = 64 * 1000
+    page_lists, page_counts = run_select(log_masses, seq_lens, gamma=1.0)
+    assert page_counts.tolist() == [[8]]
