@@ -183,7 +183,6 @@ class DecodeWorkspace:
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
-        self.device = torch.device(device)
         max_rows = max_batch * num_kv_heads
         # rows * max(N_J, ceil(N_T / rows)) <= max(N_J * rows, N_T + rows)
         slots = max(self.config.min_chunks_per_row * max_rows,
@@ -214,8 +213,8 @@ class DecodeWorkspace:
                  f"workspace was built for {self.num_kv_heads} KV heads, G={self.group}, "
                  f"head_dim={self.head_dim}; the step has {num_kv_heads}, "
                  f"{num_heads // num_kv_heads}, {head_dim}")
-        _require(torch.device(device) == self.device,
-                 f"workspace is on {self.device}, the step on {device}")
+        _require(device == self.page_counts.device,
+                 f"workspace is on {self.page_counts.device}, the step on {device}")
 
     def selection_buffers(self, batch, max_pages):
         """Views ``(log_masses [rows, G, max_pages], page_lists [batch, Hkv, max_pages],

@@ -55,7 +55,7 @@ def assert_attention_close(out, out_ref, out_lowp):
     """flash-attention's rule: the kernel's error against the float32 reference is at most twice
     that of the same reference computed in low precision, plus float32 noise."""
     assert not torch.isnan(out).any(), "unwritten (NaN) output elements"
-    out_ref = out_ref.float()
+    out, out_ref, out_lowp = out.cpu(), out_ref.float().cpu(), out_lowp.cpu()
     atol = 2 * (out_ref + 0.3 - 0.3 - out_ref).abs().max().item()
     error = (out.float() - out_ref).abs().max().item()
     baseline = (out_lowp.float() - out_ref).abs().max().item()
