@@ -166,9 +166,26 @@ def coverage_threshold(shares, gamma):
     if middle.numel() == 0 or target <= 0:
         return math.inf, target
     ordered = torch.sort(middle, descending=True).values
-    reached = torch.searchsorted(torch.cumsum(ordered, 0), torch.tensor([target]))
+    # float64 sums: over thousands of pages float32 rounding would blur which page reaches it
+    reached = torch.searchsorted(torch.cumsum(ordered.double(), 0),
+                                 torch.tensor([target], dtype=torch.float64))
     last = min(int(reached), middle.numel() - 1)  # rounding: never past the last page
     return float(ordered[last]), target
+
+
+def _pack(shares, seq_lens, choose):
+    """Apply ``choose(row_shares) -> kept pages`` to every row; pack the results as
+    ``(page_lists [batch, kv_heads, max_pages] int32, -1 past the count; page_counts)``."""
+    batch, num_kv_heads, max_pages = shares.shape
+    page_lists = torch.full((batch, num_kv_heads, max_pages), -1, dtype=torch.int32)
+    page_counts = torch.zeros((batch, num_kv_heads), dtype=torch.int32)
+    for b in range(batch):
+        pages = num_pages(seq_lens[b], max_pages)
+        for h in range(num_kv_heads):
+            kept = choose(shares[b, h, :pages].cpu()) if pages else []
+            page_lists[b, h, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
+            page_counts[b, h] = len(kept)
+    return page_lists.to(shares.device), page_counts.to(shares.device)
 
 
 def select(log_masses, seq_lens, *, gamma=0.98, top_k=None):
@@ -180,48 +197,35 @@ def select(log_masses, seq_lens, *, gamma=0.98, top_k=None):
     pages, sink first, current page last, the middle in increasing order, ``-1`` past the count;
     ``[batch, num_kv_heads]`` int32.
     """
-    batch, num_kv_heads, _, max_pages = log_masses.shape
-    shares = group_shares(log_masses)
-    page_lists = torch.full((batch, num_kv_heads, max_pages), -1, dtype=torch.int32)
-    page_counts = torch.zeros((batch, num_kv_heads), dtype=torch.int32)
-    for b in range(batch):
-        pages = num_pages(seq_lens[b], max_pages)
-        for h in range(num_kv_heads):
-            row = shares[b, h, :pages].cpu()
-            if pages <= 2:
-                kept = list(range(pages))
-            elif top_k is not None:
-                middle = row[1:-1]
-                order = torch.sort(middle, descending=True, stable=True).indices
-                chosen = sorted((order[: max(top_k - 2, 0)] + 1).tolist())
-                kept = [0] + chosen + [pages - 1]
-            else:
-                tau, _ = coverage_threshold(row, gamma)
-                chosen = (torch.nonzero(row[1:-1] >= tau).flatten() + 1).tolist()
-                kept = [0] + chosen + [pages - 1]
-            page_lists[b, h, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
-            page_counts[b, h] = len(kept)
-    return page_lists.to(log_masses.device), page_counts.to(log_masses.device)
+
+    def choose(row):
+        pages = len(row)
+        if pages <= 2:
+            return list(range(pages))
+        if top_k is not None:
+            order = torch.sort(row[1:-1], descending=True, stable=True).indices
+            chosen = sorted((order[: max(top_k - 2, 0)] + 1).tolist())
+        else:
+            tau, _ = coverage_threshold(row, gamma)
+            chosen = (torch.nonzero(row[1:-1] >= tau).flatten() + 1).tolist()
+        return [0] + chosen + [pages - 1]
+
+    return _pack(group_shares(log_masses), seq_lens, choose)
 
 
 def oracle_coverage(query, key_cache, block_table, seq_lens, gamma, scale=None):
     """The oracle coverage set C*(gamma) of Eq. (1): per row, the fewest pages whose exact
     group-mean attention share reaches gamma (no forced pages). Same return format as
     ``select`` (pages in increasing order)."""
+
+    def choose(row):
+        order = torch.sort(row, descending=True, stable=True).indices
+        needed = int(torch.searchsorted(torch.cumsum(row[order].double(), 0),
+                                        torch.tensor([gamma], dtype=torch.float64)))
+        return sorted(order[: min(needed + 1, len(row))].tolist())
+
     shares = group_shares(exact_log_masses(query, key_cache, block_table, seq_lens, scale))
-    batch, num_kv_heads, max_pages = shares.shape
-    page_lists = torch.full((batch, num_kv_heads, max_pages), -1, dtype=torch.int32)
-    page_counts = torch.zeros((batch, num_kv_heads), dtype=torch.int32)
-    for b in range(batch):
-        pages = num_pages(seq_lens[b], max_pages)
-        for h in range(num_kv_heads):
-            row = shares[b, h, :pages].cpu()
-            order = torch.sort(row, descending=True, stable=True).indices
-            needed = int(torch.searchsorted(torch.cumsum(row[order], 0), torch.tensor([gamma])))
-            kept = sorted(order[: min(needed + 1, pages)].tolist())
-            page_lists[b, h, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
-            page_counts[b, h] = len(kept)
-    return page_lists.to(shares.device), page_counts.to(shares.device)
+    return _pack(shares, seq_lens, choose)
 
 
 # --------------------------------------------------------------------------------------------

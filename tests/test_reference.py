@@ -16,11 +16,11 @@ def _log_masses_from_shares(shares):
 
 def test_coverage_rule_paper_example():
     # section 3.2: shares 0.70, 0.20, 0.08, 0.02 (here as middle pages between a tiny sink and
-    # current page): gamma 0.9 keeps two of them, 0.98 three (0.975 here: in float32 the three
-    # sum to a hair under 0.98)
+    # current page): gamma 0.9 keeps two of them, 0.98 three. Tested just below 0.9 and 0.98,
+    # which are exactly the partial sums, decided by rounding either way.
     shares = [1e-9, 0.70, 0.20, 0.08, 0.02, 1e-9]
     seq_lens = torch.tensor([len(shares) * PAGE_SIZE], dtype=torch.int32)
-    for gamma, expected in [(0.9, [0, 1, 2, 5]), (0.975, [0, 1, 2, 3, 5]),
+    for gamma, expected in [(0.899, [0, 1, 2, 5]), (0.979, [0, 1, 2, 3, 5]),
                             (1.0, [0, 1, 2, 3, 4, 5])]:
         lists, counts = ref.select(_log_masses_from_shares(shares), seq_lens, gamma=gamma)
         assert lists[0, 0, : counts[0, 0]].tolist() == expected

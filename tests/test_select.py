@@ -43,6 +43,20 @@ def check_lists(page_lists, page_counts, seq_lens):
             assert all(x < y for x, y in zip(kept, kept[1:]))  # increasing, no duplicates
 
 
+def check_superset(shares, got, want, gamma):
+    """The kernel keeps the reference's pages, plus at most pages within NEAR of the threshold,
+    or, where the reference's kept mass lands within the kernel's margin of its target, the
+    page(s) the margin adds."""
+    assert want <= got, sorted(want - got)
+    tau, target = ref.coverage_threshold(shares, gamma)
+    middle = sorted(want - {0, len(shares) - 1})
+    ambiguous = float(shares[middle].double().sum()) < target + 4e-6
+    extra = [p for p in got - want if abs(shares[p] - tau) > NEAR]
+    assert not extra or (ambiguous and len(extra) <= 2), (extra, tau)
+    kept_mass = float(shares[sorted(got)].double().sum())
+    assert kept_mass >= min(gamma, float(shares.double().sum())) - 1e-6
+
+
 @pytest.mark.parametrize("group", [1, 4, 7, 8])
 @pytest.mark.parametrize("spread", [0.3, 2.0, 8.0])
 @pytest.mark.parametrize("gamma", [0.5, 0.9, 0.98, 0.999])
@@ -61,11 +75,7 @@ def test_coverage_matches_reference(group, spread, gamma):
             if pages <= 2:
                 assert got == want
                 continue
-            tau, _ = ref.coverage_threshold(shares[b, h, :pages], gamma)
-            for page in got ^ want:
-                assert abs(shares[b, h, page] - tau) <= NEAR, (b, h, page, tau)
-            kept_mass = shares[b, h, sorted(got)].sum()
-            assert kept_mass >= min(gamma, shares[b, h, :pages].sum()) - 1e-5
+            check_superset(shares[b, h, :pages], got, want, gamma)
 
 
 def test_gamma_one_keeps_every_page_even_underflowing_ones():
@@ -120,8 +130,7 @@ def test_long_rows(pages):
         got = set(page_lists[b, 0, : page_counts[b, 0]].tolist())
         want = set(expected_lists[b, 0, : expected_counts[b, 0]].tolist())
         pages_in_row = ref.num_pages(seq_lens[b], pages)
-        tau, _ = ref.coverage_threshold(shares[b, 0, :pages_in_row], 0.95)
-        assert all(abs(shares[b, 0, page] - tau) <= NEAR for page in got ^ want)
+        check_superset(shares[b, 0, :pages_in_row], got, want, 0.95)
 
 
 def test_rows_clamped_to_block_table_width():

@@ -62,7 +62,7 @@ def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_flo
     _merge_kernel[(batch * num_kv_heads,)](
         page_counts, partial_out, partial_lse, out,
         *page_counts.stride(), *out.stride(), num_kv_heads, chunk_floor, chunks_per_row,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
         SPLITS_PAD=triton.next_power_of_2(chunks_per_row), num_warps=4,
     )
     return out

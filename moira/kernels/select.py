@@ -9,7 +9,9 @@ tau, the largest threshold whose kept middle mass reaches gamma - share_sink - s
 tau is found without sorting: each pass tries K_B evenly spaced thresholds in [lo, hi] with one
 reduction and keeps the sub-interval that holds tau; 24 / log2(K_B) passes shrink it 2**24-fold.
 Because lo never passes tau, the kept set is the exact rule's set plus at most pages whose share
-lies within (max share) * 2**-24 of tau.
+lies within (max share) * 2**-24 of tau. The masses are compared with gamma plus 2e-6, above the
+float32 rounding of the sums, so the kept mass reaches gamma also where rounding would decide
+(there the list may hold one page more than the exact rule's).
 
 Fixed-count mode (paper 3.5) bisects on the *number* of middle pages above the threshold and
 keeps exactly ``top_k`` pages per row (rows of at most ``top_k`` pages keep all); pages tied
@@ -75,7 +77,9 @@ def _select_kernel(log_masses, seq_lens, page_lists, page_counts,
         keep = sure | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= missing))
         keep = tl.where(pages_in_row <= top_k, middle, keep)
     else:
-        target = gamma - forced
+        # a margin above float32 rounding of the sums (~1e-6 over 16k pages): the kept mass
+        # reaches gamma even where rounding makes it ambiguous, at the cost of a page there
+        target = gamma - forced + 2e-6
         lo = top * 0.0
         hi = top
         for _ in range(PASSES):
@@ -87,7 +91,7 @@ def _select_kernel(log_masses, seq_lens, page_lists, page_counts,
                 tl.min(tl.where(enough, hi, tau), axis=0)
         # gamma = 1 keeps every page (even shares that underflow to 0); a target the forced
         # pages already meet keeps no middle page
-        lo = tl.where(gamma >= 1.0, -0.5, tl.where(target <= 0.0, 2.0, lo))
+        lo = tl.where(gamma >= 1.0, -0.5, tl.where(gamma - forced <= 0.0, 2.0, lo))
         keep = candidate >= lo
 
     # compaction: sink, kept middle pages in order, current page
