@@ -18,7 +18,10 @@ def test_graph_replay_matches_eager(gamma, top_k):
                             group=group, head_dim=head_dim, device="cuda", seed=1)
     query, keys, values = ctx.query.clone(), ctx.key_cache.clone(), ctx.value_cache.clone()
     table, seq_lens = ctx.block_table.clone(), ctx.seq_lens.clone()
-    summaries = moira.summarize(keys, table, seq_lens)
+    # zeros, not the default empty: pages no row fills must compare equal (NaN != NaN)
+    summaries = moira.summarize(keys, table, seq_lens,
+                                torch.zeros(keys.shape[0], num_kv_heads, 2, head_dim,
+                                            dtype=keys.dtype, device="cuda"))
     slot_mapping = torch.full((batch,), -1, dtype=torch.int64, device="cuda")
     out = torch.empty_like(query)
     workspace = moira.DecodeWorkspace(batch, width, num_kv_heads * group, num_kv_heads,
