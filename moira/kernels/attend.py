@@ -20,6 +20,10 @@ import triton.language as tl
 
 from ..config import PAGE_SIZE
 
+# tuned on the H200 (benchmarks/NOTES.md)
+NUM_WARPS = 4
+NUM_STAGES = 3
+
 
 @triton.jit
 def plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per_row):
@@ -115,6 +119,6 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         num_kv_heads, block_table.shape[1], scale * math.log2(math.e), chunk_floor,
         chunks_per_row,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE=PAGE_SIZE, num_warps=4, num_stages=3,
+        PAGE=PAGE_SIZE, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out

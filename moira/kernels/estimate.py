@@ -6,7 +6,7 @@ from the page summaries, without reading keys; the sink (page 0) and the current
 which has no summary yet, are computed exactly from their keys.
 
 Grid: (rows = batch * KV heads, page blocks of ``PAGES_PER_PROGRAM``); a program past its row's
-last page exits. Bytes: every page's summary (2 * D values) once, two pages of keys per row,
+last page exits. The programs holding the sink or the current page also read those pages' keys. Bytes: every page's summary (2 * D values) once, two pages of keys per row,
 and G floats written per page.
 """
 
@@ -17,7 +17,9 @@ import triton.language as tl
 
 from ..config import PAGE_SIZE
 
-PAGES_PER_PROGRAM = 64
+# tuned on the H200 (benchmarks/NOTES.md)
+PAGES_PER_PROGRAM = 32
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -58,41 +60,45 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
         return
     last = pages_in_row - 1
 
-    groups = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
     pages = first + tl.arange(0, BLOCK_P)
     in_row = pages < pages_in_row
-    q = tl.load(query + b.to(tl.int64) * stride_qb + (head * GROUP + groups)[:, None] * stride_qh
-                + dims[None, :] * stride_qd, mask=groups[:, None] < GROUP, other=0.0)
-
-    # mvar from the summaries, in float32 (the variance term squares q)
+    summarized = (pages + 1) * PAGE <= seq_len  # the current page may have no summary yet
     physical = tl.load(block_table + b.to(tl.int64) * stride_bt + pages, mask=in_row, other=0)
     src = summaries + physical.to(tl.int64)[:, None] * stride_sp + head * stride_sh \
         + dims[None, :] * stride_sd
-    summarized = (pages + 1) * PAGE <= seq_len  # the current page may have no summary yet
     mean = tl.load(src, mask=summarized[:, None], other=0.0).to(tl.float32)
     var = tl.load(src + stride_ss, mask=summarized[:, None], other=0.0).to(tl.float32)
-    q_scaled = q.to(tl.float32) * scale
-    est = tl.dot(q_scaled, tl.trans(mean), input_precision="ieee") \
-        + 0.5 * tl.dot(q_scaled * q_scaled, tl.trans(var), input_precision="ieee") \
-        + math.log(PAGE)
 
-    # the sink and the current page: exact
-    if first == 0:
+    # the sink and the current page: exact, for all G query heads at once
+    groups = tl.arange(0, GROUP_PAD)
+    query_row = query + b.to(tl.int64) * stride_qb + head * GROUP * stride_qh
+    has_sink = first == 0
+    has_current = last < first + BLOCK_P
+    if has_sink | has_current:
+        q = tl.load(query_row + groups[:, None] * stride_qh + dims[None, :] * stride_qd,
+                    mask=groups[:, None] < GROUP, other=0.0)
         sink_page = tl.load(block_table + b.to(tl.int64) * stride_bt)
         sink = exact_page_log_mass(q, key_cache, sink_page, head, seq_len,
                                    stride_kp, stride_kt, stride_kh, stride_kd, scale,
                                    HEAD_DIM, PAGE)
-        est = tl.where(pages[None, :] == 0, sink[:, None], est)
-    if last < first + BLOCK_P:
         current_page = tl.load(block_table + b.to(tl.int64) * stride_bt + last)
         current = exact_page_log_mass(q, key_cache, current_page, head, seq_len - last * PAGE,
                                       stride_kp, stride_kt, stride_kh, stride_kd, scale,
                                       HEAD_DIM, PAGE)
-        est = tl.where(pages[None, :] == last, current[:, None], est)
+    else:
+        sink = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        current = sink
 
-    dst = log_masses + row.to(tl.int64) * stride_lr + groups[:, None] * stride_lg + pages[None, :]
-    tl.store(dst, est, mask=(groups[:, None] < GROUP) & in_row[None, :])
+    # mvar for the other pages: G is small, so plain FMAs and a row sum beat a padded tl.dot
+    dst = log_masses + row.to(tl.int64) * stride_lr + pages
+    for g in tl.static_range(GROUP):
+        q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
+        est = tl.sum(mean * q_g[None, :] + var * (0.5 * q_g * q_g)[None, :], axis=1) \
+            + math.log(PAGE)
+        est = tl.where(pages == 0, tl.sum(tl.where(groups == g, sink, 0.0), axis=0), est)
+        est = tl.where(pages == last, tl.sum(tl.where(groups == g, current, 0.0), axis=0), est)
+        tl.store(dst + g * stride_lg, est, mask=in_row)
 
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses):
@@ -109,6 +115,6 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         block_table.stride(0), log_masses.stride(0), log_masses.stride(1),
         num_kv_heads, max_pages, scale,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM, num_warps=4,
+        PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM, num_warps=NUM_WARPS,
     )
     return log_masses

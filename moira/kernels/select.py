@@ -27,6 +27,11 @@ import triton.language as tl
 from ..config import BISECTION_BITS, PAGE_SIZE
 
 
+def num_warps(block):
+    """Warps per row program: enough threads to hold the row's shares in registers."""
+    return 4 if block <= 1024 else (8 if block <= 4096 else 16)
+
+
 @triton.jit
 def _select_kernel(log_masses, seq_lens, page_lists, page_counts,
                    stride_lr, stride_lg, stride_pb, stride_ph, stride_cb, stride_ch,
@@ -114,6 +119,6 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
         *page_counts.stride(), num_kv_heads, max_pages, float(gamma), int(top_k or 0),
         GROUP=group, BLOCK=block, WAYS=ways, PASSES=BISECTION_BITS // (ways.bit_length() - 1),
         FIXED_COUNT=top_k is not None, PAGE=PAGE_SIZE,
-        num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
+        num_warps=num_warps(block),
     )
     return page_lists, page_counts

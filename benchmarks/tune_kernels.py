@@ -1,0 +1,130 @@
+"""Sweep the launch parameters of Estimate, Select and Attend on the GPU (issue 3's tuning log).
+
+Llama-3.1-8B geometry (8 KV heads, G = 4, D = 128, bf16), one layer; Attend on fixed 22%
+page lists (top-k mode, all rows equal: CV 0) and on full lists. Every variant is timed in the
+same run with triton.testing.do_bench (median); the KV cache of every shape is >= 1 GB, far
+beyond the 60 MiB L2, and the selected pages are scattered. Variants are set through the
+kernel modules' tuning constants. Prints a table; writes JSON to $OUT/tune.json.
+
+    PYTHONPATH=. python benchmarks/tune_kernels.py [--quick]
+"""
+
+import argparse
+import itertools
+import json
+import math
+import os
+import time
+
+import torch
+import triton
+
+import moira
+from moira.kernels import attend as attend_module
+from moira.kernels import estimate as estimate_module
+from moira.kernels import select as select_module
+
+KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
+SHAPES = [(8192, 32), (32768, 16), (65536, 8), (131072, 4)]
+PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def step_inputs(context, batch):
+    pages = context // 64
+    keys = torch.randn(batch * pages, 64, KV_HEADS, HEAD_DIM, device="cuda",
+                       dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    table = torch.randperm(batch * pages, device="cuda").view(batch, pages).int()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    query = torch.randn(batch, KV_HEADS * GROUP, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    summaries = moira.summarize(keys, table, seq_lens)
+    return query, keys, values, summaries, table, seq_lens
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer variants")
+    args = parser.parse_args()
+    results = []
+
+    def record(kind, shape, variant, micros, bytes_read=None):
+        row = dict(kind=kind, shape=shape, variant=variant, us=round(micros, 2))
+        if bytes_read:
+            row["GBps"] = round(bytes_read / micros / 1e3)
+        results.append(row)
+        print(f"{kind:>8} {shape:>9} {variant:<34} {micros:8.1f} us"
+              + (f" {row['GBps']:6d} GB/s" if bytes_read else ""), flush=True)
+
+    for context, batch in SHAPES:
+        shape = f"{context // 1024}k x{batch}"
+        query, keys, values, summaries, table, seq_lens = step_inputs(context, batch)
+        pages = context // 64
+        workspace = moira.DecodeWorkspace(batch, pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
+                                          device="cuda")
+        log_masses, lists, counts = workspace.selection_buffers(batch, pages)
+        scale = 1 / math.sqrt(HEAD_DIM)
+        summary_bytes = batch * KV_HEADS * pages * 2 * HEAD_DIM * summaries.element_size()
+
+        blocks = [16, 32, 64] if not args.quick else [32]
+        for block, warps in itertools.product(blocks, [2, 4, 8]):
+            estimate_module.PAGES_PER_PROGRAM, estimate_module.NUM_WARPS = block, warps
+            micros = bench(lambda: estimate_module.estimate(query, keys, summaries, table,
+                                                            seq_lens, scale, log_masses))
+            record("estimate", shape, f"pages={block} warps={warps}", micros, summary_bytes)
+        estimate_module.PAGES_PER_PROGRAM, estimate_module.NUM_WARPS = 32, 4
+
+        top_k = round(0.22 * pages)
+        ways = workspace.config.bisection_ways_for(pages)
+        default_warps = select_module.num_warps
+        for warps in [4, 8, 16]:
+            select_module.num_warps = lambda block, warps=warps: warps
+            for mode, kwargs in [("coverage", dict(gamma=0.98, top_k=None)),
+                                 ("top22%", dict(gamma=0.98, top_k=top_k))]:
+                micros = bench(lambda: select_module.select(
+                    log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS,
+                    max_pages=pages, ways=ways, **kwargs))
+                record("select", shape, f"{mode} warps={warps}", micros)
+        select_module.num_warps = default_warps
+
+        select_module.select(log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS,
+                             max_pages=pages, gamma=0.98, top_k=top_k, ways=ways)
+        sparse_lists, sparse_counts = lists.clone(), counts.clone()
+        sparse_bytes = int(sparse_counts.sum()) * PAGE_KV_BYTES
+        full_lists = torch.arange(pages, device="cuda", dtype=torch.int32).expand(
+            batch, KV_HEADS, pages).contiguous()
+        full_counts = torch.full((batch, KV_HEADS), pages, device="cuda", dtype=torch.int32)
+        out = torch.empty_like(query)
+        chunk_floors = [8, 16, 24] if not args.quick else [24]
+        for chunk, warps, stages in itertools.product(chunk_floors, [4, 8], [2, 3, 4]):
+            attend_module.NUM_WARPS, attend_module.NUM_STAGES = warps, stages
+            config = moira.MoiraConfig(chunk_pages=chunk)
+            ws = moira.DecodeWorkspace(batch, pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
+                                       device="cuda", config=config)
+            micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
+                                                sparse_lists, sparse_counts, workspace=ws,
+                                                out=out))
+            record("attend22", shape, f"C={chunk} warps={warps} stages={stages}", micros,
+                   sparse_bytes)
+            if chunk == 24:
+                micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
+                                                    full_lists, full_counts, workspace=ws,
+                                                    out=out))
+                record("attend100", shape, f"C={chunk} warps={warps} stages={stages}", micros,
+                       batch * KV_HEADS * pages * PAGE_KV_BYTES)
+        attend_module.NUM_WARPS, attend_module.NUM_STAGES = 4, 3
+        del keys, values
+        torch.cuda.empty_cache()
+
+    out_dir = os.environ.get("OUT", ".")
+    with open(os.path.join(out_dir, "tune.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                       triton=triton.__version__, date=time.strftime("%Y-%m-%d"),
+                       results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
