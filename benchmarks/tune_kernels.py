@@ -2,7 +2,8 @@
 
 Llama-3.1-8B geometry (8 KV heads, G = 4, D = 128, bf16), one layer; Attend on fixed 22%
 page lists (top-k mode, all rows equal: CV 0) and on full lists. Every variant is timed in the
-same run with triton.testing.do_bench (median); the KV cache of every shape is >= 1 GB, far
+same run with triton.testing.do_bench_cudagraph (median of graph replays, so host launch
+overhead is excluded); the KV cache of every shape is >= 1 GB, far
 beyond the 60 MiB L2, and the selected pages are scattered. Variants are set through the
 kernel modules' tuning constants. Prints a table; writes JSON to $OUT/tune.json.
 
@@ -30,7 +31,12 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 
 
 def bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+    """Median µs of fn replayed from a CUDA graph: no Python launch overhead in the number."""
+    fn()  # compile outside the capture
+    # do_bench_cudagraph runs on a new side stream that does not wait for this one: inputs
+    # still being written here would be read half-made
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
 
 
 def step_inputs(context, batch):
@@ -69,8 +75,8 @@ def main():
         scale = 1 / math.sqrt(HEAD_DIM)
         summary_bytes = batch * KV_HEADS * pages * 2 * HEAD_DIM * summaries.element_size()
 
-        blocks = [16, 32, 64] if not args.quick else [32]
-        for block, warps in itertools.product(blocks, [2, 4, 8]):
+        blocks = [16, 32, 64] if not args.quick else [32, 64]
+        for block, warps in itertools.product(blocks, [2, 4, 8] if not args.quick else [4, 8]):
             estimate_module.PAGES_PER_PROGRAM, estimate_module.NUM_WARPS = block, warps
             micros = bench(lambda: estimate_module.estimate(query, keys, summaries, table,
                                                             seq_lens, scale, log_masses))
@@ -80,7 +86,7 @@ def main():
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)
         default_warps = select_module.num_warps
-        for warps in [4, 8, 16]:
+        for warps in [4, 8, 16] if not args.quick else [4, 8]:
             select_module.num_warps = lambda block, warps=warps: warps
             for mode, kwargs in [("coverage", dict(gamma=0.98, top_k=None)),
                                  ("top22%", dict(gamma=0.98, top_k=top_k))]:
@@ -98,22 +104,25 @@ def main():
             batch, KV_HEADS, pages).contiguous()
         full_counts = torch.full((batch, KV_HEADS), pages, device="cuda", dtype=torch.int32)
         out = torch.empty_like(query)
-        chunk_floors = [8, 16, 24] if not args.quick else [24]
-        for chunk, warps, stages in itertools.product(chunk_floors, [4, 8], [2, 3, 4]):
+        variants = itertools.product([4, 8, 16, 24], [4096, 16384], [(4, 2), (4, 3), (8, 2)])
+        if args.quick:
+            variants = [(c, n, (4, 3)) for c in (4, 8, 16, 24) for n in (4096, 16384)]
+            variants += [(8, 4096, (4, 2)), (8, 4096, (8, 2))]
+        for chunk, min_programs, (warps, stages) in variants:
             attend_module.NUM_WARPS, attend_module.NUM_STAGES = warps, stages
-            config = moira.MoiraConfig(chunk_pages=chunk)
+            config = moira.MoiraConfig(chunk_pages=chunk, min_programs=min_programs)
             ws = moira.DecodeWorkspace(batch, pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
                                        device="cuda", config=config)
+            name = f"C={chunk} N_T={min_programs} warps={warps} stages={stages}"
             micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
                                                 sparse_lists, sparse_counts, workspace=ws,
                                                 out=out))
-            record("attend22", shape, f"C={chunk} warps={warps} stages={stages}", micros,
-                   sparse_bytes)
-            if chunk == 24:
+            record("attend22", shape, name, micros, sparse_bytes)
+            if chunk == 24 and min_programs == 4096:
                 micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
                                                     full_lists, full_counts, workspace=ws,
                                                     out=out))
-                record("attend100", shape, f"C={chunk} warps={warps} stages={stages}", micros,
+                record("attend100", shape, name, micros,
                        batch * KV_HEADS * pages * PAGE_KV_BYTES)
         attend_module.NUM_WARPS, attend_module.NUM_STAGES = 4, 3
         del keys, values
