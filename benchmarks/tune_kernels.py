@@ -107,7 +107,8 @@ def main():
         variants = itertools.product([4, 8, 16, 24], [4096, 16384], [(4, 2), (4, 3), (8, 2)])
         if args.quick:
             variants = [(c, n, (4, 3)) for c in (4, 8, 16, 24) for n in (4096, 16384)]
-            variants += [(8, 4096, (4, 2)), (8, 4096, (8, 2))]
+            variants += [(8, 4096, (4, 2)), (16, 4096, (4, 2)), (24, 4096, (4, 2)),
+                         (24, 4096, (4, 4)), (32, 4096, (4, 3))]
         for chunk, min_programs, (warps, stages) in variants:
             attend_module.NUM_WARPS, attend_module.NUM_STAGES = warps, stages
             config = moira.MoiraConfig(chunk_pages=chunk, min_programs=min_programs)
@@ -125,6 +126,11 @@ def main():
                 record("attend100", shape, name, micros,
                        batch * KV_HEADS * pages * PAGE_KV_BYTES)
         attend_module.NUM_WARPS, attend_module.NUM_STAGES = 4, 3
+        micros = bench(lambda: moira.sparse_decode(query, keys, values, summaries, table,
+                                                   seq_lens, top_k=top_k, workspace=workspace,
+                                                   out=out))
+        record("step22", shape, "estimate+select+attend+merge, defaults", micros,
+               sparse_bytes + summary_bytes)
         del keys, values
         torch.cuda.empty_cache()
 
