@@ -54,7 +54,10 @@ def step_inputs(context, batch):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer variants")
+    parser.add_argument("--kinds", default="estimate,select,attend,step",
+                        help="comma-separated subset of estimate,select,attend,step")
     args = parser.parse_args()
+    kinds = set(args.kinds.split(","))
     results = []
 
     def record(kind, shape, variant, micros, bytes_read=None):
@@ -76,7 +79,8 @@ def main():
         summary_bytes = batch * KV_HEADS * pages * 2 * HEAD_DIM * summaries.element_size()
 
         blocks = [16, 32, 64] if not args.quick else [32, 64]
-        for block, warps in itertools.product(blocks, [2, 4, 8] if not args.quick else [4, 8]):
+        for block, warps in itertools.product(blocks if "estimate" in kinds else [],
+                                              [2, 4, 8] if not args.quick else [4, 8]):
             estimate_module.PAGES_PER_PROGRAM, estimate_module.NUM_WARPS = block, warps
             micros = bench(lambda: estimate_module.estimate(query, keys, summaries, table,
                                                             seq_lens, scale, log_masses))
@@ -86,7 +90,7 @@ def main():
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)
         default_warps = select_module.num_warps
-        for warps in [4, 8, 16] if not args.quick else [4, 8]:
+        for warps in ([4, 8, 16] if not args.quick else [4, 8]) if "select" in kinds else []:
             select_module.num_warps = lambda block, warps=warps: warps
             for mode, kwargs in [("coverage", dict(gamma=0.98, top_k=None)),
                                  ("top22%", dict(gamma=0.98, top_k=top_k))]:
@@ -109,7 +113,7 @@ def main():
             variants = [(c, n, (4, 3)) for c in (4, 8, 16, 24) for n in (4096, 16384)]
             variants += [(8, 4096, (4, 2)), (16, 4096, (4, 2)), (24, 4096, (4, 2)),
                          (24, 4096, (4, 4)), (32, 4096, (4, 3))]
-        for chunk, min_programs, (warps, stages) in variants:
+        for chunk, min_programs, (warps, stages) in variants if "attend" in kinds else []:
             attend_module.NUM_WARPS, attend_module.NUM_STAGES = warps, stages
             config = moira.MoiraConfig(chunk_pages=chunk, min_programs=min_programs)
             ws = moira.DecodeWorkspace(batch, pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
@@ -126,11 +130,16 @@ def main():
                 record("attend100", shape, name, micros,
                        batch * KV_HEADS * pages * PAGE_KV_BYTES)
         attend_module.NUM_WARPS, attend_module.NUM_STAGES = 4, 3
-        micros = bench(lambda: moira.sparse_decode(query, keys, values, summaries, table,
-                                                   seq_lens, top_k=top_k, workspace=workspace,
-                                                   out=out))
-        record("step22", shape, "estimate+select+attend+merge, defaults", micros,
-               sparse_bytes + summary_bytes)
+        if "step" in kinds:
+            micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
+                                                sparse_lists, sparse_counts,
+                                                workspace=workspace, out=out))
+            record("attend22", shape, "defaults", micros, sparse_bytes)
+            micros = bench(lambda: moira.sparse_decode(query, keys, values, summaries, table,
+                                                       seq_lens, top_k=top_k,
+                                                       workspace=workspace, out=out))
+            record("step22", shape, "estimate+select+attend+merge, defaults", micros,
+                   sparse_bytes + summary_bytes)
         del keys, values
         torch.cuda.empty_cache()
 

@@ -23,9 +23,28 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _log_sum_exp(logits):
-    peak = tl.max(logits, axis=0)
-    return peak + tl.log(tl.sum(tl.exp(logits - peak), axis=0))
+def _store_exact_log_mass(keys, valid_tokens, query_row, stride_qh, stride_qd, stride_kt,
+                          stride_kd, dst, stride_lg, scale, GROUP: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TOKENS: tl.constexpr):
+    """Store log sum_t exp(scale q_g . k_t) over a page's first ``valid_tokens`` keys, per
+    query head, streaming ``TOKENS`` keys at a time (small tiles keep registers, and so
+    occupancy, for the far more numerous mvar programs of the same kernel)."""
+    dims = tl.arange(0, HEAD_DIM)
+    for g in tl.static_range(GROUP):
+        q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
+        peak = float("-inf")
+        total = 0.0
+        for start in tl.static_range(0, PAGE, TOKENS):
+            tokens = start + tl.arange(0, TOKENS)
+            valid = tokens < valid_tokens
+            k = tl.load(keys + tokens[:, None] * stride_kt + dims[None, :] * stride_kd,
+                        mask=valid[:, None], other=0.0)
+            logits = tl.where(valid, tl.sum(k.to(tl.float32) * q_g[None, :], axis=1),
+                              float("-inf"))
+            new_peak = tl.maximum(peak, tl.max(logits, axis=0))  # finite: token 0 is valid
+            total = total * tl.exp(peak - new_peak) + tl.sum(tl.exp(logits - new_peak), axis=0)
+            peak = new_peak
+        tl.store(dst + g * stride_lg, peak + tl.log(total))
 
 
 @triton.jit
@@ -69,22 +88,14 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
     # the sink and the current page, which has no summary yet: exact, in the row's first
     # program (when the row has one page, both are page 0 and both stores agree)
     if first == 0:
-        tokens = tl.arange(0, PAGE)
-        in_sink = tokens < seq_len
-        in_current = tokens < seq_len - last * PAGE
-        keys = key_cache + head * stride_kh + tokens[:, None] * stride_kt \
-            + dims[None, :] * stride_kd
-        sink_keys = tl.load(keys + tl.load(row_table).to(tl.int64) * stride_kp,
-                            mask=in_sink[:, None], other=0.0)
-        current_keys = tl.load(keys + tl.load(row_table + last).to(tl.int64) * stride_kp,
-                               mask=in_current[:, None], other=0.0)
-        for g in tl.static_range(GROUP):
-            q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
-            sink = tl.sum(sink_keys.to(tl.float32) * q_g[None, :], axis=1)
-            current = tl.sum(current_keys.to(tl.float32) * q_g[None, :], axis=1)
-            tl.store(dst + g * stride_lg, _log_sum_exp(tl.where(in_sink, sink, float("-inf"))))
-            tl.store(dst + g * stride_lg + last,
-                     _log_sum_exp(tl.where(in_current, current, float("-inf"))))
+        keys = key_cache + head * stride_kh
+        _store_exact_log_mass(keys + tl.load(row_table).to(tl.int64) * stride_kp, seq_len,
+                              query_row, stride_qh, stride_qd, stride_kt, stride_kd, dst,
+                              stride_lg, scale, GROUP, HEAD_DIM, PAGE, 16)
+        _store_exact_log_mass(keys + tl.load(row_table + last).to(tl.int64) * stride_kp,
+                              seq_len - last * PAGE, query_row, stride_qh, stride_qd,
+                              stride_kt, stride_kd, dst + last, stride_lg, scale, GROUP,
+                              HEAD_DIM, PAGE, 16)
 
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses):

@@ -2,8 +2,8 @@
 
     lse = log sum_j exp(lse_j)      out = sum_j exp(lse_j - lse) * out_j
 
-One program per row re-derives the row's chunk count m from its list length (same plan as
-Attend) and exits if m = 1 (Attend already wrote that row). Chunks without keys have
+One program per (row, query head) re-derives the row's chunk count m from its list length (same
+plan as Attend) and exits if m = 1 (Attend already wrote that row). Chunks without keys have
 lse = -inf and weigh nothing; a row whose chunks are all empty gets zeros.
 """
 
@@ -17,9 +17,10 @@ from .attend import plan_row
 def _merge_kernel(page_counts, partial_out, partial_lse, out,
                   stride_cb, stride_ch, stride_ob, stride_oh, stride_od,
                   num_kv_heads, chunk_floor, chunks_per_row,
-                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  SPLITS_PAD: tl.constexpr):
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                  SPLITS_PER_LOAD: tl.constexpr):
     row = tl.program_id(0)
+    g = tl.program_id(1)
     b = row // num_kv_heads
     head = row % num_kv_heads
     _, _, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
@@ -27,31 +28,29 @@ def _merge_kernel(page_counts, partial_out, partial_lse, out,
     if num_chunks == 1:
         return
 
-    groups = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, HEAD_DIM)
-    splits = tl.arange(0, SPLITS_PAD)
     first_slot = row.to(tl.int64) * chunks_per_row
-    lse = tl.load(partial_lse + (first_slot + splits[:, None]) * GROUP + groups[None, :],
-                  mask=(splits[:, None] < num_chunks) & (groups[None, :] < GROUP),
+    splits = tl.arange(0, SPLITS_PAD)
+    lse = tl.load(partial_lse + (first_slot + splits) * GROUP + g, mask=splits < num_chunks,
                   other=float("-inf"))
     peak = tl.max(lse, axis=0)
     peak = tl.where(peak == float("-inf"), 0.0, peak)
-    total = tl.sum(tl.exp(lse - peak[None, :]), axis=0)
+    total = tl.sum(tl.exp(lse - peak), axis=0)
 
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    for split in range(num_chunks):
-        slot = (first_slot + split) * GROUP + groups
-        weight = tl.exp(tl.load(partial_lse + slot, mask=groups < GROUP, other=float("-inf"))
-                        - peak)
+    # many splits at once: independent loads, one memory round trip per SPLITS_PER_LOAD
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for start in range(0, num_chunks, SPLITS_PER_LOAD):
+        split = start + tl.arange(0, SPLITS_PER_LOAD)
+        slot = (first_slot + split) * GROUP + g
+        weight = tl.exp(tl.load(partial_lse + slot, mask=split < num_chunks,
+                                other=float("-inf")) - peak)
         part = tl.load(partial_out + slot[:, None] * HEAD_DIM + dims[None, :],
-                       mask=groups[:, None] < GROUP, other=0.0)
-        acc += tl.where(weight[:, None] > 0.0, weight[:, None] * part, 0.0)
-    result = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+                       mask=(weight > 0.0)[:, None], other=0.0)  # empty chunks: never read
+        acc += tl.sum(weight[:, None] * part, axis=0)
+    result = acc / tl.where(total == 0.0, 1.0, total)
 
-    heads = head * GROUP + groups
-    tl.store(out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
-             + dims[None, :] * stride_od, result.to(out.dtype.element_ty),
-             mask=groups[:, None] < GROUP)
+    tl.store(out + b.to(tl.int64) * stride_ob + (head * GROUP + g) * stride_oh
+             + dims * stride_od, result.to(out.dtype.element_ty))
 
 
 def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_floor,
@@ -59,10 +58,10 @@ def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_flo
     """Write ``out`` ``[batch, num_heads, head_dim]`` for every row Attend split."""
     batch, num_heads, head_dim = out.shape
     group = num_heads // num_kv_heads
-    _merge_kernel[(batch * num_kv_heads,)](
+    _merge_kernel[(batch * num_kv_heads, group)](
         page_counts, partial_out, partial_lse, out,
         *page_counts.stride(), *out.stride(), num_kv_heads, chunk_floor, chunks_per_row,
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-        SPLITS_PAD=triton.next_power_of_2(chunks_per_row), num_warps=4,
+        GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
+        SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)), num_warps=4,
     )
     return out
