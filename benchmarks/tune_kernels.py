@@ -78,14 +78,14 @@ def main():
         scale = 1 / math.sqrt(HEAD_DIM)
         summary_bytes = batch * KV_HEADS * pages * 2 * HEAD_DIM * summaries.element_size()
 
-        blocks = [16, 32, 64] if not args.quick else [32, 64]
+        blocks = [8, 16, 32, 64] if not args.quick else [16, 32]
         for block, warps in itertools.product(blocks if "estimate" in kinds else [],
-                                              [2, 4, 8] if not args.quick else [4, 8]):
+                                              [2, 4, 8] if not args.quick else [2, 4]):
             estimate_module.PAGES_PER_PROGRAM, estimate_module.NUM_WARPS = block, warps
             micros = bench(lambda: estimate_module.estimate(query, keys, summaries, table,
                                                             seq_lens, scale, log_masses))
             record("estimate", shape, f"pages={block} warps={warps}", micros, summary_bytes)
-        estimate_module.PAGES_PER_PROGRAM, estimate_module.NUM_WARPS = 32, 4
+        estimate_module.PAGES_PER_PROGRAM, estimate_module.NUM_WARPS = 16, 4
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)
