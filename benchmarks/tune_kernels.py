@@ -85,7 +85,7 @@ def main():
             micros = bench(lambda: estimate_module.estimate(query, keys, summaries, table,
                                                             seq_lens, scale, log_masses))
             record("estimate", shape, f"pages={block} warps={warps}", micros, summary_bytes)
-        estimate_module.PAGES_PER_PROGRAM, estimate_module.NUM_WARPS = 16, 4
+        estimate_module.PAGES_PER_PROGRAM, estimate_module.NUM_WARPS = 64, 8
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)
