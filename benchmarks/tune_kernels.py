@@ -15,6 +15,7 @@ import itertools
 import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -145,7 +146,8 @@ def main():
 
     out_dir = os.environ.get("OUT", ".")
     with open(os.path.join(out_dir, "tune.json"), "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+        json.dump(dict(command="python3 " + " ".join(sys.argv), gpu=torch.cuda.get_device_name(),
+                       torch=torch.__version__,
                        triton=triton.__version__, date=time.strftime("%Y-%m-%d"),
                        results=results), f, indent=1)
 
