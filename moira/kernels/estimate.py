@@ -6,8 +6,10 @@ from the page summaries, without reading keys; the sink (page 0) and the current
 which has no summary yet, are computed exactly from their keys.
 
 Grid: (rows = batch * KV heads, page blocks of ``PAGES_PER_PROGRAM``); a program past its row's
-last page exits. Each row's first program also reads the keys of the sink and the current page. Bytes: every page's summary (2 * D values) once, two pages of keys per row,
-and G floats written per page.
+last page exits. Each row's first program also reads the keys of the sink and the current page.
+
+Bytes: every page's summary (2 * D values) once, two pages of keys per row, and G floats written
+per page.
 """
 
 import math
