@@ -30,7 +30,6 @@ def main():
             moira.sparse_decode(query, keys, values, summaries, table, seq_lens,
                                 top_k=round(0.22 * pages), workspace=workspace, out=out)
         torch.cuda.synchronize()
-        del keys, values
 
 
 if __name__ == "__main__":

@@ -141,8 +141,6 @@ def main():
                                                        workspace=workspace, out=out))
             record("step22", shape, "estimate+select+attend+merge, defaults", micros,
                    sparse_bytes + summary_bytes)
-        del keys, values
-        torch.cuda.empty_cache()
 
     out_dir = os.environ.get("OUT", ".")
     with open(os.path.join(out_dir, "tune.json"), "w") as f:
