@@ -79,9 +79,9 @@ def main():
         scale = 1 / math.sqrt(HEAD_DIM)
         summary_bytes = batch * KV_HEADS * pages * 2 * HEAD_DIM * summaries.element_size()
 
-        blocks = [8, 16, 32, 64] if not args.quick else [16, 32]
+        blocks = [16, 32, 64] if not args.quick else [32, 64]
         for block, warps in itertools.product(blocks if "estimate" in kinds else [],
-                                              [2, 4, 8] if not args.quick else [2, 4]):
+                                              [2, 4, 8] if not args.quick else [4, 8]):
             estimate_module.PAGES_PER_PROGRAM, estimate_module.NUM_WARPS = block, warps
             micros = bench(lambda: estimate_module.estimate(query, keys, summaries, table,
                                                             seq_lens, scale, log_masses))
@@ -91,6 +91,12 @@ def main():
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)
         default_warps = select_module.num_warps
+        for k_b in [2, 4, 8, 16] if "select" in kinds else []:
+            select_module.num_warps = lambda block: 8
+            micros = bench(lambda: select_module.select(
+                log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS, max_pages=pages,
+                ways=k_b, gamma=0.98, top_k=None))
+            record("select", shape, f"coverage K_B={k_b} warps=8", micros)
         for warps in ([4, 8, 16] if not args.quick else [4, 8]) if "select" in kinds else []:
             select_module.num_warps = lambda block, warps=warps: warps
             for mode, kwargs in [("coverage", dict(gamma=0.98, top_k=None)),

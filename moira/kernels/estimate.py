@@ -5,8 +5,9 @@
 from the page summaries, without reading keys; the sink (page 0) and the current (last) page,
 which has no summary yet, are computed exactly from their keys.
 
-Grid: (rows = batch * KV heads, page blocks of ``PAGES_PER_PROGRAM``); a program past its row's
-last page exits. Each row's first program also reads the keys of the sink and the current page.
+Grid: (rows = batch * KV heads, 2 + page blocks of ``PAGES_PER_PROGRAM``): programs 0 and 1 of
+a row compute the sink and the current page from their keys; the others apply mvar to the middle
+pages of their block and exit if the block is past the row's end.
 
 Bytes: every page's summary (2 * D values) once, two pages of keys per row, and G floats written
 per page.
@@ -40,53 +41,52 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                      BLOCK_P: tl.constexpr):
     row = tl.program_id(0)
-    first = tl.program_id(1) * BLOCK_P
+    block = tl.program_id(1)
     b = row // num_kv_heads
     head = row % num_kv_heads
     seq_len = tl.load(seq_lens + b)
     pages_in_row = tl.minimum(tl.cdiv(seq_len, PAGE), max_pages)
+    last = pages_in_row - 1
+    row_table = block_table + b.to(tl.int64) * stride_bt
+    query_row = query + b.to(tl.int64) * stride_qb + head * GROUP * stride_qh
+    dst = log_masses + row.to(tl.int64) * stride_lr
+    dims = tl.arange(0, HEAD_DIM)
+
+    if block < 2:
+        # program 0: the sink, program 1: the current page (no summary yet), exact, one tile
+        # each; they come first in the grid so their key reads overlap the mvar blocks. With a
+        # single page both compute page 0 and store the same values.
+        if pages_in_row == 0:
+            return
+        page = tl.where(block == 0, 0, last)
+        tokens = tl.arange(0, PAGE)
+        valid = tokens < seq_len - page * PAGE
+        physical = tl.load(row_table + page).to(tl.int64)
+        keys = tl.load(key_cache + physical * stride_kp + head * stride_kh
+                       + tokens[:, None] * stride_kt + dims[None, :] * stride_kd,
+                       mask=valid[:, None], other=0.0).to(tl.float32)
+        for g in tl.static_range(GROUP):
+            q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
+            logits = tl.where(valid, tl.sum(keys * q_g[None, :], axis=1), float("-inf"))
+            tl.store(dst + g * stride_lg + page, _log_sum_exp(logits))
+        return
+
+    first = (block - 2) * BLOCK_P
     if first >= pages_in_row:
         return
-    last = pages_in_row - 1
-
-    dims = tl.arange(0, HEAD_DIM)
     pages = first + tl.arange(0, BLOCK_P)
     middle = (pages > 0) & (pages < last)  # full pages, summarized
-    row_table = block_table + b.to(tl.int64) * stride_bt
     physical = tl.load(row_table + pages, mask=middle, other=0)
     src = summaries + physical.to(tl.int64)[:, None] * stride_sp + head * stride_sh \
         + dims[None, :] * stride_sd
     mean = tl.load(src, mask=middle[:, None], other=0.0).to(tl.float32)
     var = tl.load(src + stride_ss, mask=middle[:, None], other=0.0).to(tl.float32)
-
     # mvar: G is small, so plain FMAs and a row sum (a tl.dot would pad G to 16)
-    query_row = query + b.to(tl.int64) * stride_qb + head * GROUP * stride_qh
-    dst = log_masses + row.to(tl.int64) * stride_lr
     for g in tl.static_range(GROUP):
         q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
         est = tl.sum(mean * q_g[None, :] + var * (0.5 * q_g * q_g)[None, :], axis=1) \
             + math.log(PAGE)
         tl.store(dst + g * stride_lg + pages, est, mask=middle)
-
-    # the sink and the current page, which has no summary yet: exact, in the row's first
-    # program (when the row has one page, both are page 0 and both stores agree)
-    if first == 0:
-        tokens = tl.arange(0, PAGE)
-        in_sink = tokens < seq_len
-        in_current = tokens < seq_len - last * PAGE
-        keys = key_cache + head * stride_kh + tokens[:, None] * stride_kt \
-            + dims[None, :] * stride_kd
-        sink_keys = tl.load(keys + tl.load(row_table).to(tl.int64) * stride_kp,
-                            mask=in_sink[:, None], other=0.0)
-        current_keys = tl.load(keys + tl.load(row_table + last).to(tl.int64) * stride_kp,
-                               mask=in_current[:, None], other=0.0)
-        for g in tl.static_range(GROUP):
-            q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
-            sink = tl.sum(sink_keys.to(tl.float32) * q_g[None, :], axis=1)
-            current = tl.sum(current_keys.to(tl.float32) * q_g[None, :], axis=1)
-            tl.store(dst + g * stride_lg, _log_sum_exp(tl.where(in_sink, sink, float("-inf"))))
-            tl.store(dst + g * stride_lg + last,
-                     _log_sum_exp(tl.where(in_current, current, float("-inf"))))
 
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses):
@@ -96,7 +96,8 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     max_pages = block_table.shape[1]
-    grid = (batch * num_kv_heads, triton.cdiv(max_pages, PAGES_PER_PROGRAM))
+    # columns 0 and 1: the exact sink and current page of each row; then the mvar page blocks
+    grid = (batch * num_kv_heads, 2 + triton.cdiv(max_pages, PAGES_PER_PROGRAM))
     _estimate_kernel[grid](
         query, key_cache, summaries, block_table, seq_lens, log_masses,
         *query.stride(), *key_cache.stride(), *summaries.stride(),
