@@ -86,7 +86,7 @@ def main():
             micros = bench(lambda: estimate_module.estimate(query, keys, summaries, table,
                                                             seq_lens, scale, log_masses))
             record("estimate", shape, f"pages={block} warps={warps}", micros, summary_bytes)
-        estimate_module.PAGES_PER_PROGRAM, estimate_module.NUM_WARPS = 64, 8
+        estimate_module.PAGES_PER_PROGRAM, estimate_module.NUM_WARPS = 32, 4
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)

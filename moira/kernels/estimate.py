@@ -21,8 +21,8 @@ import triton.language as tl
 from ..config import PAGE_SIZE
 
 # tuned on the H200 (benchmarks/NOTES.md)
-PAGES_PER_PROGRAM = 64
-NUM_WARPS = 8
+PAGES_PER_PROGRAM = 32
+NUM_WARPS = 4
 
 
 @triton.jit

@@ -29,7 +29,7 @@ from ..config import BISECTION_BITS, PAGE_SIZE
 
 def num_warps(block):
     """Warps per row program: enough threads to hold the row's shares in registers."""
-    return 4 if block <= 1024 else (8 if block <= 4096 else 16)
+    return 4 if block < 1024 else (8 if block <= 4096 else 16)
 
 
 @triton.jit
