@@ -35,7 +35,8 @@ class _Progress:
     def __call__(self, message):
         self.step += 1
         elapsed = time.perf_counter() - self.start
-        print(f"[{self.step}/{self.steps} {elapsed:6.1f}s] {message}", flush=True)
+        count = f"{self.step}/{self.steps}" if self.steps else f"{self.step}"
+        print(f"[{count} {elapsed:7.1f}s] {message}", flush=True)
 
 
 def demo(args):
@@ -147,6 +148,40 @@ def _plot(masks, args, path):
     plt.close(fig)
 
 
+def evaluate(args, command):
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moira.evaluation import experiments, hf
+
+    torch.manual_seed(args.seed)
+    hf.register()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,
+                                                 attn_implementation=hf.ATTENTION_NAME)
+    with open(args.text) as f:
+        text = f.read()
+    if args.text.endswith(".json"):
+        text = json.loads(text)["text"]
+    gammas = [float(g) for g in args.gammas.split(",")]
+    progress = _Progress(None)
+    result = experiments.evaluate(
+        model, lambda s: tokenizer(s, add_special_tokens=False)["input_ids"],
+        lambda ids: tokenizer.decode(ids), text, context=args.context,
+        documents=args.documents, gammas=gammas, tasks=args.tasks.split(","),
+        new_tokens=args.new_tokens, seed=args.seed, progress=progress)
+    result.update(command=command,
+                  model=args.model, text=args.text, context=args.context,
+                  documents=args.documents, gammas=gammas, device="cpu (float32 reference)",
+                  torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result["table"], indent=1))
+    print(f"wrote {args.out}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="moira", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -160,9 +195,23 @@ def main(argv=None):
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     run.add_argument("--out", default="moira-demo.png", help="PNG of the kept pages")
+    ev = commands.add_parser("eval", help="accuracy of sparse vs dense decoding on a "
+                                          "Hugging Face causal LM (CPU, float32 reference)")
+    ev.add_argument("--model", required=True, help="a Hugging Face model folder")
+    ev.add_argument("--text", required=True, help="a long text file (.txt or {'text': ...} .json)")
+    ev.add_argument("--context", type=int, default=4096, help="tokens per prompt")
+    ev.add_argument("--documents", type=int, default=20, help="samples per task")
+    ev.add_argument("--gammas", default="0.95,0.98,0.99,1.0")
+    ev.add_argument("--tasks", default="kl,retrieval,repeat")
+    ev.add_argument("--new-tokens", type=int, default=32, help="continuation length for KL")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--out", default="accuracy.json")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command == "demo":
         demo(args)
+    elif args.command == "eval":
+        evaluate(args, "moira " + " ".join(argv))
     return 0
 
 

@@ -56,10 +56,12 @@ def summarize(key_cache, block_table, seq_lens, summaries=None):
         )
     for b in range(block_table.shape[0]):
         full_pages = min(int(seq_lens[b]) // PAGE_SIZE, block_table.shape[1])
-        for page in block_table[b, :full_pages].tolist():
-            keys = key_cache[page].float()  # [64, num_kv_heads, head_dim]
-            summaries[page, :, 0] = keys.mean(dim=0)
-            summaries[page, :, 1] = keys.var(dim=0, unbiased=False)
+        if full_pages == 0:
+            continue
+        pages = block_table[b, :full_pages].long()
+        keys = key_cache[pages].float()  # [pages, 64, num_kv_heads, head_dim]
+        summaries[pages, :, 0] = keys.mean(dim=1)
+        summaries[pages, :, 1] = keys.var(dim=1, unbiased=False)
     return summaries
 
 

@@ -1,0 +1,111 @@
+"""The accuracy harness on a tiny random-weight Llama built here (no downloads)."""
+
+import math
+import random
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from moira.evaluation import experiments, hf, tasks  # noqa: E402
+
+
+def encode(text):
+    return list(text.encode("utf-8"))
+
+
+def decode(ids):
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def text(words=6000, seed=0):
+    rng = random.Random(seed)
+    vocabulary = ["the", "a", "model", "reads", "pages", "of", "keys", "and", "values", "each",
+                  "step", "attention", "mass", "is", "kept", "where", "it", "falls"]
+    return " ".join(rng.choice(vocabulary) for _ in range(words)) + "."
+
+
+@pytest.fixture(scope="module")
+def lm():
+    hf.register()
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=hf.ATTENTION_NAME, dtype=torch.float32)
+    with torch.no_grad():  # peaked attention, so that gamma < 1 can skip pages
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(12)
+            layer.self_attn.k_proj.weight.mul_(12)
+    return experiments.CausalLM(model)
+
+
+def test_gamma_one_matches_dense_decoding(lm):
+    ids = encode(text())[:300]
+    kl_rows = experiments.token_kl(lm, [ids], [1.0, 0.3], new_tokens=6, progress=lambda m: None)
+    exact, sparse = kl_rows
+    assert exact["read_fraction"] == 1.0 and exact["kl"] < 1e-6
+    assert sparse["read_fraction"] < 1.0 and sparse["kl"] > exact["kl"]
+
+
+def test_sparse_decode_step_is_the_reference(lm):
+    ids = encode(text())[:200]
+    cache, logprobs = lm.prefill(ids)
+    sparse = hf.SparseDecoding(gamma=1.0)
+    dense_step = lm.teacher_forced(cache, [int(logprobs.argmax())])[0]
+    sparse_step = lm.teacher_forced(cache, [int(logprobs.argmax())], sparse)[0]
+    torch.testing.assert_close(sparse_step, dense_step, rtol=1e-4, atol=1e-4)
+    assert sparse.pages_total == 2 * 2 * math.ceil(201 / 64)  # layers x KV heads x pages
+
+
+def test_multi_token_forward_on_a_cache_is_refused(lm):
+    cache, _ = lm.prefill(encode(text())[:100])
+    with pytest.raises(ValueError, match="empty cache"):
+        lm.model(torch.tensor([[1, 2, 3]]), use_cache=True, **{lm.cache_argument: cache})
+
+
+def test_evaluate_end_to_end(lm):
+    result = experiments.evaluate(
+        lm.model, encode, decode, text(20000), context=320, documents=2, gammas=[0.5, 1.0],
+        new_tokens=4, passage_tokens=24, progress=lambda m: None)
+    table = result["table"]
+    assert set(table) == {"dense", "0.5", "1.0"}
+    assert table["1.0"]["kl"] < 1e-6 and table["1.0"]["kl_read_fraction"] == 1.0
+    assert table["0.5"]["kl_read_fraction"] < 1.0
+    assert table["1.0"]["retrieval"] == table["dense"]["retrieval"]
+    assert table["1.0"]["retrieval_minus_dense"]["mean"] == 0.0
+    assert abs(table["1.0"]["repeat_ppl"] - table["dense"]["repeat_ppl"]) < 1e-3
+    assert len(result["rows"]["retrieval"]) == 2 * 2 * 3  # samples x kinds x (dense + gammas)
+
+
+def test_passkey_prompts():
+    haystack = encode(text())
+    single = tasks.passkey(haystack, encode, 500, kind="single", depth=0.5, seed=3)
+    assert len(single.prompt) == 500 and single.answer.isdigit() and len(single.answer) == 5
+    prompt = decode(single.prompt)
+    assert prompt.count(single.answer) == 2 and prompt.endswith("The pass key is")
+    assert prompt.startswith("A special pass key is hidden")
+    assert abs(prompt.index(single.answer) / len(prompt) - 0.5) < 0.1
+    multi = tasks.passkey(haystack, encode, 600, kind="multi", depth=0.1, seed=3)
+    prompt = decode(multi.prompt)
+    assert prompt.count(" The pass key for") == 4 + 1 and multi.answer in prompt  # + question
+    with pytest.raises(ValueError, match="too short"):
+        tasks.passkey(haystack, encode, 40)
+
+
+def test_repeated_passage_and_windows():
+    ids, second = tasks.repeated_passage([1, 2, 3], list(range(100, 200)), 20)
+    assert len(ids) == 20 and ids[:3] == ids[second:] == [1, 2, 3]
+    parts = tasks.windows(list(range(100)), 10, 5, seed=1)
+    assert len({tuple(p) for p in parts}) == 5 and all(len(p) == 10 for p in parts)
+    with pytest.raises(ValueError, match="windows"):
+        tasks.windows(list(range(100)), 30, 4)
+
+
+def test_paired_bootstrap():
+    same = experiments.paired_bootstrap([1, 0, 1, 1], [1, 0, 1, 1])
+    assert same == dict(mean=0.0, low=0.0, high=0.0)
+    worse = experiments.paired_bootstrap([1] * 20, [0] * 5 + [1] * 15)
+    assert worse["mean"] == -0.25 and worse["low"] < -0.25 < worse["high"] <= 0.0
