@@ -68,7 +68,7 @@ def test_multi_token_forward_on_a_cache_is_refused(lm):
 
 def test_evaluate_end_to_end(lm):
     result = experiments.evaluate(
-        lm.model, encode, decode, text(20000), context=320, documents=2, gammas=[0.5, 1.0],
+        lm.model, encode, decode, text(30000), context=640, documents=2, gammas=[0.5, 1.0],
         new_tokens=4, passage_tokens=24, progress=lambda m: None)
     table = result["table"]
     assert set(table) == {"dense", "0.5", "1.0"}
