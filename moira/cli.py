@@ -171,7 +171,8 @@ def evaluate(args, command):
         model, lambda s: tokenizer(s, add_special_tokens=False)["input_ids"],
         lambda ids: tokenizer.decode(ids), text, context=args.context,
         documents=args.documents, gammas=gammas, tasks=args.tasks.split(","),
-        new_tokens=args.new_tokens, seed=args.seed, progress=progress)
+        new_tokens=args.new_tokens, seed=args.seed, calibration=args.calibration,
+        progress=progress)
     result.update(command=command,
                   model=args.model, text=args.text, context=args.context,
                   documents=args.documents, gammas=gammas, device="cpu (float32 reference)",
@@ -202,7 +203,10 @@ def main(argv=None):
     ev.add_argument("--context", type=int, default=4096, help="tokens per prompt")
     ev.add_argument("--documents", type=int, default=20, help="samples per task")
     ev.add_argument("--gammas", default="0.95,0.98,0.99,1.0")
-    ev.add_argument("--tasks", default="kl,retrieval,repeat")
+    ev.add_argument("--tasks", default="kl,retrieval,repeat,budget,ablation",
+                    help="any of kl, retrieval, repeat, budget, ablation")
+    ev.add_argument("--calibration", type=int, default=5,
+                    help="documents that profile per-(layer, head) budgets for the ablation")
     ev.add_argument("--new-tokens", type=int, default=32, help="continuation length for KL")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--out", default="accuracy.json")

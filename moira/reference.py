@@ -176,7 +176,7 @@ def coverage_threshold(shares, gamma):
 
 
 def _pack(shares, seq_lens, choose):
-    """Apply ``choose(row_shares) -> kept pages`` to every row; pack the results as
+    """Apply ``choose(row_shares, b, h) -> kept pages`` to every row; pack the results as
     ``(page_lists [batch, kv_heads, max_pages] int32, -1 past the count; page_counts)``."""
     batch, num_kv_heads, max_pages = shares.shape
     page_lists = torch.full((batch, num_kv_heads, max_pages), -1, dtype=torch.int32)
@@ -184,7 +184,7 @@ def _pack(shares, seq_lens, choose):
     for b in range(batch):
         pages = num_pages(seq_lens[b], max_pages)
         for h in range(num_kv_heads):
-            kept = choose(shares[b, h, :pages].cpu()) if pages else []
+            kept = choose(shares[b, h, :pages].cpu(), b, h) if pages else []
             page_lists[b, h, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
             page_counts[b, h] = len(kept)
     return page_lists.to(shares.device), page_counts.to(shares.device)
@@ -193,20 +193,22 @@ def _pack(shares, seq_lens, choose):
 def select(log_masses, seq_lens, *, gamma=0.98, top_k=None):
     """The pages each row keeps: coverage rule (default) or, with ``top_k``, the ``top_k``
     largest (sink and current page included; rows of at most ``top_k`` pages keep all; ties
-    broken by lower page index).
+    broken by lower page index). ``top_k`` is an int or a ``[batch, num_kv_heads]`` tensor of
+    per-row counts.
 
     Returns ``(page_lists, page_counts)``: ``[batch, num_kv_heads, max_pages]`` int32 logical
     pages, sink first, current page last, the middle in increasing order, ``-1`` past the count;
     ``[batch, num_kv_heads]`` int32.
     """
 
-    def choose(row):
+    def choose(row, b, h):
         pages = len(row)
         if pages <= 2:
             return list(range(pages))
         if top_k is not None:
+            count = int(top_k[b, h]) if torch.is_tensor(top_k) else top_k
             order = torch.sort(row[1:-1], descending=True, stable=True).indices
-            chosen = sorted((order[: max(top_k - 2, 0)] + 1).tolist())
+            chosen = sorted((order[: max(count - 2, 0)] + 1).tolist())
         else:
             tau, _ = coverage_threshold(row, gamma)
             chosen = (torch.nonzero(row[1:-1] >= tau).flatten() + 1).tolist()
@@ -220,7 +222,7 @@ def oracle_coverage(query, key_cache, block_table, seq_lens, gamma, scale=None):
     group-mean attention share reaches gamma (no forced pages). Same return format as
     ``select`` (pages in increasing order)."""
 
-    def choose(row):
+    def choose(row, b, h):
         order = torch.sort(row, descending=True, stable=True).indices
         needed = int(torch.searchsorted(torch.cumsum(row[order].double(), 0),
                                         torch.tensor([gamma], dtype=torch.float64)))

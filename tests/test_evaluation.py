@@ -109,3 +109,44 @@ def test_paired_bootstrap():
     assert same == dict(mean=0.0, low=0.0, high=0.0)
     worse = experiments.paired_bootstrap([1] * 20, [0] * 5 + [1] * 15)
     assert worse["mean"] == -0.25 and worse["low"] < -0.25 < worse["high"] <= 0.0
+
+
+def test_budget_analysis_and_ablation(lm):
+    result = experiments.evaluate(
+        lm.model, encode, decode, text(30000), context=400, documents=2, gammas=[0.9],
+        tasks=("budget", "ablation"), new_tokens=4, calibration=1, progress=lambda m: None)
+    budget = result["table"]["budget"]
+    assert len(budget["coverage_fraction_per_layer_head"]) == 2  # layers
+    assert 0 < budget["mean_coverage_fraction"] <= 1
+    # a budget that covers 90% of the rows reads at least what the coverage sets read
+    assert budget["fixed_budget_reads_vs_coverage"] >= budget["profiled_budget_reads_vs_coverage"]
+    assert budget["profiled_budget_reads_vs_coverage"] >= 0.9
+    ablation = result["table"]["ablation"]
+    assert len(ablation) == 6 and all(0 < arm["read_fraction"] <= 1 for arm in ablation.values())
+
+
+def test_library_selectors_feed_attend():
+    from moira import reference, selectors
+
+    torch.manual_seed(0)
+    keys = torch.randn(12, 64, 2, 64)
+    values = torch.randn(12, 64, 2, 64)
+    table = torch.randperm(12)[:10].view(2, 5).int()
+    seq_lens = torch.tensor([64 * 4 + 3, 64 * 2], dtype=torch.int32)
+    query = torch.randn(2, 4, 64)
+    lists, counts = selectors.window(seq_lens, 2, 5, sink_pages=1, recent_pages=2)
+    assert counts.tolist() == [[3, 3], [2, 2]]
+    assert lists[0, 0, :3].tolist() == [0, 3, 4] and lists[1, 1, :2].tolist() == [0, 1]
+    boxes = selectors.quest_summaries(keys, table, seq_lens)
+    lists, counts = selectors.quest(query, boxes, table, seq_lens, top_k=3)
+    assert counts.tolist() == [[3, 3], [2, 2]]
+    assert (lists[0, :, 0] == 0).all() and (lists[0, :, 2] == 4).all()
+    # the bound is an upper bound of every key's logit in the page
+    for h in range(2):
+        page = int(table[0, 1])
+        logits = query[0, 2 * h : 2 * h + 2] @ keys[page, :, h].T
+        lo, hi = boxes[page, h, 0], boxes[page, h, 1]
+        bound = torch.maximum(query[0, 2 * h : 2 * h + 2] * lo, query[0, 2 * h : 2 * h + 2] * hi)
+        assert (logits.amax(-1) <= bound.sum(-1) + 1e-4).all()
+    out = reference.attend(query, keys, values, table, seq_lens, lists, counts)
+    assert torch.isfinite(out).all()

@@ -1,5 +1,6 @@
 """Sparse against dense on one model, one sequence at a time: token KL, pass-key retrieval and
-repeated-passage perplexity, each at several gammas with the fraction of pages read.
+repeated-passage perplexity, each at several gammas with the fraction of pages read; the
+oracle budget analysis (paper Figure 1, section 6.1) and selector ablations at equal reads.
 
 Every measurement prefills dense (as a serving engine does) and runs the decode steps either
 dense (transformers' SDPA) or sparse (``SparseDecoding``), from copies of the same prefilled
@@ -16,7 +17,8 @@ import time
 
 import torch
 
-from .hf import SparseDecoding
+from .. import reference, selectors
+from .hf import SparseDecoding, moira_pages
 from .tasks import passkey, repeated_passage, windows
 
 
@@ -159,6 +161,130 @@ def repeated_passage_nll(lm, pairs, context, gammas, progress=print):
     return rows
 
 
+def _all_pages(layer, query, key_cache, block_table, seq_lens, scale):
+    return selectors.window(seq_lens, key_cache.shape[2], block_table.shape[1],
+                            sink_pages=0, recent_pages=block_table.shape[1])
+
+
+def budget_analysis(lm, documents, new_tokens, coverage=0.95, progress=print):
+    """The oracle coverage set C*(coverage) (Eq. 1, exact attention) of every (layer, KV head,
+    decode step) along dense greedy decoding; returns one row per (doc, step, layer, head)."""
+    rows = []
+    for index, doc in enumerate(documents):
+        steps = {}
+
+        def observe(layer, query, key_cache, block_table, seq_lens, scale):
+            _, counts = reference.oracle_coverage(query, key_cache, block_table, seq_lens,
+                                                  coverage, scale)
+            step = steps[layer] = steps.get(layer, -1) + 1
+            for head, size in enumerate(counts[0].tolist()):
+                rows.append(dict(doc=index, step=step, layer=layer, head=head, size=size,
+                                 pages=block_table.shape[1]))
+
+        cache, logprobs = lm.prefill(doc)  # decode with every page: outputs stay dense
+        lm.greedy(cache, logprobs, new_tokens, SparseDecoding(select=_all_pages, observe=observe))
+        progress(f"budget: document {index + 1}/{len(documents)}")
+    return rows
+
+
+def _cv(values):
+    values = torch.tensor(values, dtype=torch.float64)
+    return float(values.std(unbiased=False) / values.mean()) if values.mean() > 0 else 0.0
+
+
+def budget_statistics(rows, quantile=0.9):
+    """Figure 1 / section 6.1 statistics from ``budget_analysis`` rows: mean |C*| / pages per
+    (layer, head), CVs across layers, across the heads of a layer (per step) and across the
+    steps of a (layer, head); and the pages read by one fixed budget and by a per-(layer, head)
+    profiled budget that give ``quantile`` of the rows at least the coverage, relative to the
+    coverage sets' own size."""
+    layers = 1 + max(r["layer"] for r in rows)
+    heads = 1 + max(r["head"] for r in rows)
+    fraction = [[0.0] * heads for _ in range(layers)]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["layer"], r["head"]), []).append(r)
+    for (layer, head), group in groups.items():
+        fraction[layer][head] = sum(r["size"] / r["pages"] for r in group) / len(group)
+    per_layer = [sum(r["size"] for r in rows if r["layer"] == layer) for layer in range(layers)]
+    by_step = {}
+    for r in rows:
+        by_step.setdefault((r["doc"], r["step"], r["layer"]), []).append(r["size"])
+    by_series = {}
+    for r in rows:
+        by_series.setdefault((r["doc"], r["layer"], r["head"]), []).append(r["size"])
+    sizes = torch.tensor([r["size"] for r in rows], dtype=torch.float64)
+    pages = torch.tensor([r["pages"] for r in rows], dtype=torch.float64)
+    fixed = torch.quantile(sizes, quantile)
+    profiled = 0.0
+    for group in groups.values():
+        budget = float(torch.quantile(torch.tensor([float(r["size"]) for r in group]), quantile))
+        profiled += sum(min(budget, r["pages"]) for r in group)
+    return dict(
+        coverage_fraction_per_layer_head=fraction,
+        mean_coverage_fraction=float((sizes / pages).mean()),
+        cv_across_layers=_cv(per_layer),
+        cv_across_heads_of_a_layer=sum(map(_cv, by_step.values())) / len(by_step),
+        cv_across_steps=sum(map(_cv, by_series.values())) / len(by_series),
+        fixed_budget_pages=float(fixed),
+        fixed_budget_reads_vs_coverage=float(torch.minimum(fixed, pages).sum() / sizes.sum()),
+        profiled_budget_reads_vs_coverage=profiled / float(sizes.sum()),
+        rows=len(rows))
+
+
+def ablation(lm, documents, calibration, new_tokens, gamma=0.98, progress=print):
+    """Selectors at (about) equal reads, by token KL to dense on the dense greedy continuation.
+
+    Per document, the coverage rule at ``gamma`` sets the reads; the other arms get the same
+    number of pages per row: fixed K (mvar ranking; at one context length per document this is
+    also proportional top-k), K per (layer, KV head) profiled on the ``calibration`` documents
+    and scaled to the same total, fixed K with a mean-only estimate, fixed K with Quest's
+    bound, and a sink + recent-pages window."""
+    profile = None
+    for doc in calibration:  # mean pages kept per (layer, KV head) by the coverage rule
+        arm = SparseDecoding(gamma=gamma, record_rows=True)
+        cache, logprobs = lm.prefill(doc)
+        lm.greedy(cache, logprobs, new_tokens, arm)
+        counts = {}
+        for layer, page_counts, _ in arm.rows:
+            counts.setdefault(layer, []).append(page_counts[0].float())
+        kept = torch.stack([torch.stack(counts[layer]).mean(0) for layer in sorted(counts)])
+        profile = kept if profile is None else profile + kept
+    progress("ablation: calibrated")
+
+    rows = []
+    for index, doc in enumerate(documents):
+        cache, logprobs = lm.prefill(doc)
+        tokens, dense_steps = lm.greedy(cache, logprobs, new_tokens)
+
+        def run(name, arm):
+            steps = lm.teacher_forced(cache, tokens[:-1], arm)
+            kls = [kl(p, q) for p, q in zip(dense_steps, steps)]
+            rows.append(dict(doc=index, arm=name, kl=sum(kls) / len(kls),
+                             read_fraction=arm.read_fraction))
+            return arm
+
+        coverage = run(f"coverage gamma={gamma}", SparseDecoding(gamma=gamma))
+        rows_per_step = profile.numel()
+        per_row = coverage.pages_read / (len(tokens) - 1) / rows_per_step
+        top_k = max(2, round(per_row))
+        scaled = torch.clamp((profile * per_row * rows_per_step / profile.sum()).round(), min=2)
+        run("fixed K (mvar)", SparseDecoding(top_k=top_k))
+        run("profiled K per (layer, head)", SparseDecoding(
+            select=lambda layer, *inputs: moira_pages(
+                *inputs, top_k=scaled[layer].long().expand(inputs[0].shape[0], -1))))
+        run("fixed K, mean-only estimate", SparseDecoding(top_k=top_k, estimator="mean"))
+        run("fixed K, Quest bound", SparseDecoding(
+            select=lambda layer, query, key_cache, block_table, seq_lens, scale: selectors.quest(
+                query, selectors.quest_summaries(key_cache, block_table, seq_lens), block_table,
+                seq_lens, top_k)))
+        run("sink + recent window", SparseDecoding(
+            select=lambda layer, query, key_cache, block_table, seq_lens, scale: selectors.window(
+                seq_lens, key_cache.shape[2], block_table.shape[1], recent_pages=top_k - 1)))
+        progress(f"ablation: document {index + 1}/{len(documents)}")
+    return rows
+
+
 def summarize_rows(results):
     """Per-gamma tables from the raw rows of ``evaluate``."""
     table = {}
@@ -182,6 +308,19 @@ def summarize_rows(results):
                                                               [sparse[k] for k in keys])
             entry["retrieval_read_fraction"] = sum(
                 r["read_fraction"] for r in rows if r["gamma"] == gamma) / len(sparse)
+    if "ablation" in results:
+        arms = {}
+        for r in results["ablation"]:
+            arms.setdefault(r["arm"], []).append(r)
+        reference_arm = next(iter(arms))
+        base = {r["doc"]: r["kl"] for r in arms[reference_arm]}
+        table["ablation"] = {
+            name: dict(kl=sum(r["kl"] for r in rs) / len(rs),
+                       read_fraction=sum(r["read_fraction"] for r in rs) / len(rs),
+                       docs_where_coverage_kl_is_lower=sum(base[r["doc"]] < r["kl"] for r in rs))
+            for name, rs in arms.items()}
+    if "budget" in results:
+        table["budget"] = budget_statistics(results["budget"])
     if "repeat" in results:
         for gamma in [None] + sorted({r["gamma"] for r in results["repeat"]
                                       if r["gamma"] is not None}):
@@ -193,7 +332,7 @@ def summarize_rows(results):
 
 def evaluate(model, tokenizer_encode, tokenizer_decode, text, *, context, documents, gammas,
              tasks=("kl", "retrieval", "repeat"), new_tokens=32, passage_tokens=96, seed=0,
-             progress=print):
+             calibration=5, progress=print):
     """Run the chosen measurements; returns ``{"rows": {...}, "table": {...}, "seconds": s}``.
 
     ``documents`` samples per task, each from a different part of ``text`` (a long string).
@@ -211,6 +350,13 @@ def evaluate(model, tokenizer_encode, tokenizer_decode, text, *, context, docume
         haystacks = windows(parts[1], context, documents, seed=seed)
         results["retrieval"] = retrieval(lm, haystacks, tokenizer_encode, tokenizer_decode,
                                          context, gammas, progress=progress)
+    if "budget" in tasks:
+        docs = windows(parts[0], context, documents, seed=seed + 1)
+        results["budget"] = budget_analysis(lm, docs, new_tokens, progress=progress)
+    if "ablation" in tasks:
+        docs = windows(parts[0], context, documents + calibration, seed=seed + 2)
+        results["ablation"] = ablation(lm, docs[:documents], docs[documents:], new_tokens,
+                                       progress=progress)
     if "repeat" in tasks:
         chunks = windows(parts[2], context, documents + 1, seed=seed)
         rng = random.Random(seed)

@@ -28,26 +28,42 @@ ATTENTION_NAME = "moira"
 _active: SparseDecoding | None = None
 
 
+def moira_pages(query, key_cache, block_table, seq_lens, scale, *, gamma=0.98, top_k=None,
+                estimator="mvar"):
+    """Moira's Estimate -> Select (``moira.reference``): ``(page_lists, page_counts)``.
+    ``estimator="mean"`` drops the variance term of Eq. 2 (the ablation)."""
+    summaries = reference.summarize(key_cache, block_table, seq_lens)
+    if estimator == "mean":
+        summaries[:, :, 1] = 0.0
+    log_masses = reference.estimate(query, key_cache, summaries, block_table, seq_lens, scale)
+    return reference.select(log_masses, seq_lens, gamma=gamma, top_k=top_k)
+
+
 class SparseDecoding:
-    """Selection settings for decode steps, and the pages they read.
+    """How decode steps select pages, and the pages they read.
 
     Parameters
     ----------
-    gamma : coverage target in (0, 1]; 1.0 keeps every page.
-    top_k : fixed-count mode (pages per row, sink and current page included) instead.
-    estimator : "mvar" (Eq. 2) or "mean" (the mean term only: the variance summary is zeroed).
-    record_rows : also keep every row's page count per decode step, as
-        ``rows[(layer, step)] = page_counts [batch, kv_heads]`` with the row length.
+    gamma, top_k, estimator : Moira's selection (``moira_pages``): coverage target, or a fixed
+        count per row (int or ``[batch, kv_heads]``), and "mvar" or "mean".
+    select : instead, any ``select(layer, query [batch, heads, D], key_cache, block_table,
+        seq_lens, scale) -> (page_lists, page_counts)`` (e.g. ``moira.selectors``).
+    observe : called with the same arguments before selecting (e.g. to record oracle sets).
+    record_rows : keep every step's ``(layer, page_counts [batch, kv_heads], pages per row)``
+        in ``rows``.
     """
 
-    def __init__(self, gamma=0.98, top_k=None, estimator="mvar", record_rows=False):
+    def __init__(self, gamma=0.98, top_k=None, estimator="mvar", *, select=None, observe=None,
+                 record_rows=False):
         if estimator not in ("mvar", "mean"):
             raise ValueError(f"estimator must be 'mvar' or 'mean', got {estimator!r}")
-        self.gamma, self.top_k, self.estimator = gamma, top_k, estimator
+        self.select = select or (lambda layer, *inputs: moira_pages(
+            *inputs, gamma=gamma, top_k=top_k, estimator=estimator))
+        self.observe = observe
         self.record_rows = record_rows
         self.pages_read = 0
         self.pages_total = 0
-        self.rows = []  # (layer, page_counts [batch, kv_heads], pages per row)
+        self.rows = []
 
     @property
     def read_fraction(self):
@@ -68,12 +84,12 @@ class SparseDecoding:
         """One decode step of one layer: ``query`` ``[batch, heads, 1, D]``, ``key``/``value``
         ``[batch, kv_heads, tokens, D]`` (the whole cache, current token included)."""
         key_cache, value_cache, block_table, seq_lens = paged_view(key, value)
-        summaries = reference.summarize(key_cache, block_table, seq_lens)
-        if self.estimator == "mean":
-            summaries[:, :, 1] = 0.0
-        out, _, page_counts = reference.sparse_decode(
-            query[:, :, 0], key_cache, value_cache, summaries, block_table, seq_lens,
-            gamma=self.gamma, top_k=self.top_k, scale=scale, return_pages=True)
+        inputs = (query[:, :, 0], key_cache, block_table, seq_lens, scale)
+        if self.observe is not None:
+            self.observe(layer, *inputs)
+        page_lists, page_counts = self.select(layer, *inputs)
+        out = reference.attend(query[:, :, 0], key_cache, value_cache, block_table, seq_lens,
+                               page_lists, page_counts, scale=scale)
         pages = block_table.shape[1]
         self.pages_read += int(page_counts.sum())
         self.pages_total += page_counts.numel() * pages
