@@ -122,7 +122,9 @@ def test_budget_analysis_and_ablation(lm):
     assert budget["fixed_budget_reads_vs_coverage"] >= budget["profiled_budget_reads_vs_coverage"]
     assert budget["profiled_budget_reads_vs_coverage"] >= 0.9
     ablation = result["table"]["ablation"]
-    assert len(ablation) == 6 and all(0 < arm["read_fraction"] <= 1 for arm in ablation.values())
+    assert len(ablation) == 7 and all(0 < arm["read_fraction"] <= 1 for arm in ablation.values())
+    error = result["table"]["estimator_error"]
+    assert 0 < error["mean_exact_mass"] <= 1 + 1e-6 and len(error["worst_layer_heads"]) == 4
 
 
 def test_library_selectors_feed_attend():

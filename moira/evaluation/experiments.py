@@ -264,7 +264,23 @@ def ablation(lm, documents, calibration, new_tokens, gamma=0.98, progress=print)
                              read_fraction=arm.read_fraction))
             return arm
 
-        coverage = run(f"coverage gamma={gamma}", SparseDecoding(gamma=gamma))
+        covered = []  # exact group-mean mass inside each row's list: the estimator's error
+
+        def select_and_check(layer, query, key_cache, block_table, seq_lens, scale):
+            page_lists, page_counts = moira_pages(query, key_cache, block_table, seq_lens,
+                                                  scale, gamma=gamma)
+            shares = reference.group_shares(reference.exact_log_masses(
+                query, key_cache, block_table, seq_lens, scale))
+            for head in range(page_counts.shape[1]):
+                kept = page_lists[0, head, : page_counts[0, head]].long()
+                covered.append((layer, head, float(shares[0, head, kept].sum())))
+            return page_lists, page_counts
+
+        coverage = run(f"coverage gamma={gamma}", SparseDecoding(select=select_and_check))
+        rows[-1]["exact_mass_covered"] = covered
+        run(f"oracle coverage gamma={gamma} (exact masses)", SparseDecoding(
+            select=lambda layer, query, key_cache, block_table, seq_lens, scale:
+            reference.oracle_coverage(query, key_cache, block_table, seq_lens, gamma, scale)))
         rows_per_step = profile.numel()
         per_row = coverage.pages_read / (len(tokens) - 1) / rows_per_step
         top_k = max(2, round(per_row))
@@ -319,6 +335,19 @@ def summarize_rows(results):
                        read_fraction=sum(r["read_fraction"] for r in rs) / len(rs),
                        docs_where_coverage_kl_is_lower=sum(base[r["doc"]] < r["kl"] for r in rs))
             for name, rs in arms.items()}
+        covered = [c for r in arms[reference_arm] for c in r.get("exact_mass_covered", [])]
+        if covered:
+            per_head = {}
+            for layer, head, mass in covered:
+                per_head.setdefault((layer, head), []).append(mass)
+            means = sorted((sum(m) / len(m), layer, head) for (layer, head), m in per_head.items())
+            masses = [mass for _, _, mass in covered]
+            gamma = float(reference_arm.split("=")[1])
+            table["estimator_error"] = dict(
+                gamma=gamma, mean_exact_mass=sum(masses) / len(masses),
+                rows_below_gamma_minus_002=sum(m < gamma - 0.02 for m in masses) / len(masses),
+                worst_layer_heads=[dict(layer=layer, head=head, mean_exact_mass=mean)
+                                   for mean, layer, head in means[:5]])
     if "budget" in results:
         table["budget"] = budget_statistics(results["budget"])
     if "repeat" in results:

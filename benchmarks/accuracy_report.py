@@ -1,0 +1,135 @@
+"""Tables (markdown) and plots (PNG) from `moira eval` result files.
+
+    python benchmarks/accuracy_report.py benchmarks/results/accuracy-*.json [--readme README.md]
+
+Writes `<result>-kl.png` (token KL against pages read) and, where the budget analysis ran,
+`<result>-budget.png` (mean oracle coverage set per layer and KV head) beside each file, prints
+the markdown, and with --readme replaces the text between `<!-- accuracy:begin -->` and
+`<!-- accuracy:end -->` in that file.
+"""
+
+import argparse
+import json
+import os
+import re
+
+
+def _gammas(table):
+    return sorted((key for key in table if key.replace(".", "").isdigit()), key=float)
+
+
+def markdown(path, result):
+    table = result["table"]
+    lines = [f"**{os.path.basename(result['model'].rstrip('/'))}**, {result['context']}-token "
+             f"contexts, {result['documents']} samples per task, {result['device']}, "
+             f"{result['date']} (`{os.path.basename(path)}`; {result['seconds'] / 60:.0f} min; "
+             f"command: `{result['command']}`).", ""]
+    gammas = _gammas(table)
+    if any("kl" in table[g] or "retrieval" in table[g] for g in gammas):
+        lines += ["| γ | token KL | pages read | pass-key acc. (dense) | Δ vs dense [95% CI] "
+                  "| pages read | repeated-passage ppl (dense) |", "|---|---|---|---|---|---|---|"]
+        dense = table.get("dense", {})
+        nan = float("nan")
+        for g in gammas:
+            row = table[g]
+            delta = row.get("retrieval_minus_dense")
+            interval = (f"{delta['mean']:+.3f} [{delta['low']:+.3f}, {delta['high']:+.3f}]"
+                        if delta else "–")
+            lines.append(
+                f"| {g} | {row['kl']:.3g} | {row['kl_read_fraction']:.1%} | "
+                f"{row.get('retrieval', nan):.2f} ({dense.get('retrieval', nan):.2f}) | "
+                f"{interval} | {row.get('retrieval_read_fraction', nan):.1%} | "
+                f"{row.get('repeat_ppl', nan):.3f} ({dense.get('repeat_ppl', nan):.3f}) |")
+        lines.append("")
+    if "budget" in table:
+        b = table["budget"]
+        lines += [
+            f"Oracle coverage sets C*(0.95) over {b['rows']} (layer, KV head, step) rows: mean "
+            f"{b['mean_coverage_fraction']:.1%} of the context; CV of the set size "
+            f"{b['cv_across_layers']:.2f} across layers, {b['cv_across_heads_of_a_layer']:.2f} "
+            f"across the KV heads of a layer (same step), {b['cv_across_steps']:.2f} across the "
+            f"steps of a (layer, KV head). Budgets that give 90% of the rows >= 0.95 of the mass "
+            f"read {b['fixed_budget_reads_vs_coverage']:.2f}x the coverage sets (one fixed "
+            f"budget, {b['fixed_budget_pages']:.0f} pages) and "
+            f"{b['profiled_budget_reads_vs_coverage']:.2f}x (one budget per layer and KV head).",
+            ""]
+    if "ablation" in table:
+        lines += ["| selector (equal reads) | token KL | pages read | documents where the coverage "
+                  "rule's KL is lower |", "|---|---|---|---|"]
+        for name, arm in table["ablation"].items():
+            lines.append(f"| {name} | {arm['kl']:.3g} | {arm['read_fraction']:.1%} | "
+                         f"{arm['docs_where_coverage_kl_is_lower']} / {result['documents']} |")
+        lines.append("")
+    if "estimator_error" in table:
+        e = table["estimator_error"]
+        worst = ", ".join(f"layer {w['layer']} head {w['head']}: {w['mean_exact_mass']:.3f}"
+                          for w in e["worst_layer_heads"])
+        lines += [f"Exact attention mass inside the coverage rule's lists at γ={e['gamma']}: "
+                  f"mean {e['mean_exact_mass']:.3f}; {e['rows_below_gamma_minus_002']:.1%} of "
+                  f"the rows fall below γ - 0.02; lowest (layer, KV head) means: {worst}.", ""]
+    return "\n".join(lines)
+
+
+def plots(path, result):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table, stem = result["table"], path[: -len(".json")]
+    gammas = [g for g in _gammas(table) if "kl" in table[g]]
+    if gammas:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        reads = [table[g]["kl_read_fraction"] for g in gammas]
+        kls = [max(table[g]["kl"], 1e-9) for g in gammas]
+        ax.plot(reads, kls, "o-")
+        for g, x, y in zip(gammas, reads, kls):
+            ax.annotate(f"γ={g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        if "ablation" in table:
+            for name, arm in table["ablation"].items():
+                ax.plot(arm["read_fraction"], max(arm["kl"], 1e-9), "x")
+                ax.annotate(name, (arm["read_fraction"], arm["kl"]), fontsize=6,
+                            textcoords="offset points", xytext=(4, -8))
+        ax.set(xlabel="fraction of KV pages read", ylabel="mean token KL to dense",
+               yscale="log", title=os.path.basename(stem))
+        fig.tight_layout()
+        fig.savefig(stem + "-kl.png", dpi=120)
+        plt.close(fig)
+    if "budget" in table:
+        grid = table["budget"]["coverage_fraction_per_layer_head"]
+        fig, ax = plt.subplots(figsize=(3 + 0.4 * len(grid[0]), 0.18 * len(grid) + 1.5))
+        image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0)
+        fig.colorbar(image, label="mean |C*(0.95)| / pages")
+        ax.set(xlabel="KV head", ylabel="layer", title="oracle coverage set size")
+        fig.tight_layout()
+        fig.savefig(stem + "-budget.png", dpi=120)
+        plt.close(fig)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("results", nargs="+")
+    parser.add_argument("--readme")
+    args = parser.parse_args()
+    sections = []
+    for path in args.results:
+        with open(path) as f:
+            result = json.load(f)
+        plots(path, result)
+        sections.append(markdown(path, result))
+    text = "\n".join(sections)
+    print(text)
+    if args.readme:
+        with open(args.readme) as f:
+            readme = f.read()
+        pattern = r"(<!-- accuracy:begin -->\n).*?(<!-- accuracy:end -->)"
+        readme, found = re.subn(pattern, lambda m: m.group(1) + text + "\n" + m.group(2),
+                                readme, flags=re.S)
+        if not found:
+            raise SystemExit(f"{args.readme} has no accuracy markers")
+        with open(args.readme, "w") as f:
+            f.write(readme)
+
+
+if __name__ == "__main__":
+    main()
