@@ -9,6 +9,7 @@ cache, so dense and sparse see identical prompts, weights and caches.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -57,7 +58,7 @@ class CausalLM:
         log-probabilities each decode step gave."""
         cache = copy.deepcopy(cache)
         tokens, steps = [int(logprobs.argmax())], []
-        with sparse or _Dense():
+        with sparse or contextlib.nullcontext():
             for _ in range(new_tokens - 1):
                 steps.append(self.step(tokens[-1], cache))
                 tokens.append(int(steps[-1].argmax()))
@@ -67,20 +68,8 @@ class CausalLM:
         """Feed ``tokens`` as decode steps from a copy of ``cache``; the log-probabilities after
         each."""
         cache = copy.deepcopy(cache)
-        with sparse or _Dense():
+        with sparse or contextlib.nullcontext():
             return [self.step(token, cache) for token in tokens]
-
-
-class _Dense:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-
-def _arm(gamma, estimator="mvar"):
-    return SparseDecoding(gamma=gamma, estimator=estimator)
 
 
 def kl(p_log, q_log):
@@ -111,7 +100,7 @@ def token_kl(lm, documents, gammas, new_tokens, progress=print):
         cache, logprobs = lm.prefill(doc)
         tokens, dense_steps = lm.greedy(cache, logprobs, new_tokens)
         for gamma in gammas:
-            arm = _arm(gamma)
+            arm = SparseDecoding(gamma=gamma)
             sparse_steps = lm.teacher_forced(cache, tokens[:-1], arm)
             kls = [kl(p, q) for p, q in zip(dense_steps, sparse_steps)]
             rows.append(dict(doc=index, gamma=gamma, kl=sum(kls) / len(kls), tokens=len(kls),
@@ -132,7 +121,7 @@ def retrieval(lm, haystacks, encode, decode, context, gammas, answer_tokens=8,
                              depth=depths[index % len(depths)], seed=index)
             cache, logprobs = lm.prefill(sample.prompt)
             for gamma in [None] + list(gammas):
-                arm = None if gamma is None else _arm(gamma)
+                arm = None if gamma is None else SparseDecoding(gamma=gamma)
                 tokens, _ = lm.greedy(cache, logprobs, answer_tokens, arm)
                 text = decode(tokens).strip()
                 digits = text[: len(sample.answer)]
@@ -152,7 +141,7 @@ def repeated_passage_nll(lm, pairs, context, gammas, progress=print):
         cache, _ = lm.prefill(ids[: second + 1])
         targets = ids[second + 1 :]
         for gamma in [None] + list(gammas):
-            arm = None if gamma is None else _arm(gamma)
+            arm = None if gamma is None else SparseDecoding(gamma=gamma)
             steps = lm.teacher_forced(cache, targets[:-1], arm)
             nll = [-float(step[token]) for step, token in zip(steps, targets[1:])]
             rows.append(dict(doc=index, gamma=gamma, nll=sum(nll) / len(nll), tokens=len(nll),
@@ -277,7 +266,7 @@ def ablation(lm, documents, calibration, new_tokens, gamma=0.98, progress=print)
             return page_lists, page_counts
 
         coverage = run(f"coverage gamma={gamma}", SparseDecoding(select=select_and_check))
-        rows[-1]["exact_mass_covered"] = covered
+        rows[-1].update(exact_mass_covered=covered, gamma=gamma)
         run(f"oracle coverage gamma={gamma} (exact masses)", SparseDecoding(
             select=lambda layer, query, key_cache, block_table, seq_lens, scale:
             reference.oracle_coverage(query, key_cache, block_table, seq_lens, gamma, scale)))
@@ -342,7 +331,7 @@ def summarize_rows(results):
                 per_head.setdefault((layer, head), []).append(mass)
             means = sorted((sum(m) / len(m), layer, head) for (layer, head), m in per_head.items())
             masses = [mass for _, _, mass in covered]
-            gamma = float(reference_arm.split("=")[1])
+            gamma = arms[reference_arm][0]["gamma"]
             table["estimator_error"] = dict(
                 gamma=gamma, mean_exact_mass=sum(masses) / len(masses),
                 rows_below_gamma_minus_002=sum(m < gamma - 0.02 for m in masses) / len(masses),
