@@ -279,8 +279,16 @@ def update_summaries(key_cache, slot_mapping, summaries):
     return summarize_filled_slots(key_cache, slot_mapping, summaries)
 
 
+def _check_page_stats(page_stats, query):
+    if page_stats is not None:
+        _require(page_stats.dtype == torch.int64 and tuple(page_stats.shape) == (2,)
+                 and page_stats.device == query.device,
+                 f"page_stats must be an int64 tensor of shape (2,) on {query.device}, got "
+                 f"{page_stats.dtype} {tuple(page_stats.shape)} on {page_stats.device}")
+
+
 def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
-                      page_counts, scale, workspace, out):
+                      page_counts, scale, workspace, out, page_stats=None):
     config = workspace.config
     rows = query.shape[0] * key_cache.shape[2]
     chunks_per_row = config.chunks_per_row(rows)
@@ -290,12 +298,13 @@ def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page
                    partial_lse=workspace.partial_lse)
     _launch_merge(page_counts, workspace.partial_out, workspace.partial_lse, out,
                   num_kv_heads=key_cache.shape[2], chunk_floor=config.chunk_pages,
-                  chunks_per_row=chunks_per_row)
+                  chunks_per_row=chunks_per_row, seq_lens=seq_lens,
+                  max_pages=block_table.shape[1], page_stats=page_stats)
     return out
 
 
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
-           scale=None, config=None, workspace=None, out=None):
+           scale=None, config=None, workspace=None, out=None, page_stats=None):
     """Exact attention of every (request, KV head) row over the pages of its list.
 
     Parameters
@@ -308,6 +317,8 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     config : the work split (C, N_J, N_T); ignored if ``workspace`` is given.
     workspace : a ``DecodeWorkspace`` (required to capture the call in a CUDA graph).
     out : optional ``[batch, num_heads, head_dim]`` output tensor.
+    page_stats : optional int64 ``[2]`` counters; the call adds (pages listed, pages in the
+        rows) summed over all rows, on the GPU (graph-safe; read them whenever convenient).
 
     Returns
     -------
@@ -325,6 +336,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
              f"{page_counts.dtype} of shape {tuple(page_counts.shape)}")
     _check_device(query=query, page_lists=page_lists, page_counts=page_counts)
     _check_out(out, query)
+    _check_page_stats(page_stats, query)
     scale = _resolve_scale(scale, head_dim)
     if workspace is None:
         workspace = DecodeWorkspace(batch, block_table.shape[1] or 1, num_heads, num_kv_heads,
@@ -333,12 +345,12 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
                          query.device)
     out = torch.empty_like(query) if out is None else out
     return _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
-                             page_counts, scale, workspace, out)
+                             page_counts, scale, workspace, out, page_stats)
 
 
 def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_lens, *,
                   gamma=None, top_k=None, scale=None, return_pages=False, config=None,
-                  workspace=None, out=None):
+                  workspace=None, out=None, page_stats=None):
     """One sparse decode step: Estimate -> Select -> Attend -> Merge.
 
     Parameters
@@ -358,6 +370,8 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     workspace : a ``DecodeWorkspace``; without one, buffers are allocated for this call. Pass
         one to capture the step in a CUDA graph.
     out : optional ``[batch, num_heads, head_dim]`` output tensor.
+    page_stats : optional int64 ``[2]`` counters; the step adds (pages read, pages in the
+        rows) summed over all rows, on the GPU (graph-safe).
 
     Returns
     -------
@@ -371,6 +385,7 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
                                                            block_table, seq_lens)
     _check_summaries(summaries, key_cache)
     _check_out(out, query)
+    _check_page_stats(page_stats, query)
     max_pages = block_table.shape[1]
     _require(1 <= max_pages <= MAX_PAGES_PER_SEQ,
              f"block_table has {max_pages} pages per request; Select supports 1 to "
@@ -392,5 +407,5 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
                    max_pages=max_pages, gamma=config.gamma, top_k=config.top_k,
                    ways=config.bisection_ways_for(max_pages))
     _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
-                      page_counts, scale, workspace, out)
+                      page_counts, scale, workspace, out, page_stats)
     return (out, page_lists, page_counts) if return_pages else out

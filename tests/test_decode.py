@@ -66,6 +66,20 @@ def test_gamma_one_is_dense(layout):
     assert (out[4] == 0).all()  # the padded row
 
 
+def test_page_stats_count_pages_read_and_pages_present():
+    ctx, summaries = structured_step()
+    stats = torch.tensor([5, 7], dtype=torch.int64, device=DEVICE)  # accumulates onto these
+    inputs = (ctx.query, ctx.key_cache, ctx.value_cache, summaries, ctx.block_table,
+              ctx.seq_lens)
+    _, _, page_counts = moira.sparse_decode(*inputs, gamma=0.9, config=SMALL_SPLIT,
+                                            return_pages=True, page_stats=stats)
+    pages_present = sum(-(-int(n) // 64) for n in ctx.seq_lens) * page_counts.shape[1]
+    assert stats.tolist() == [5 + int(page_counts.sum()), 7 + pages_present]
+    assert int(page_counts.sum()) < pages_present
+    with pytest.raises(ValueError, match="page_stats must be an int64"):
+        moira.sparse_decode(*inputs, page_stats=stats.int())
+
+
 def test_fixed_count_mode():
     ctx, summaries = structured_step()
     out, page_lists, page_counts = moira.sparse_decode(

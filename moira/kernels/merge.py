@@ -5,26 +5,36 @@
 One program per (row, query head) re-derives the row's chunk count m from its list length (same
 plan as Attend) and exits if m = 1 (Attend already wrote that row). Chunks without keys have
 lse = -inf and weigh nothing; a row whose chunks are all empty gets zeros.
+
+Optionally (``page_stats``), program (row, 0) also adds the row's list length and its number of
+pages to two int64 counters: "how much did it skip" at the cost of one atomic per row, inside
+the same kernel (and CUDA graph) instead of extra reductions per layer.
 """
 
 import triton
 import triton.language as tl
 
+from ..config import PAGE_SIZE
 from .attend import plan_row
 
 
 @triton.jit
-def _merge_kernel(page_counts, partial_out, partial_lse, out,
+def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_stats,
                   stride_cb, stride_ch, stride_ob, stride_oh, stride_od,
-                  num_kv_heads, chunk_floor, chunks_per_row,
+                  num_kv_heads, max_pages, chunk_floor, chunks_per_row,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                  SPLITS_PER_LOAD: tl.constexpr):
+                  SPLITS_PER_LOAD: tl.constexpr, HAS_STATS: tl.constexpr, PAGE: tl.constexpr):
     row = tl.program_id(0)
     g = tl.program_id(1)
     b = row // num_kv_heads
     head = row % num_kv_heads
-    _, _, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
-                                chunk_floor, chunks_per_row)
+    count, _, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
+                                    chunk_floor, chunks_per_row)
+    if HAS_STATS:
+        if g == 0:
+            row_pages = tl.minimum(tl.cdiv(tl.load(seq_lens + b), PAGE), max_pages)
+            tl.atomic_add(page_stats, count.to(tl.int64))
+            tl.atomic_add(page_stats + 1, row_pages.to(tl.int64))
     if num_chunks == 1:
         return
 
@@ -54,14 +64,20 @@ def _merge_kernel(page_counts, partial_out, partial_lse, out,
 
 
 def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_floor,
-          chunks_per_row):
-    """Write ``out`` ``[batch, num_heads, head_dim]`` for every row Attend split."""
+          chunks_per_row, seq_lens=None, max_pages=0, page_stats=None):
+    """Write ``out`` ``[batch, num_heads, head_dim]`` for every row Attend split; with
+    ``page_stats`` (int64 ``[2]``), also add (listed pages, pages of the rows: min(ceil(seq_len
+    / page), max_pages)) summed over all rows."""
     batch, num_heads, head_dim = out.shape
     group = num_heads // num_kv_heads
+    has_stats = page_stats is not None
     _merge_kernel[(batch * num_kv_heads, group)](
         page_counts, partial_out, partial_lse, out,
-        *page_counts.stride(), *out.stride(), num_kv_heads, chunk_floor, chunks_per_row,
+        seq_lens if has_stats else page_counts, page_stats if has_stats else page_counts,
+        *page_counts.stride(), *out.stride(), num_kv_heads, max_pages, chunk_floor,
+        chunks_per_row,
         GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
-        SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)), num_warps=4,
+        SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)), HAS_STATS=has_stats,
+        PAGE=PAGE_SIZE,        num_warps=4,
     )
     return out

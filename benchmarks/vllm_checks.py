@@ -1,0 +1,168 @@
+"""Checks of the vLLM plugin on the GPU (issue 4), one engine per invocation, random weights.
+
+    PYTHONPATH=/tmp/site:. python3 benchmarks/vllm_checks.py MODE [--layers 4] [--out F.json]
+
+Modes (Llama-3.1-8B geometry from ``benchmarks/models``, ``--layers`` to cut the depth):
+
+- ``dense``: FA3 backend, greedy decoding of the same prompts at batch P and as two batches of
+  P/2 (how much two dense runs differ by batch size alone: the bar for the next mode).
+- ``moira``: Moira backend with ``check_dense`` on, so every step also runs dense FA3 on the
+  same batch and counts where Moira differs (decode rows in bf16 ulps, other rows bitwise).
+  ``--graph-mode NONE`` runs the same compiled model without CUDA graphs (eager steps).
+- ``e2e``: a long run (``--context``, ``--batch``) with page-read statistics.
+
+Prompts are random token ids of mixed lengths (partial last pages); ``--max-batched-tokens``
+keeps prefills chunked, so decode rows and prefill rows share steps (mixed steps). Writes the
+tokens, their log-probabilities and the counters to ``--out``.
+
+``--weights normal`` (default) redraws vLLM's dummy weights after loading: vLLM fills every
+parameter from U(-1e-3, 1e-3), which makes every logit nearly equal (log-probs all
+-log(vocab), greedy tokens alternating between two ids), so token comparisons would say nothing.
+Here matrices get N(0, 1/fan_in), embeddings N(0, 1), norms 1: attention is far from uniform
+and the next token depends on it.
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MODELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
+
+
+def model_dir(name, layers):
+    with open(os.path.join(MODELS, name, "config.json")) as f:
+        config = json.load(f)
+    if layers:
+        config["num_hidden_layers"] = layers
+    path = tempfile.mkdtemp(prefix=f"{name}-{layers or 'all'}-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def redraw_weights(model):
+    import torch
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():  # in place: CUDA graphs captured at startup keep the addresses
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            elif param.dim() == 2:
+                std = 1.0 if "embed" in name else param.shape[1] ** -0.5
+                param.normal_(0.0, std, generator=generator)
+    return True
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["dense", "moira", "e2e"])
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--layers", type=int, default=0, help="0: the model's own depth")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--min-len", type=int, default=700)
+    parser.add_argument("--max-len", type=int, default=5000)
+    parser.add_argument("--context", type=int, default=0, help="e2e: every prompt this long")
+    parser.add_argument("--batch", type=int, default=0, help="e2e: prompts")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--gamma", type=float, default=1.0)
+    parser.add_argument("--backend", default=None, help="override: FLASH_ATTN or CUSTOM")
+    parser.add_argument("--graph-mode", default="FULL_AND_PIECEWISE")
+    parser.add_argument("--no-check", action="store_true", help="moira: skip the dense check")
+    parser.add_argument("--weights", choices=["normal", "dummy"], default="normal")
+    parser.add_argument("--max-batched-tokens", type=int, default=2048)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check.json"))
+    args = parser.parse_args()
+
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import moira.integrations.vllm as plugin
+
+    plugin.register()  # the entry point does this in every process; in-process it is enough
+    from moira.integrations.vllm.state import DenseCheck, PageStatsLog
+
+    rng = random.Random(0)
+    if args.mode == "e2e":
+        lengths = [args.context] * args.batch
+    else:
+        lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.prompts)]
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(100, 120000) for _ in range(n)])
+               for n in lengths]
+    moira_backend = args.mode != "dense"
+    backend = args.backend or ("CUSTOM" if moira_backend else "FLASH_ATTN")
+    extra = {}
+    if backend == "CUSTOM":
+        check = args.mode == "moira" and not args.no_check
+        extra["additional_config"] = {"moira": {"gamma": args.gamma, "check_dense": check,
+                                                "stats_interval": 5.0}}
+    start = time.time()
+    llm = LLM(model=model_dir(args.model, args.layers), load_format="dummy",
+              skip_tokenizer_init=True, block_size=64, attention_backend=backend,
+              max_model_len=max(lengths) + args.tokens + 64, enable_prefix_caching=False,
+              max_num_seqs=max(len(prompts), 8), max_num_batched_tokens=max(
+                  args.max_batched_tokens, args.tokens), gpu_memory_utilization=0.85,
+              compilation_config={"cudagraph_mode": args.graph_mode}, seed=0,
+              disable_log_stats=False, **extra)
+    startup = time.time() - start
+    if args.weights == "normal":
+        llm.apply_model(redraw_weights)
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True,
+                            detokenize=False, logprobs=0)
+
+    def run(batch):
+        t0 = time.time()
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        seconds = time.time() - t0
+        rows = []
+        for out in outputs:
+            completion = out.outputs[0]
+            rows.append(dict(tokens=list(completion.token_ids),
+                             logprobs=[next(iter(step.values())).logprob
+                                       for step in completion.logprobs],
+                             finished=out.finished))
+        return rows, seconds
+
+    result = dict(mode=args.mode, backend=backend, args=vars(args), lengths=lengths,
+                  startup_s=round(startup, 1), gpu=torch.cuda.get_device_name(),
+                  command="python3 " + " ".join(sys.argv))
+    DenseCheck.layers.clear()
+    result["full"], result["full_s"] = run(prompts)
+    if args.mode == "dense":
+        half = len(prompts) // 2
+        first, _ = run(prompts[:half])
+        second, _ = run(prompts[half:])
+        result["halves"] = first + second
+    if moira_backend:
+        result["dense_check"] = DenseCheck.read()
+        totals = PageStatsLog(0).read()
+        read = sum(r for r, _ in totals.values())
+        present = sum(p for _, p in totals.values())
+        result["pages"] = dict(read=read, present=present,
+                               fraction=read / present if present else None,
+                               per_layer={k: r / p for k, (r, p) in totals.items() if p})
+    result["all_finished"] = all(row["finished"] for row in result["full"])
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    summary = {k: v for k, v in result.items() if k not in ("full", "halves", "dense_check")}
+    if "pages" in summary:
+        summary["pages"] = {k: v for k, v in summary["pages"].items() if k != "per_layer"}
+    print(json.dumps(summary, indent=1))
+    if "dense_check" in result:
+        worst = max((v for v in result["dense_check"].values()), key=lambda v: v[0], default=None)
+        print("dense check (max ulps, >1ulp, compared, other-rows differing, compared):",
+              worst, "summed:", [sum(v[i] for v in result["dense_check"].values())
+                                 for i in range(5)])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Summarize ``vllm_checks.py`` results: greedy-token agreement and log-probability differences
+between runs, Moira's dense-check counters, and pages read.
+
+    python benchmarks/vllm_compare.py benchmarks/results/vllm-checks-2026-11-29
+"""
+
+import json
+import os
+import sys
+
+
+def agreement(a, b):
+    """(prompts with identical tokens, first differing step or None per prompt, max |dlogprob|
+    over the common prefix, bit-identical log-probs)."""
+    same, first_diff, worst, bitwise = 0, [], 0.0, True
+    for x, y in zip(a, b):
+        same += x["tokens"] == y["tokens"]
+        diff = next((i for i, (s, t) in enumerate(zip(x["tokens"], y["tokens"])) if s != t),
+                    None)
+        first_diff.append(diff)
+        prefix = len(x["tokens"]) if diff is None else diff
+        deltas = [abs(p - q) for p, q in zip(x["logprobs"][:prefix], y["logprobs"][:prefix])]
+        worst = max([worst] + deltas)
+        bitwise &= x["logprobs"] == y["logprobs"]
+    return same, first_diff, worst, bitwise
+
+
+def main():
+    folder = sys.argv[1]
+    runs = {name[:-5]: json.load(open(os.path.join(folder, name)))
+            for name in sorted(os.listdir(folder)) if name.endswith(".json")}
+    pairs = [("dense", "full", "dense", "halves", "dense batch 8 vs two batches of 4"),
+             ("dense", "full", "moira_graph", "full", "dense FA3 vs Moira gamma=1 (FULL graphs)"),
+             ("moira_graph", "full", "moira_check", "full",
+              "Moira FULL graphs vs Moira eager attention (+dense check)")]
+    print("| comparison | prompts with identical tokens | max abs logprob diff | "
+          "bit-identical logprobs |\n|---|---|---|---|")
+    for a, ka, b, kb, label in pairs:
+        if a in runs and b in runs and ka in runs[a] and kb in runs[b]:
+            same, _, worst, bitwise = agreement(runs[a][ka], runs[b][kb])
+            print(f"| {label} | {same}/{len(runs[a][ka])} | {worst:.3g} | {bitwise} |")
+    for name, run in runs.items():
+        check = run.get("dense_check")
+        if check:
+            totals = [sum(v[i] for v in check.values()) for i in range(5)]
+            worst = max(v[0] for v in check.values())
+            print(f"\n{name}: decode rows vs dense FA3: max {worst:g} bf16 ulps, "
+                  f"{int(totals[1])} of {int(totals[2])} elements beyond 1 ulp "
+                  f"({totals[1] / max(totals[2], 1):.2e}); other rows: {int(totals[3])} of "
+                  f"{int(totals[4])} elements not bit-identical")
+        if run.get("pages"):
+            print(f"{name}: pages read {run['pages']['fraction']:.3f} of present, "
+                  f"all finished: {run['all_finished']}, prompts {len(run['lengths'])} x "
+                  f"{run['lengths'][0]}.., startup {run['startup_s']} s, generate "
+                  f"{run['full_s']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Serving-engine integrations (each imports its engine only when used)."""

@@ -1,0 +1,267 @@
+"""The vLLM 0.26 attention backend: FA3's classes with Moira's decode path.
+
+- ``MoiraAttentionBackend``: FA's cache layout (K|V packed in the last dim), 64-token pages,
+  bf16/fp16 caches, head dims 64/128, decoder self-attention only.
+- ``MoiraMetadataBuilder``: splits each batch into decode rows (first) and the rest. Declares
+  ``UNIFORM_SINGLE_TOKEN_DECODE`` CUDA-graph support: pure decode steps replay vLLM's FULL
+  graphs with Moira's kernels inside, mixed steps run attention eagerly (vLLM's piecewise
+  graphs). Owns the ``DecodeWorkspace`` all its layers share (they run one after another).
+- ``MoiraAttentionImpl``: ``do_kv_cache_update`` writes K/V (FA's kernel), then summarizes the
+  pages those slots completed; ``forward`` runs FA3 on the non-decode rows exactly as dense
+  vLLM does and Moira's sparse decode on the decode rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
+                                                   FlashAttentionMetadata,
+                                                   FlashAttentionMetadataBuilder)
+
+from ...config import PAGE_SIZE
+from ...decode import DecodeWorkspace, sparse_decode, update_summaries
+from .settings import (SUPPORTED_HEAD_DIMS, SUPPORTED_KV_CACHE_DTYPES, MoiraSettings, explain,
+                       split_decodes)
+from .state import DenseCheck, LayerState, PageStatsLog
+
+logger = init_logger("vllm.moira")  # under "vllm", so vLLM's log handler prints it
+
+
+def _settings():
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    return MoiraSettings.from_sources(config.additional_config if config else None, os.environ)
+
+
+class MoiraAttentionBackend(FlashAttentionBackend):
+    supported_kv_cache_dtypes = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"  # vLLM looks the name up in its backend enum
+
+    @staticmethod
+    def get_impl_cls():
+        return MoiraAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return MoiraMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes():
+        return [PAGE_SIZE]
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        return PAGE_SIZE
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size in SUPPORTED_HEAD_DIMS
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
+        return kv_cache_dtype in SUPPORTED_KV_CACHE_DTYPES
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def validate_configuration(cls, *args, **kwargs) -> list[str]:
+        return explain(super().validate_configuration(*args, **kwargs))
+
+
+@dataclasses.dataclass
+class MoiraMetadata:
+    """Per-step metadata shared by all layers of a KV-cache group.
+
+    Decode rows ``[0, num_decodes)`` are query tokens ``[0, num_decodes)``; ``seq_lens`` and
+    ``block_table`` are views of vLLM's persistent tensors for those rows. ``prefill`` is FA3's
+    metadata for the remaining rows, rebased to start at token ``num_decode_tokens``.
+    """
+
+    num_actual_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    workspace: DecodeWorkspace
+    prefill: FlashAttentionMetadata | None = None
+    dense: FlashAttentionMetadata | None = None  # check_dense: FA3 over the whole batch
+
+
+def _rows_from(cam: CommonAttentionMetadata, first_row: int,
+               first_token: int) -> CommonAttentionMetadata:
+    """The batch without its first rows, as FA3 would see it if they were not there."""
+    def tail(tensor, start):
+        return None if tensor is None else tensor[start:]
+
+    return cam.replace(
+        query_start_loc=cam.query_start_loc[first_row:] - first_token,
+        query_start_loc_cpu=cam.query_start_loc_cpu[first_row:] - first_token,
+        seq_lens=cam.seq_lens[first_row:],
+        num_reqs=cam.num_reqs - first_row,
+        num_actual_tokens=cam.num_actual_tokens - first_token,
+        block_table_tensor=cam.block_table_tensor[first_row:],
+        slot_mapping=cam.slot_mapping[first_token:],
+        positions=tail(cam.positions, first_token),
+        is_prefilling=tail(cam.is_prefilling, first_row),
+        seq_lens_cpu_upper_bound=tail(cam.seq_lens_cpu_upper_bound, first_row),
+        logits_indices_padded=None, num_logits_indices=None,
+        _seq_lens_cpu=None, _num_computed_tokens_cpu=None, _num_computed_tokens_cache=None,
+        _token_to_req_indices_cache=None,
+    )
+
+
+class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
+    # FULL graphs only for steps of single-token decodes: anything else runs attention eagerly
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    supports_update_block_table = False
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # the dense check's extra FA3 call and counters are eager-only (a device-side assert
+        # inside FULL graphs on the H200); with it on, attention runs between graph pieces
+        if MoiraSettings.from_sources(vllm_config.additional_config, os.environ).check_dense:
+            return AttentionCGSupport.NEVER
+        return cls._cudagraph_support
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1)  # decode rows first under the V1 runner too
+        self.settings = MoiraSettings.from_sources(vllm_config.additional_config, os.environ)
+        self.max_batch = max(vllm_config.scheduler_config.max_num_seqs,
+                             self.max_cudagraph_size or 0)
+        self.workspace = self._workspace(-(-vllm_config.model_config.max_model_len // PAGE_SIZE))
+        self.stats_log = PageStatsLog(self.settings.stats_interval, log=logger.info)
+
+    def _workspace(self, max_pages):
+        return DecodeWorkspace(self.max_batch, max_pages, self.num_heads_q, self.num_heads_kv,
+                               self.headdim, device=self.device, config=self.settings.config)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False) -> MoiraMetadata:
+        cam = common_attn_metadata
+        self.stats_log.maybe_log()
+        width = cam.block_table_tensor.shape[1]
+        if width > self.workspace.max_pages_per_seq:  # wider than max_model_len's pages
+            self.workspace = self._workspace(width)
+        num_decodes, num_decode_tokens = split_decodes(cam.query_start_loc_cpu, cam.num_reqs,
+                                                       cam.max_query_len)
+        prefill = None
+        if num_decodes < cam.num_reqs:
+            prefill = super().build(0, _rows_from(cam, num_decodes, num_decode_tokens),
+                                    fast_build)
+        dense = None
+        if self.settings.check_dense:  # no AOT schedule: its buffer is the prefill rows'
+            dense = super().build(0, cam, fast_build=True)
+        return MoiraMetadata(
+            num_actual_tokens=cam.num_actual_tokens, num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens, seq_lens=cam.seq_lens[:num_decodes],
+            block_table=cam.block_table_tensor[:num_decodes], workspace=self.workspace,
+            prefill=prefill, dense=dense)
+
+    def use_cascade_attention(self, *args, **kwargs) -> bool:
+        return False
+
+
+class MoiraAttentionImpl(FlashAttentionImpl):
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+                 kv_cache_dtype, logits_soft_cap=None, attn_type=AttentionType.DECODER,
+                 kv_sharing_target_layer_name=None, sinks=None, **kwargs):
+        unsupported = {
+            "alibi_slopes": alibi_slopes is not None,
+            "sliding_window": sliding_window is not None,
+            "logits_soft_cap": bool(logits_soft_cap),
+            "sinks": sinks is not None,
+            "kv_sharing_target_layer_name": kv_sharing_target_layer_name is not None,
+            f"attn_type={attn_type}": attn_type != AttentionType.DECODER,
+            f"kv_cache_dtype={kv_cache_dtype}": kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES,
+            f"head_size={head_size}": head_size not in SUPPORTED_HEAD_DIMS,
+        }
+        bad = [name for name, is_bad in unsupported.items() if is_bad]
+        if bad:
+            raise ValueError(f"Moira's attention backend does not support {', '.join(bad)} "
+                             "yet; run this model with another --attention-backend")
+        if not torch.cuda.is_available():
+            raise RuntimeError("Moira's attention backend needs a CUDA GPU")
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
+                         sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
+                         kv_sharing_target_layer_name, sinks, **kwargs)
+        self.settings = _settings()
+        self.state = None  # LayerState, created when the layer's name is known
+
+    def _state(self, layer) -> LayerState:
+        if self.state is None:
+            self.state = LayerState(getattr(layer, "layer_name", "?"),
+                                    with_stats=self.settings.stats_interval > 0)
+        return self.state
+
+    def _key_value_caches(self, kv_cache):
+        # (blocks, Hkv, 64, 2D) logical -> (blocks, 64, Hkv, D) views of K and V
+        return kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if kv_cache.numel() == 0:  # memory profiling: no cache yet
+            return
+        summaries = self._state(layer).summaries_for(kv_cache, self.num_kv_heads,
+                                                     self.head_size)
+        update_summaries(self._key_value_caches(kv_cache)[0], slot_mapping, summaries)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("Moira does not fuse output quantization")
+        if attn_metadata is None:  # memory profiling run
+            return output.fill_(0)
+        metadata: MoiraMetadata = attn_metadata
+        if metadata.dense is not None:
+            dense = torch.empty_like(output)
+            super().forward(layer, query, key, value, kv_cache, metadata.dense, dense)
+        if metadata.prefill is not None:  # FA3 on every row after the decode rows
+            start = metadata.num_decode_tokens
+            super().forward(layer, query[start:], None if key is None else key[start:],
+                            None if value is None else value[start:], kv_cache,
+                            metadata.prefill, output[start:])
+        rows = metadata.num_decodes
+        if rows:
+            state = self._state(layer)
+            key_cache, value_cache = self._key_value_caches(kv_cache)
+            sparse_decode(query[:rows], key_cache, value_cache,
+                          state.summaries_for(kv_cache, self.num_kv_heads, self.head_size),
+                          metadata.block_table, metadata.seq_lens, scale=self.scale,
+                          workspace=metadata.workspace, out=output[:rows],
+                          page_stats=state.page_stats)
+        if metadata.dense is not None:
+            start, end = metadata.num_decode_tokens, metadata.num_actual_tokens
+            DenseCheck.add(self._state(layer).layer_name, output[:rows], dense[:rows],
+                           output[start:end], dense[start:end])
+        return output

@@ -1,0 +1,139 @@
+"""Plugin settings and the host-side bookkeeping that needs no vLLM (tested on CPU).
+
+Settings come from ``--additional-config '{"moira": {...}}'`` and, for keys it does not set,
+from environment variables (handy for ``vllm serve`` scripts; they do not change vLLM's
+compile-cache hash, so changing them does not trigger a recompile):
+
+=================  =======================  ==================================================
+key                environment variable     meaning
+=================  =======================  ==================================================
+``gamma``          ``MOIRA_GAMMA``          coverage target in (0, 1] (default 0.98); 1.0
+                                            keeps every page
+``top_k``          ``MOIRA_TOP_K``          fixed-count mode: pages per row instead of the
+                                            coverage rule (default: unset)
+``stats_interval``  ``MOIRA_STATS_INTERVAL``  seconds between "pages read" log lines; 0 turns
+                                            the counters off (default 30)
+``check_dense``    ``MOIRA_CHECK_DENSE``    debugging: also run dense FA3 on every batch and
+                                            count where Moira differs (slow; default off)
+=================  =======================  ==================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from ...config import MoiraConfig
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_KV_CACHE_DTYPES = (None, "auto", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoiraSettings:
+    gamma: float = 0.98
+    top_k: int | None = None
+    stats_interval: float = 30.0
+    check_dense: bool = False
+
+    _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
+            "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE"}
+
+    def __post_init__(self):
+        MoiraConfig(gamma=self.gamma, top_k=self.top_k)  # its errors name the field and range
+        if not (isinstance(self.stats_interval, (int, float)) and self.stats_interval >= 0
+                and math.isfinite(self.stats_interval)):
+            raise ValueError(f"moira stats_interval must be a number of seconds >= 0 (0 turns "
+                             f"the page counters off), got {self.stats_interval!r}")
+        if not isinstance(self.check_dense, bool):
+            raise ValueError(f"moira check_dense must be true or false, got "
+                             f"{self.check_dense!r}")
+
+    @property
+    def config(self) -> MoiraConfig:
+        return MoiraConfig(gamma=self.gamma, top_k=self.top_k)
+
+    @classmethod
+    def from_sources(cls, additional_config: Mapping | None,
+                     environ: Mapping[str, str]) -> MoiraSettings:
+        """``additional_config["moira"]`` first, then ``MOIRA_*`` variables, then defaults."""
+        given = dict((additional_config or {}).get("moira") or {})
+        unknown = sorted(set(given) - set(cls._ENV))
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown} in additional_config['moira']; known: "
+                             f"{sorted(cls._ENV)}")
+        values = {}
+        for key, variable in cls._ENV.items():
+            if key in given:
+                values[key] = given[key]
+            elif environ.get(variable, "") != "":
+                text = environ[variable]
+                if key == "check_dense":
+                    if text not in ("0", "1"):
+                        raise ValueError(f"{variable}={text!r}: use 0 or 1")
+                    values[key] = text == "1"
+                    continue
+                try:
+                    values[key] = int(text) if key == "top_k" else float(text)
+                except ValueError:
+                    raise ValueError(f"{variable}={text!r} is not a number") from None
+        if isinstance(values.get("gamma"), int) and not isinstance(values["gamma"], bool):
+            values["gamma"] = float(values["gamma"])  # JSON's 1 means 1.0
+        return cls(**values)
+
+
+# Why vLLM rejected the backend, in words that say what to change.
+_FIXES = {
+    "block_size not supported": (
+        "Moira reads 64-token pages: start vLLM with --block-size 64"),
+    "kv_cache_dtype not supported": (
+        "Moira does not support an FP8 KV cache yet: use --kv-cache-dtype auto (bf16/fp16)"),
+    "head_size not supported": (
+        f"Moira has kernels for head dims {SUPPORTED_HEAD_DIMS} only; use another attention "
+        "backend for this model"),
+    "sliding window not supported": (
+        "Moira does not support sliding-window layers; use another attention backend for "
+        "this model"),
+    "attention sinks not supported": (
+        "Moira does not support attention sinks; use another attention backend"),
+}
+
+
+def explain(reasons: list[str]) -> list[str]:
+    """vLLM's terse rejection reasons, each with the fix appended where one is known."""
+    explained = []
+    for reason in reasons:
+        fix = _FIXES.get(reason)
+        if fix is None and reason.startswith("attention type"):
+            fix = ("Moira handles decoder self-attention only (no encoder or encoder-decoder "
+                   "attention)")
+        explained.append(f"{reason} ({fix})" if fix else reason)
+    return explained
+
+
+def split_decodes(query_start_loc_cpu, num_reqs: int, max_query_len: int) -> tuple[int, int]:
+    """``(num_decodes, num_decode_tokens)``: the leading rows with exactly one query token.
+
+    vLLM orders a batch decode-first (the V2 runner always; the V1 runner because the builder
+    sets ``reorder_batch_threshold = 1``). In a pure-decode step (``max_query_len <= 1``) every
+    row is a decode row, including graph padding rows (no token, ``seq_len`` 0: output zeros).
+    Otherwise decode row ``i`` must be query token ``i``, so the decode rows end at the first
+    row that does not hold exactly one token; every later row goes to FA3 (exact, dense), so a
+    mis-ordered batch stays correct and only loses sparsity.
+    """
+    if max_query_len <= 1:
+        return num_reqs, int(query_start_loc_cpu[num_reqs])
+    starts = query_start_loc_cpu[: num_reqs + 1]
+    lengths = (starts[1:] - starts[:-1]).tolist()
+    num_decodes = 0
+    while num_decodes < num_reqs and lengths[num_decodes] == 1:
+        num_decodes += 1
+    return num_decodes, num_decodes
+
+
+def summary_bytes(num_blocks: int, num_kv_heads: int, head_dim: int, element_size: int) -> int:
+    """Bytes of one layer's page summaries: mean and variance per (page, KV head, channel),
+    i.e. 2 / 64 of the K cache (1/64 of the K+V cache) in the cache's dtype."""
+    return num_blocks * num_kv_heads * 2 * head_dim * element_size
+

@@ -1,0 +1,138 @@
+"""Per-layer state the plugin keeps beside vLLM's KV cache (plain torch; tested on CPU).
+
+- **Page summaries**: ``[num_blocks, num_kv_heads, 2, head_dim]`` in the cache's dtype, one per
+  attention layer, allocated on first use *outside* the memory vLLM reserves for the KV cache
+  (``settings.summary_bytes``: 1/64 of the K+V cache; lower ``--gpu-memory-utilization`` by
+  about 0.02 if memory is tight). Written for every page a step completes, by a kernel inside
+  the step (prefill, chunked prefill and decode alike), and never zeroed again: a buffer
+  allocated or zeroed during CUDA-graph capture would be re-zeroed by every replay, so that
+  is refused with an error.
+- **Page counters**: int64 ``[2]`` per layer (pages read, pages present, summed over decode
+  rows), added to on the GPU by Merge, read by ``PageStatsLog`` every ``stats_interval`` s.
+- **Dense check** (``check_dense``, debugging): per layer, how Moira's output compares with
+  dense FA3 run on the same batch, accumulated on the GPU (graph-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+logger = logging.getLogger("moira")
+
+
+def _not_capturing(what):
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"Moira: {what} would be allocated during CUDA-graph capture, where every replay "
+            "would zero it again. This means no eager step ran before capture; please report "
+            "it with your vLLM command line.")
+
+
+class LayerState:
+    """The summaries and counters of one attention layer."""
+
+    def __init__(self, layer_name: str, with_stats: bool):
+        self.layer_name = layer_name
+        self.with_stats = with_stats
+        self.summaries: torch.Tensor | None = None
+        self.page_stats: torch.Tensor | None = None
+        self._cache_ptr = None
+
+    def summaries_for(self, kv_cache: torch.Tensor, num_kv_heads: int,
+                      head_dim: int) -> torch.Tensor:
+        """The summary buffer that belongs to ``kv_cache`` (vLLM's ``[num_blocks, ...]``
+        tensor); (re)allocated, zeroed, when the cache is new (first use, or a re-bound cache,
+        whose old summaries describe pages that no longer exist)."""
+        if self.summaries is None or self._cache_ptr != kv_cache.data_ptr():
+            _not_capturing(f"the page-summary buffer of {self.layer_name}")
+            self.summaries = torch.zeros(kv_cache.shape[0], num_kv_heads, 2, head_dim,
+                                         dtype=kv_cache.dtype, device=kv_cache.device)
+            self._cache_ptr = kv_cache.data_ptr()
+            if self.with_stats and self.page_stats is None:
+                self.page_stats = torch.zeros(2, dtype=torch.int64, device=kv_cache.device)
+                PageStatsLog.layers[self.layer_name] = self.page_stats
+        return self.summaries
+
+
+def bf16_ulps(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """|value - reference| in units of the bf16 spacing at |reference| (float32)."""
+    reference = reference.float()
+    _, exponent = torch.frexp(reference.abs().clamp_min(2.0 ** -126))
+    spacing = torch.ldexp(torch.ones_like(reference), exponent - 8)  # 8 significant bits
+    return (value.float() - reference).abs() / spacing
+
+
+class DenseCheck:
+    """Per-layer float64 ``[5]`` counters: (max ulps on decode rows, decode elements > 1 ulp
+    apart, decode elements compared, other-row elements not bit-identical, other-row elements
+    compared)."""
+
+    layers: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def add(cls, layer_name, decode_out, decode_dense, other_out, other_dense):
+        counters = cls.layers.get(layer_name)
+        if counters is None:
+            _not_capturing(f"the dense-check counters of {layer_name}")
+            counters = cls.layers[layer_name] = torch.zeros(5, dtype=torch.float64,
+                                                            device=decode_out.device)
+        ulps = bf16_ulps(decode_out, decode_dense)
+        counters[0] = torch.maximum(counters[0], ulps.max().double() if ulps.numel()
+                                    else counters[0])
+        counters[1] += (ulps > 1).sum()
+        counters[2] += ulps.numel()
+        counters[3] += (other_out != other_dense).sum()
+        counters[4] += other_out.numel()
+
+    @classmethod
+    def read(cls) -> dict[str, list[float]]:
+        return {name: counters.tolist() for name, counters in cls.layers.items()}
+
+
+class PageStatsLog:
+    """Logs the fraction of KV pages decode steps read, every ``interval`` seconds.
+
+    ``layers`` maps layer name -> int64 ``[2]`` counters on the GPU. ``maybe_log`` is called on
+    the host once per step; reading the counters synchronizes with the GPU, which happens only
+    when a line is due.
+    """
+
+    layers: dict[str, torch.Tensor] = {}
+
+    def __init__(self, interval: float, clock=time.monotonic, log=logger.info):
+        self.interval = interval
+        self.clock = clock
+        self.log = log
+        self.last_time = clock()
+        self.last_totals: dict[str, tuple[int, int]] = {}
+
+    def read(self) -> dict[str, tuple[int, int]]:
+        """Cumulative (pages read, pages present) per layer since start."""
+        if not self.layers:
+            return {}
+        names = list(self.layers)
+        values = torch.stack([self.layers[name] for name in names]).tolist()
+        return {name: (read, present) for name, (read, present) in zip(names, values)}
+
+    def maybe_log(self) -> str | None:
+        if self.interval <= 0 or self.clock() - self.last_time < self.interval:
+            return None
+        self.last_time = self.clock()
+        totals = self.read()
+        deltas = {name: (read - self.last_totals.get(name, (0, 0))[0],
+                         present - self.last_totals.get(name, (0, 0))[1])
+                  for name, (read, present) in totals.items()}
+        self.last_totals = totals
+        fractions = [read / present for read, present in deltas.values() if present]
+        if not fractions:
+            return None
+        read = sum(r for r, _ in deltas.values())
+        present = sum(p for _, p in deltas.values())
+        line = (f"Moira: decode steps read {read / present:.1%} of their KV pages over the last "
+                f"{self.interval:g} s (per layer: min {min(fractions):.1%}, max "
+                f"{max(fractions):.1%}; {len(fractions)} layers)")
+        self.log(line)
+        return line

@@ -1,0 +1,112 @@
+"""The vLLM plugin's host-side logic (no vLLM needed): settings, batch splitting, per-layer
+state. The engine-level checks run on the GPU host: benchmarks/vllm_checks.py."""
+
+import pytest
+import torch
+from helpers import DEVICE, make_cache
+
+import moira
+from moira.integrations.vllm.settings import (MoiraSettings, explain, split_decodes,
+                                              summary_bytes)
+from moira.integrations.vllm.state import DenseCheck, LayerState, PageStatsLog, bf16_ulps
+
+
+def test_settings_come_from_additional_config_then_environment():
+    assert MoiraSettings.from_sources(None, {}) == MoiraSettings()
+    settings = MoiraSettings.from_sources(
+        {"moira": {"gamma": 1}}, {"MOIRA_GAMMA": "0.5", "MOIRA_TOP_K": "16",
+                                  "MOIRA_STATS_INTERVAL": "0", "MOIRA_CHECK_DENSE": "1"})
+    assert settings == MoiraSettings(gamma=1.0, top_k=16, stats_interval=0.0, check_dense=True)
+    assert settings.config.gamma == 1.0 and settings.config.top_k == 16
+
+
+@pytest.mark.parametrize("config, environ, match", [
+    ({"moira": {"gamma": 1.5}}, {}, "gamma must lie in"),
+    ({"moira": {"gamma": 0}}, {}, "gamma must lie in"),
+    (None, {"MOIRA_GAMMA": "high"}, "MOIRA_GAMMA='high' is not a number"),
+    ({"moira": {"top_k": 1}}, {}, "top_k must be None"),
+    ({"moira": {"gama": 0.9}}, {}, r"unknown key\(s\) \['gama'\]"),
+    ({"moira": {"stats_interval": -1}}, {}, "stats_interval must be"),
+    (None, {"MOIRA_CHECK_DENSE": "yes"}, "use 0 or 1"),
+])
+def test_bad_settings_name_the_setting(config, environ, match):
+    with pytest.raises(ValueError, match=match):
+        MoiraSettings.from_sources(config, environ)
+
+
+def test_rejections_say_what_to_change():
+    reasons = explain(["block_size not supported", "kv_cache_dtype not supported",
+                       "attention type encoder not supported", "compute capability not supported"])
+    assert "--block-size 64" in reasons[0]
+    assert "FP8" in reasons[1] and "--kv-cache-dtype auto" in reasons[1]
+    assert "decoder self-attention only" in reasons[2]
+    assert reasons[3] == "compute capability not supported"
+
+
+@pytest.mark.parametrize("query_lens, max_query_len, expected", [
+    ([1, 1, 1], 1, (3, 3)),          # pure decode
+    ([1, 1, 0, 0], 1, (4, 2)),       # pure decode with graph padding rows
+    ([1, 1, 37, 500], 500, (2, 2)),  # mixed: decode rows first
+    ([64, 1, 1], 64, (0, 0)),        # mis-ordered: FA3 takes every row (exact, not sparse)
+    ([1, 5, 1], 5, (1, 1)),
+])
+def test_split_decodes(query_lens, max_query_len, expected):
+    starts = torch.tensor([0] + query_lens).cumsum(0).int()
+    assert split_decodes(starts, len(query_lens), max_query_len) == expected
+
+
+def test_summary_size_is_a_64th_of_the_kv_cache():
+    kv_bytes = 1000 * 8 * 64 * 2 * 128 * 2  # blocks, heads, tokens, K and V, dims, bf16
+    assert summary_bytes(1000, 8, 128, 2) * 64 == kv_bytes
+
+
+def test_layer_state_keeps_summaries_for_its_cache_and_renews_them_for_a_new_one():
+    state = LayerState("model.layers.0.self_attn.attn", with_stats=True)
+    kv_cache = torch.zeros(10, 2, 64, 2 * 64, dtype=torch.bfloat16)  # vLLM's logical shape
+    summaries = state.summaries_for(kv_cache, 2, 64)
+    assert summaries.shape == (10, 2, 2, 64) and summaries.dtype == torch.bfloat16
+    summaries.fill_(3)
+    assert state.summaries_for(kv_cache, 2, 64) is summaries  # kept: never re-zeroed
+    assert PageStatsLog.layers["model.layers.0.self_attn.attn"] is state.page_stats
+    other = torch.zeros_like(kv_cache)
+    assert (state.summaries_for(other, 2, 64) == 0).all()  # a new cache: new summaries
+
+
+def test_summaries_of_vllm_packed_cache_views_match_the_reference():
+    """The plugin summarizes K = kv_cache.transpose(1, 2)[..., :D] of vLLM's packed cache."""
+    keys, values = make_cache(6, 2, 64)
+    packed = torch.cat([keys, values], dim=-1).transpose(1, 2).contiguous()  # (B, H, 64, 2D)
+    key_view = packed.transpose(1, 2).split(64, dim=-1)[0]
+    summaries = torch.zeros(6, 2, 2, 64, dtype=torch.float32, device=DEVICE)
+    slots = torch.tensor([2 * 64 + 63, 5 * 64 + 10, -1, 4 * 64 + 63], device=DEVICE)
+    moira.update_summaries(key_view, slots, summaries)
+    expected = moira.reference.summarize(keys.float().cpu(), torch.tensor([[2, 4]]).int(),
+                                         torch.tensor([128]).int())
+    assert torch.allclose(summaries[[2, 4]].cpu(), expected[[2, 4]], atol=1e-5)
+    assert (summaries[[0, 1, 3, 5]] == 0).all()  # pages not completed: untouched
+
+
+def test_page_stats_log_reports_the_fraction_read_per_interval():
+    PageStatsLog.layers.clear()
+    now = [0.0]
+    lines = []
+    log = PageStatsLog(10.0, clock=lambda: now[0], log=lines.append)
+    PageStatsLog.layers.update(a=torch.tensor([30, 100]), b=torch.tensor([10, 100]))
+    assert log.maybe_log() is None  # not due yet
+    now[0] = 11.0
+    assert "read 20.0% of their KV pages" in log.maybe_log()
+    PageStatsLog.layers["a"] += torch.tensor([50, 100])
+    now[0] = 22.0
+    assert "read 50.0%" in log.maybe_log() and "max 50.0%" in lines[-1]
+    assert PageStatsLog(0).maybe_log() is None  # off
+    PageStatsLog.layers.clear()
+
+
+def test_bf16_ulps_and_dense_check_counters():
+    reference = torch.tensor([1.0, 1.0, -2.0, 0.0]).bfloat16()
+    value = torch.tensor([1.0, 1.0078125, -2.03125, 0.0]).bfloat16()  # 0, 1, 2 ulps, 0
+    assert bf16_ulps(value, reference).tolist() == [0.0, 1.0, 2.0, 0.0]
+    DenseCheck.layers.clear()
+    DenseCheck.add("l0", value, reference, torch.ones(3), torch.tensor([1.0, 2.0, 1.0]))
+    assert DenseCheck.read() == {"l0": [2.0, 1.0, 4.0, 1.0, 3.0]}
+    DenseCheck.layers.clear()
