@@ -46,6 +46,7 @@ import triton
 
 import moira
 from moira.decode import _launch_estimate, _launch_select
+from moira.synthetic import spread_fractions
 
 KV_HEADS, GROUP, HEAD_DIM, PAGE = 8, 4, 128, 64
 SHAPES = {"8k32": (8192, 32), "32k16": (32768, 16), "64k8": (65536, 8), "131k4": (131072, 4)}
@@ -71,32 +72,6 @@ def bench(fn):
 # --------------------------------------------------------------------------------------------
 # Page lists
 # --------------------------------------------------------------------------------------------
-
-
-def spread_fractions(rows, mean, cv, generator):
-    """Per-row kept fractions with the given mean and CV (lognormal quantiles, clipped to
-    [2 pages, all pages]; sigma is bisected so the *clipped* values have the target CV)."""
-    if cv == 0:
-        return torch.full((rows,), mean, dtype=torch.float64)
-    normal = torch.distributions.Normal(0.0, 1.0)
-    z = normal.icdf((torch.arange(rows, dtype=torch.float64) + 0.5) / rows)
-    z = z[torch.randperm(rows, generator=generator)]
-
-    def clipped(sigma):
-        f = torch.exp(sigma * z - sigma * sigma / 2)
-        for _ in range(50):  # rescale to the mean after clipping
-            f = (f * mean / f.mean()).clamp(0.0, 1.0)
-        return f
-
-    low, high = 0.0, 4.0
-    for _ in range(40):
-        sigma = (low + high) / 2
-        f = clipped(sigma)
-        if (f.std(unbiased=False) / f.mean()).item() < cv:
-            low = sigma
-        else:
-            high = sigma
-    return clipped((low + high) / 2)
 
 
 def page_ranks(rows, pages, generator):

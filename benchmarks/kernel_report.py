@@ -79,7 +79,8 @@ def tables(report):
               "|---|---|---|---|---|---|---|"]
     for shape, spreads in table.items():
         refs = spreads[None]
-        dense = [r["us"] for arm, r in refs.items() if arm.startswith("dense_fa3") and r.get("us")]
+        dense = [r["us"] for arm, r in refs.items()
+                 if arm.startswith("dense_fa3") and r.get("us")]
         lines.append(
             f"| {SHAPE_LABELS.get(shape, shape)} | {fmt(refs.get('estimate'))} | "
             f"{fmt(refs.get('select_coverage'))} | {fmt(refs.get('select_top22'))} | "

@@ -56,7 +56,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer variants")
     parser.add_argument("--kinds", default="estimate,select,attend,step",
-                        help="comma-separated subset of estimate,select,attend,step")
+                        help="comma-separated subset of estimate,select,attend,tiles,step")
     args = parser.parse_args()
     kinds = set(args.kinds.split(","))
     results = []
@@ -136,6 +136,18 @@ def main():
                                                     out=out))
                 record("attend100", shape, name, micros,
                        batch * KV_HEADS * pages * PAGE_KV_BYTES)
+        attend_module.NUM_WARPS, attend_module.NUM_STAGES = 4, 3
+        # several listed pages per inner-loop tile: more loads in flight per program
+        for pages, warps, stages in itertools.product(
+                [1, 2, 4] if "tiles" in kinds else [], [4, 8], [2, 3]):
+            attend_module.PAGES_PER_ITER = pages
+            attend_module.NUM_WARPS, attend_module.NUM_STAGES = warps, stages
+            micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
+                                                sparse_lists, sparse_counts,
+                                                workspace=workspace, out=out))
+            record("attend22", shape, f"pages/tile={pages} warps={warps} stages={stages}",
+                   micros, sparse_bytes)
+        attend_module.PAGES_PER_ITER = 1
         attend_module.NUM_WARPS, attend_module.NUM_STAGES = 4, 3
         if "step" in kinds:
             micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,

@@ -42,12 +42,26 @@ def main():
     for name, run in runs.items():
         check = run.get("dense_check")
         if check:
-            totals = [sum(v[i] for v in check.values()) for i in range(5)]
-            worst = max(v[0] for v in check.values())
-            print(f"\n{name}: decode rows vs dense FA3: max {worst:g} bf16 ulps, "
-                  f"{int(totals[1])} of {int(totals[2])} elements beyond 1 ulp "
-                  f"({totals[1] / max(totals[2], 1):.2e}); other rows: {int(totals[3])} of "
-                  f"{int(totals[4])} elements not bit-identical")
+            layers = list(check.values())
+            if isinstance(layers[0], dict):
+                total = {k: sum(layer[k] for layer in layers) for k in layers[0]}
+                worst = {k: max(layer[k] for layer in layers) for k in layers[0]}
+                n = max(total["decode_elements"], 1)
+                print(f"\n{name}: decode rows, Moira vs FA3: max {worst['moira_max_ulps']:g} "
+                      f"bf16 ulps, {total['moira_over_1_ulp'] / n:.2e} of elements > 1 ulp, "
+                      f"{total['moira_over_4_ulps'] / n:.2e} > 4 ulps; FA3 one split vs FA3: "
+                      f"max {worst['fa3_split_max_ulps']:g}, "
+                      f"{total['fa3_split_over_1_ulp'] / n:.2e} > 1 ulp, "
+                      f"{total['fa3_split_over_4_ulps'] / n:.2e} > 4 ulps; other rows: "
+                      f"{int(total['other_rows_differing'])} of "
+                      f"{int(total['other_elements'])} elements not bit-identical")
+            else:  # the first format: (max ulps, > 1 ulp, compared, other differing, compared)
+                totals = [sum(v[i] for v in layers) for i in range(5)]
+                worst = max(v[0] for v in layers)
+                print(f"\n{name}: decode rows vs dense FA3: max {worst:g} bf16 ulps, "
+                      f"{int(totals[1])} of {int(totals[2])} elements beyond 1 ulp "
+                      f"({totals[1] / max(totals[2], 1):.2e}); other rows: {int(totals[3])} of "
+                      f"{int(totals[4])} elements not bit-identical")
         if run.get("pages"):
             print(f"{name}: pages read {run['pages']['fraction']:.3f} of present, "
                   f"all finished: {run['all_finished']}, prompts {len(run['lengths'])} x "

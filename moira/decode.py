@@ -349,8 +349,8 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
 
 
 def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_lens, *,
-                  gamma=None, top_k=None, scale=None, return_pages=False, config=None,
-                  workspace=None, out=None, page_stats=None):
+                  gamma=None, top_k=None, keep_fractions=None, scale=None, return_pages=False,
+                  config=None, workspace=None, out=None, page_stats=None):
     """One sparse decode step: Estimate -> Select -> Attend -> Merge.
 
     Parameters
@@ -364,6 +364,9 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     gamma : coverage target in (0, 1]; default ``config.gamma`` (0.98). 1.0 keeps every page.
     top_k : fixed-count mode: keep this many pages per row (sink and current page included)
         instead of applying the coverage rule; default ``config.top_k`` (None).
+    keep_fractions : fraction mode, float32 ``[num_kv_heads]``: each row of KV head h keeps
+        ``max(2, floor(f_h * pages + 0.5))`` of its pages, the highest-share ones (budgets
+        imposed for timing studies; the count is derived on the GPU from ``seq_lens``).
     scale : softmax scale, default ``1 / sqrt(head_dim)``.
     return_pages : also return the page lists and counts.
     config : a ``MoiraConfig`` (default: the paper's); ignored if ``workspace`` is given.
@@ -386,6 +389,13 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     _check_summaries(summaries, key_cache)
     _check_out(out, query)
     _check_page_stats(page_stats, query)
+    if keep_fractions is not None:
+        _require(keep_fractions.dtype == torch.float32
+                 and tuple(keep_fractions.shape) == (num_kv_heads,),
+                 f"keep_fractions must be a float32 tensor [num_kv_heads={num_kv_heads}], got "
+                 f"{keep_fractions.dtype} of shape {tuple(keep_fractions.shape)}")
+        _require(top_k is None, "pass either top_k or keep_fractions, not both")
+        _check_device(query=query, keep_fractions=keep_fractions)
     max_pages = block_table.shape[1]
     _require(1 <= max_pages <= MAX_PAGES_PER_SEQ,
              f"block_table has {max_pages} pages per request; Select supports 1 to "
@@ -404,8 +414,9 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     log_masses, page_lists, page_counts = workspace.selection_buffers(batch, max_pages)
     _launch_estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses)
     _launch_select(log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
-                   max_pages=max_pages, gamma=config.gamma, top_k=config.top_k,
-                   ways=config.bisection_ways_for(max_pages))
+                   max_pages=max_pages, gamma=config.gamma,
+                   top_k=None if keep_fractions is not None else config.top_k,
+                   ways=config.bisection_ways_for(max_pages), keep_fractions=keep_fractions)
     _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
                       page_counts, scale, workspace, out, page_stats)
     return (out, page_lists, page_counts) if return_pages else out

@@ -190,11 +190,21 @@ def _pack(shares, seq_lens, choose):
     return page_lists.to(shares.device), page_counts.to(shares.device)
 
 
-def select(log_masses, seq_lens, *, gamma=0.98, top_k=None):
+def fraction_counts(keep_fractions, seq_lens, max_pages):
+    """Fraction mode's per-row counts ``[batch, num_kv_heads]``: ``max(2, floor(f_h * pages +
+    0.5))`` for a row of ``pages`` pages of KV head h."""
+    pages = torch.tensor([num_pages(n, max_pages) for n in seq_lens.tolist()],
+                         dtype=torch.float32)
+    counts = torch.floor(keep_fractions.float().cpu()[None, :] * pages[:, None] + 0.5)
+    return counts.clamp(min=2).to(torch.int32)
+
+
+def select(log_masses, seq_lens, *, gamma=0.98, top_k=None, keep_fractions=None):
     """The pages each row keeps: coverage rule (default) or, with ``top_k``, the ``top_k``
     largest (sink and current page included; rows of at most ``top_k`` pages keep all; ties
     broken by lower page index). ``top_k`` is an int or a ``[batch, num_kv_heads]`` tensor of
-    per-row counts.
+    per-row counts; ``keep_fractions`` ``[num_kv_heads]`` sets them from each row's length
+    (``fraction_counts``).
 
     Returns ``(page_lists, page_counts)``: ``[batch, num_kv_heads, max_pages]`` int32 logical
     pages, sink first, current page last, the middle in increasing order, ``-1`` past the count;
@@ -214,6 +224,8 @@ def select(log_masses, seq_lens, *, gamma=0.98, top_k=None):
             chosen = (torch.nonzero(row[1:-1] >= tau).flatten() + 1).tolist()
         return [0] + chosen + [pages - 1]
 
+    if keep_fractions is not None:
+        top_k = fraction_counts(keep_fractions, seq_lens, log_masses.shape[-1])
     return _pack(group_shares(log_masses), seq_lens, choose)
 
 
@@ -317,13 +329,15 @@ def dense_attention(query, key_cache, value_cache, block_table, seq_lens, *, sca
 
 
 def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_lens, *,
-                  gamma=None, top_k=None, scale=None, return_pages=False, config=None):
+                  gamma=None, top_k=None, keep_fractions=None, scale=None, return_pages=False,
+                  config=None):
     """Estimate -> Select -> Attend in float32; same contract as ``moira.sparse_decode``."""
     config = config or MoiraConfig()
     gamma = config.gamma if gamma is None else gamma
     top_k = config.top_k if top_k is None else top_k
     log_masses = estimate(query, key_cache, summaries, block_table, seq_lens, scale)
-    page_lists, page_counts = select(log_masses, seq_lens, gamma=gamma, top_k=top_k)
+    page_lists, page_counts = select(log_masses, seq_lens, gamma=gamma, top_k=top_k,
+                                     keep_fractions=keep_fractions)
     out = attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
                  scale=scale)
     return (out, page_lists, page_counts) if return_pages else out

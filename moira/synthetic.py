@@ -122,3 +122,53 @@ def synthetic_context(context_len=16384, *, batch=1, num_kv_heads=4, group=4, he
         seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
         profiles=profiles,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Budgets with a realistic spread, for timing studies (random weights say nothing about which
+# pages a trained model needs, so speed is measured at stated read fractions)
+# --------------------------------------------------------------------------------------------
+
+
+def spread_fractions(count, mean, cv, generator=None):
+    """``count`` fractions in [0, 1] with the given mean and coefficient of variation:
+    lognormal quantiles in a random order, clipped to 1 and rescaled to the mean; sigma is
+    bisected so the *clipped* values have the CV (as far as the clip allows). float64."""
+    if cv == 0:
+        return torch.full((count,), float(mean), dtype=torch.float64)
+    normal = torch.distributions.Normal(0.0, 1.0)
+    z = normal.icdf((torch.arange(count, dtype=torch.float64) + 0.5) / count)
+    z = z[torch.randperm(count, generator=generator)]
+
+    def clipped(sigma):
+        f = torch.exp(sigma * z - sigma * sigma / 2)
+        for _ in range(50):
+            f = (f * mean / f.mean()).clamp(0.0, 1.0)
+        return f
+
+    low, high = 0.0, 4.0
+    for _ in range(40):
+        sigma = (low + high) / 2
+        f = clipped(sigma)
+        if (f.std(unbiased=False) / f.mean()).item() < cv:
+            low = sigma
+        else:
+            high = sigma
+    return clipped((low + high) / 2)
+
+
+def layer_head_fractions(mean, num_layers, num_kv_heads, *, head_cv=0.7, layer_ratio=68 / 9,
+                         seed=0):
+    """Per-(layer, KV head) read fractions ``[num_layers, num_kv_heads]`` float32 shaped like the
+    paper's Figure 1a: per-layer means spread geometrically over a ``layer_ratio`` range (9% to
+    68% there), the largest in layer 0 (the first layer needs most of its context), the others
+    in a random order, averaging ``mean``; within a layer, fractions with CV ``head_cv``."""
+    generator = torch.Generator().manual_seed(seed)
+    steps = torch.arange(num_layers, dtype=torch.float64) / max(num_layers - 1, 1)
+    profile = layer_ratio ** steps
+    profile = profile.flip(0)[torch.cat([torch.zeros(1, dtype=torch.long),
+                                         1 + torch.randperm(num_layers - 1,
+                                                            generator=generator)])]
+    layer_means = (profile * mean / profile.mean()).clamp(max=1.0)
+    rows = [spread_fractions(num_kv_heads, float(m), head_cv, generator) for m in layer_means]
+    return torch.stack(rows).float()

@@ -80,6 +80,30 @@ def test_page_stats_count_pages_read_and_pages_present():
         moira.sparse_decode(*inputs, page_stats=stats.int())
 
 
+def test_fraction_mode_through_the_step():
+    ctx, summaries = structured_step()
+    fractions = torch.tensor([0.25, 0.5], device=DEVICE)
+    inputs = (ctx.query, ctx.key_cache, ctx.value_cache, summaries, ctx.block_table,
+              ctx.seq_lens)
+    out, page_lists, page_counts = moira.sparse_decode(*inputs, keep_fractions=fractions,
+                                                       config=SMALL_SPLIT, return_pages=True)
+    pages = [-(-int(n) // 64) for n in ctx.seq_lens]  # e.g. 25: 6.25 -> 6, 12.5 -> 13 pages
+    assert page_counts.cpu().tolist() == [[int(0.25 * n + 0.5), int(0.5 * n + 0.5)]
+                                          for n in pages]
+    expected_lists, expected_counts = ref.select(
+        ref.estimate(*cpu(ctx.query, ctx.key_cache, summaries, ctx.block_table, ctx.seq_lens)),
+        ctx.seq_lens.cpu(), keep_fractions=fractions.cpu())
+    assert torch.equal(page_counts.cpu(), expected_counts)
+    base = cpu(ctx.query, ctx.key_cache, ctx.value_cache, ctx.block_table, ctx.seq_lens)
+    lists_and_counts = cpu(page_lists, page_counts)
+    assert_attention_close(out, ref.attend(*base, *lists_and_counts),
+                           ref.attend(*base, *lists_and_counts, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="either top_k or keep_fractions"):
+        moira.sparse_decode(*inputs, keep_fractions=fractions, top_k=4)
+    with pytest.raises(ValueError, match="keep_fractions must be a float32"):
+        moira.sparse_decode(*inputs, keep_fractions=fractions.double())
+
+
 def test_fixed_count_mode():
     ctx, summaries = structured_step()
     out, page_lists, page_counts = moira.sparse_decode(

@@ -11,14 +11,16 @@ from moira.kernels.select import select
 NEAR = 1e-6  # pages this close to the threshold may differ from the reference's choice
 
 
-def run_select(log_masses, seq_lens, *, gamma=0.98, top_k=None, max_pages=None):
+def run_select(log_masses, seq_lens, *, gamma=0.98, top_k=None, max_pages=None,
+               keep_fractions=None):
     batch, num_kv_heads, group, width = log_masses.shape
     max_pages = max_pages or width
     page_lists = torch.full((batch, num_kv_heads, width), -7, dtype=torch.int32, device=DEVICE)
     page_counts = torch.full((batch, num_kv_heads), -7, dtype=torch.int32, device=DEVICE)
     select(log_masses.to(DEVICE).view(batch * num_kv_heads, group, width), seq_lens.to(DEVICE),
            page_lists, page_counts, num_kv_heads=num_kv_heads, max_pages=max_pages,
-           gamma=gamma, top_k=top_k, ways=MoiraConfig().bisection_ways_for(max_pages))
+           gamma=gamma, top_k=top_k, ways=MoiraConfig().bisection_ways_for(max_pages),
+           keep_fractions=None if keep_fractions is None else keep_fractions.to(DEVICE))
     return page_lists.cpu(), page_counts.cpu()
 
 
@@ -115,6 +117,23 @@ def test_fixed_count_keeps_exactly_k(top_k):
             dropped[chosen] = False
             assert (middle[chosen] >= cut - NEAR).all()
             assert (middle[dropped] <= cut + NEAR).all()
+
+
+def test_fraction_mode_keeps_each_heads_share_of_every_row():
+    seq_lens = [1, 64 * 2, 64 * 17 + 9, 64 * 40 + 3, 64 * 200]
+    log_masses, seq_lens = random_log_masses(seq_lens, 3, 4, 2.0)
+    fractions = torch.tensor([0.05, 0.3, 1.0])
+    page_lists, page_counts = run_select(log_masses, seq_lens, keep_fractions=fractions)
+    check_lists(page_lists, page_counts, seq_lens)
+    expected_counts = ref.fraction_counts(fractions, seq_lens, log_masses.shape[-1])
+    pages = torch.tensor([ref.num_pages(n, log_masses.shape[-1]) for n in seq_lens.tolist()])
+    assert torch.equal(page_counts, torch.minimum(expected_counts, pages[:, None]).int())
+    assert page_counts[4].tolist() == [10, 60, 200]  # 200 pages: 5%, 30%, 100%
+    expected_lists, _ = ref.select(log_masses, seq_lens, keep_fractions=fractions)
+    for b in range(len(seq_lens)):
+        for h in range(3):
+            n = int(page_counts[b, h])
+            assert page_lists[b, h, :n].tolist() == expected_lists[b, h, :n].tolist()
 
 
 @pytest.mark.parametrize("pages", [4096, 16384])

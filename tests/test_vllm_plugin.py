@@ -27,11 +27,29 @@ def test_settings_come_from_additional_config_then_environment():
     ({"moira": {"top_k": 1}}, {}, "top_k must be None"),
     ({"moira": {"gama": 0.9}}, {}, r"unknown key\(s\) \['gama'\]"),
     ({"moira": {"stats_interval": -1}}, {}, "stats_interval must be"),
+    ({"moira": {"imposed_fraction": 1.5}}, {}, "imposed_fraction must lie in"),
+    ({"moira": {"imposed_fraction": 0.3, "top_k": 8}}, {}, "top_k or imposed_fraction"),
     (None, {"MOIRA_CHECK_DENSE": "yes"}, "use 0 or 1"),
 ])
 def test_bad_settings_name_the_setting(config, environ, match):
     with pytest.raises(ValueError, match=match):
         MoiraSettings.from_sources(config, environ)
+
+
+def test_imposed_fractions_have_the_papers_spread():
+    from moira.synthetic import layer_head_fractions
+
+    table = layer_head_fractions(0.31, 32, 8)
+    assert table.shape == (32, 8) and table.dtype == torch.float32
+    assert abs(table.mean().item() - 0.31) < 1e-3
+    layer_means = table.mean(1)
+    assert layer_means[0] == layer_means.max()  # the first layer reads the most
+    assert layer_means.max() / layer_means.min() > 4
+    cv = table.std(1, unbiased=False) / table.mean(1)
+    assert 0.5 < cv[1:].median() < 0.8 and (table > 0).all() and (table <= 1).all()
+    assert torch.equal(table, layer_head_fractions(0.31, 32, 8))  # deterministic
+    settings = MoiraSettings.from_sources(None, {"MOIRA_IMPOSED_FRACTION": "0.15"})
+    assert settings.imposed_fraction == 0.15
 
 
 def test_rejections_say_what_to_change():
@@ -107,6 +125,10 @@ def test_bf16_ulps_and_dense_check_counters():
     value = torch.tensor([1.0, 1.0078125, -2.03125, 0.0]).bfloat16()  # 0, 1, 2 ulps, 0
     assert bf16_ulps(value, reference).tolist() == [0.0, 1.0, 2.0, 0.0]
     DenseCheck.layers.clear()
-    DenseCheck.add("l0", value, reference, torch.ones(3), torch.tensor([1.0, 2.0, 1.0]))
-    assert DenseCheck.read() == {"l0": [2.0, 1.0, 4.0, 1.0, 3.0]}
+    far = torch.tensor([1.0, 1.0625, -2.0, 0.0]).bfloat16()  # 8 ulps off in one element
+    DenseCheck.add("l0", value, reference, far, torch.ones(3), torch.tensor([1.0, 2.0, 1.0]))
+    assert DenseCheck.read() == {"l0": dict(
+        moira_max_ulps=2.0, moira_over_1_ulp=1.0, moira_over_4_ulps=0.0, decode_elements=4.0,
+        fa3_split_max_ulps=8.0, fa3_split_over_1_ulp=1.0, fa3_split_over_4_ulps=1.0,
+        other_rows_differing=1.0, other_elements=3.0)}
     DenseCheck.layers.clear()

@@ -23,6 +23,7 @@ from ..config import PAGE_SIZE
 # tuned on the H200 (benchmarks/NOTES.md)
 NUM_WARPS = 4
 NUM_STAGES = 3
+PAGES_PER_ITER = 1  # listed pages per inner-loop tile ([PAGES_PER_ITER * 64, D]), a power of 2
 
 
 @triton.jit
@@ -43,7 +44,7 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
                    stride_ob, stride_oh, stride_od,
                    num_kv_heads, max_pages, qk_scale_log2, chunk_floor, chunks_per_row,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PAGE: tl.constexpr):
+                   PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr):
     row = tl.program_id(0)
     chunk_id = tl.program_id(1)
     b = row // num_kv_heads
@@ -55,7 +56,9 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
 
     groups = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
-    tokens = tl.arange(0, PAGE)
+    tokens = tl.arange(0, PAGE * PAGES_PER_TILE)
+    tile_page = tokens // PAGE  # which of the tile's pages a token belongs to
+    offset = tokens % PAGE
     heads = head * GROUP + groups
     q = tl.load(query + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
                 + dims[None, :] * stride_qd, mask=groups[:, None] < GROUP, other=0.0)
@@ -67,16 +70,25 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
     running_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     start = chunk_id * chunk
-    for i in range(start, tl.minimum(start + chunk, count)):
-        logical = tl.load(row_pages + i)
-        valid = logical * PAGE + tokens < seq_len  # masks the current page's tail
-        page = tl.load(row_table + logical, mask=logical < max_pages, other=0).to(tl.int64)
-        keys = tl.load(key_cache + page * stride_kp + head * stride_kh
-                       + tokens[:, None] * stride_kt + dims[None, :] * stride_kd,
-                       mask=valid[:, None], other=0.0)
-        values = tl.load(value_cache + page * stride_vp + head * stride_vh
-                         + tokens[:, None] * stride_vt + dims[None, :] * stride_vd,
-                         mask=valid[:, None], other=0.0)
+    end = tl.minimum(start + chunk, count)
+    for i in range(start, end, PAGES_PER_TILE):
+        if PAGES_PER_TILE == 1:  # one page: its list entry and physical id are scalars
+            logical = tl.load(row_pages + i)
+            valid = logical * PAGE + offset < seq_len  # masks the current page's tail
+            page = tl.load(row_table + logical, mask=logical < max_pages, other=0).to(tl.int64)
+        else:  # several pages: one list entry per token
+            slot = i + tile_page
+            listed = slot < end
+            logical = tl.load(row_pages + slot, mask=listed, other=0)
+            valid = listed & (logical * PAGE + offset < seq_len)
+            page = tl.load(row_table + logical, mask=listed & (logical < max_pages),
+                           other=0).to(tl.int64)
+        key_rows = page * stride_kp + offset * stride_kt
+        value_rows = page * stride_vp + offset * stride_vt
+        keys = tl.load(key_cache + head * stride_kh + key_rows[:, None]
+                       + dims[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+        values = tl.load(value_cache + head * stride_vh + value_rows[:, None]
+                         + dims[None, :] * stride_vd, mask=valid[:, None], other=0.0)
         logits = tl.dot(q, tl.trans(keys)) * qk_scale_log2
         logits = tl.where(valid[None, :], logits, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(logits, axis=1))
@@ -119,6 +131,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         num_kv_heads, block_table.shape[1], scale * math.log2(math.e), chunk_floor,
         chunks_per_row,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE=PAGE_SIZE, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        PAGE=PAGE_SIZE, PAGES_PER_TILE=PAGES_PER_ITER, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     return out

@@ -27,16 +27,16 @@ from ...config import PAGE_SIZE
 from ...decode import DecodeWorkspace, sparse_decode, update_summaries
 from .settings import (SUPPORTED_HEAD_DIMS, SUPPORTED_KV_CACHE_DTYPES, MoiraSettings, explain,
                        split_decodes)
-from .state import DenseCheck, LayerState, PageStatsLog
+from ...synthetic import layer_head_fractions
+from .state import DenseCheck, LayerState, PageStatsLog, not_capturing
 
 logger = init_logger("vllm.moira")  # under "vllm", so vLLM's log handler prints it
 
 
-def _settings():
+def _current_config():
     from vllm.config import get_current_vllm_config_or_none
 
-    config = get_current_vllm_config_or_none()
-    return MoiraSettings.from_sources(config.additional_config if config else None, os.environ)
+    return get_current_vllm_config_or_none()
 
 
 class MoiraAttentionBackend(FlashAttentionBackend):
@@ -161,7 +161,10 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         self.max_batch = max(vllm_config.scheduler_config.max_num_seqs,
                              self.max_cudagraph_size or 0)
         self.workspace = self._workspace(-(-vllm_config.model_config.max_model_len // PAGE_SIZE))
-        self.stats_log = PageStatsLog(self.settings.stats_interval, log=logger.info)
+        self.stats_log = PageStatsLog(
+            self.settings.stats_interval, log=logger.info,
+            note=" (imposed budgets, not the coverage rule)"
+            if self.settings.imposed_fraction else "")
 
     def _workspace(self, max_pages):
         return DecodeWorkspace(self.max_batch, max_pages, self.num_heads_q, self.num_heads_kv,
@@ -215,14 +218,31 @@ class MoiraAttentionImpl(FlashAttentionImpl):
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
                          sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
                          kv_sharing_target_layer_name, sinks, **kwargs)
-        self.settings = _settings()
+        config = _current_config()
+        self.settings = MoiraSettings.from_sources(config.additional_config if config else None,
+                                                   os.environ)
+        self.num_layers = config.model_config.get_total_num_hidden_layers() if config else 1
         self.state = None  # LayerState, created when the layer's name is known
+        self.keep_fractions = None  # imposed_fraction mode: this layer's [num_kv_heads]
 
     def _state(self, layer) -> LayerState:
         if self.state is None:
             self.state = LayerState(getattr(layer, "layer_name", "?"),
                                     with_stats=self.settings.stats_interval > 0)
         return self.state
+
+    def _keep_fractions(self, layer, device):
+        """imposed_fraction mode: this layer's row of ``layer_head_fractions`` (made once, in
+        the eager warm-up before graph capture)."""
+        if self.keep_fractions is None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            not_capturing(f"the imposed read fractions of {layer.layer_name}")
+            table = layer_head_fractions(self.settings.imposed_fraction, self.num_layers,
+                                         self.num_kv_heads)
+            index = extract_layer_index(layer.layer_name) % self.num_layers
+            self.keep_fractions = table[index].to(device)
+        return self.keep_fractions
 
     def _key_value_caches(self, kv_cache):
         # (blocks, Hkv, 64, 2D) logical -> (blocks, 64, Hkv, D) views of K and V
@@ -246,6 +266,10 @@ class MoiraAttentionImpl(FlashAttentionImpl):
         if metadata.dense is not None:
             dense = torch.empty_like(output)
             super().forward(layer, query, key, value, kv_cache, metadata.dense, dense)
+            dense_one_split = torch.empty_like(output)
+            super().forward(layer, query, key, value, kv_cache,
+                            dataclasses.replace(metadata.dense, max_num_splits=1),
+                            dense_one_split)
         if metadata.prefill is not None:  # FA3 on every row after the decode rows
             start = metadata.num_decode_tokens
             super().forward(layer, query[start:], None if key is None else key[start:],
@@ -255,13 +279,15 @@ class MoiraAttentionImpl(FlashAttentionImpl):
         if rows:
             state = self._state(layer)
             key_cache, value_cache = self._key_value_caches(kv_cache)
+            fractions = (self._keep_fractions(layer, query.device)
+                         if self.settings.imposed_fraction else None)
             sparse_decode(query[:rows], key_cache, value_cache,
                           state.summaries_for(kv_cache, self.num_kv_heads, self.head_size),
                           metadata.block_table, metadata.seq_lens, scale=self.scale,
-                          workspace=metadata.workspace, out=output[:rows],
-                          page_stats=state.page_stats)
+                          keep_fractions=fractions, workspace=metadata.workspace,
+                          out=output[:rows], page_stats=state.page_stats)
         if metadata.dense is not None:
             start, end = metadata.num_decode_tokens, metadata.num_actual_tokens
             DenseCheck.add(self._state(layer).layer_name, output[:rows], dense[:rows],
-                           output[start:end], dense[start:end])
+                           dense_one_split[:rows], output[start:end], dense[start:end])
         return output

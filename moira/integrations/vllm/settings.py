@@ -15,6 +15,12 @@ key                environment variable     meaning
                                             the counters off (default 30)
 ``check_dense``    ``MOIRA_CHECK_DENSE``    debugging: also run dense FA3 on every batch and
                                             count where Moira differs (slow; default off)
+``imposed_fraction``  ``MOIRA_IMPOSED_FRACTION``  timing studies on random weights: instead
+                                            of the coverage rule, each (layer, KV head) reads
+                                            a fixed fraction of its pages, drawn around this
+                                            mean with the paper's spread
+                                            (``moira.synthetic.layer_head_fractions``); the
+                                            pages are still the top-estimated ones
 =================  =======================  ==================================================
 """
 
@@ -36,9 +42,11 @@ class MoiraSettings:
     top_k: int | None = None
     stats_interval: float = 30.0
     check_dense: bool = False
+    imposed_fraction: float | None = None
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
-            "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE"}
+            "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE",
+            "imposed_fraction": "MOIRA_IMPOSED_FRACTION"}
 
     def __post_init__(self):
         MoiraConfig(gamma=self.gamma, top_k=self.top_k)  # its errors name the field and range
@@ -46,6 +54,13 @@ class MoiraSettings:
                 and math.isfinite(self.stats_interval)):
             raise ValueError(f"moira stats_interval must be a number of seconds >= 0 (0 turns "
                              f"the page counters off), got {self.stats_interval!r}")
+        fraction = self.imposed_fraction
+        if fraction is not None and not (isinstance(fraction, (int, float))
+                                         and not isinstance(fraction, bool) and 0 < fraction <= 1):
+            raise ValueError(f"moira imposed_fraction must lie in (0, 1] (the mean fraction of "
+                             f"pages each decode step reads), got {fraction!r}")
+        if fraction is not None and self.top_k is not None:
+            raise ValueError("moira: set top_k or imposed_fraction, not both")
         if not isinstance(self.check_dense, bool):
             raise ValueError(f"moira check_dense must be true or false, got "
                              f"{self.check_dense!r}")

@@ -23,7 +23,7 @@ import torch
 logger = logging.getLogger("moira")
 
 
-def _not_capturing(what):
+def not_capturing(what):
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"Moira: {what} would be allocated during CUDA-graph capture, where every replay "
@@ -47,7 +47,7 @@ class LayerState:
         tensor); (re)allocated, zeroed, when the cache is new (first use, or a re-bound cache,
         whose old summaries describe pages that no longer exist)."""
         if self.summaries is None or self._cache_ptr != kv_cache.data_ptr():
-            _not_capturing(f"the page-summary buffer of {self.layer_name}")
+            not_capturing(f"the page-summary buffer of {self.layer_name}")
             self.summaries = torch.zeros(kv_cache.shape[0], num_kv_heads, 2, head_dim,
                                          dtype=kv_cache.dtype, device=kv_cache.device)
             self._cache_ptr = kv_cache.data_ptr()
@@ -66,30 +66,38 @@ def bf16_ulps(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 
 
 class DenseCheck:
-    """Per-layer float64 ``[5]`` counters: (max ulps on decode rows, decode elements > 1 ulp
-    apart, decode elements compared, other-row elements not bit-identical, other-row elements
-    compared)."""
+    """Per-layer float64 counters (``NAMES``) comparing, on every batch, Moira's decode rows with
+    dense FA3's and, as the yardstick, FA3 with its split heuristic with FA3 in one split (two
+    correct kernels that differ only in summation order); the other rows (prefill, computed by
+    FA3 in both) must be bit-identical."""
 
+    NAMES = ("moira_max_ulps", "moira_over_1_ulp", "moira_over_4_ulps", "decode_elements",
+             "fa3_split_max_ulps", "fa3_split_over_1_ulp", "fa3_split_over_4_ulps",
+             "other_rows_differing", "other_elements")
     layers: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def add(cls, layer_name, decode_out, decode_dense, other_out, other_dense):
+    def add(cls, layer_name, decode_out, decode_dense, decode_dense_one_split, other_out,
+            other_dense):
         counters = cls.layers.get(layer_name)
         if counters is None:
-            _not_capturing(f"the dense-check counters of {layer_name}")
-            counters = cls.layers[layer_name] = torch.zeros(5, dtype=torch.float64,
+            not_capturing(f"the dense-check counters of {layer_name}")
+            counters = cls.layers[layer_name] = torch.zeros(len(cls.NAMES), dtype=torch.float64,
                                                             device=decode_out.device)
-        ulps = bf16_ulps(decode_out, decode_dense)
-        counters[0] = torch.maximum(counters[0], ulps.max().double() if ulps.numel()
-                                    else counters[0])
-        counters[1] += (ulps > 1).sum()
-        counters[2] += ulps.numel()
-        counters[3] += (other_out != other_dense).sum()
-        counters[4] += other_out.numel()
+        for first, value in ((0, decode_out), (4, decode_dense_one_split)):
+            ulps = bf16_ulps(value, decode_dense)
+            if ulps.numel():
+                counters[first] = torch.maximum(counters[first], ulps.max().double())
+            counters[first + 1] += (ulps > 1).sum()
+            counters[first + 2] += (ulps > 4).sum()
+        counters[3] += decode_out.numel()
+        counters[7] += (other_out != other_dense).sum()
+        counters[8] += other_out.numel()
 
     @classmethod
-    def read(cls) -> dict[str, list[float]]:
-        return {name: counters.tolist() for name, counters in cls.layers.items()}
+    def read(cls) -> dict[str, dict[str, float]]:
+        return {name: dict(zip(cls.NAMES, counters.tolist()))
+                for name, counters in cls.layers.items()}
 
 
 class PageStatsLog:
@@ -102,8 +110,9 @@ class PageStatsLog:
 
     layers: dict[str, torch.Tensor] = {}
 
-    def __init__(self, interval: float, clock=time.monotonic, log=logger.info):
+    def __init__(self, interval: float, clock=time.monotonic, log=logger.info, note=""):
         self.interval = interval
+        self.note = note
         self.clock = clock
         self.log = log
         self.last_time = clock()
@@ -133,6 +142,6 @@ class PageStatsLog:
         present = sum(p for _, p in deltas.values())
         line = (f"Moira: decode steps read {read / present:.1%} of their KV pages over the last "
                 f"{self.interval:g} s (per layer: min {min(fractions):.1%}, max "
-                f"{max(fractions):.1%}; {len(fractions)} layers)")
+                f"{max(fractions):.1%}; {len(fractions)} layers){self.note}")
         self.log(line)
         return line
