@@ -109,7 +109,8 @@ def plot(report, path):
                 real = spreads.get("real", {}).get(arm, {}).get("us")
                 if real is not None:
                     ax.scatter([max(cvs) + 0.3], [real], marker="*", s=90, color=line.get_color())
-        dense = [r["us"] for a, r in spreads[None].items() if a.startswith("dense_fa3") and r.get("us")]
+        dense = [r["us"] for a, r in spreads[None].items()
+                 if a.startswith("dense_fa3") and r.get("us")]
         ax.set_title(SHAPE_LABELS.get(shape, shape))
         ax.set_xlabel("CV of row lengths (★ = real-like)")
         if dense:

@@ -364,9 +364,10 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     gamma : coverage target in (0, 1]; default ``config.gamma`` (0.98). 1.0 keeps every page.
     top_k : fixed-count mode: keep this many pages per row (sink and current page included)
         instead of applying the coverage rule; default ``config.top_k`` (None).
-    keep_fractions : fraction mode, float32 ``[num_kv_heads]``: each row of KV head h keeps
-        ``max(2, floor(f_h * pages + 0.5))`` of its pages, the highest-share ones (budgets
-        imposed for timing studies; the count is derived on the GPU from ``seq_lens``).
+    keep_fractions : fraction mode, float32 ``[num_kv_heads]`` or ``[batch, num_kv_heads]``:
+        each row keeps ``max(2, floor(f * pages + 0.5))`` of its pages, the highest-share ones
+        (budgets imposed for timing studies; the count is derived on the GPU from
+        ``seq_lens``).
     scale : softmax scale, default ``1 / sqrt(head_dim)``.
     return_pages : also return the page lists and counts.
     config : a ``MoiraConfig`` (default: the paper's); ignored if ``workspace`` is given.
@@ -391,9 +392,10 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     _check_page_stats(page_stats, query)
     if keep_fractions is not None:
         _require(keep_fractions.dtype == torch.float32
-                 and tuple(keep_fractions.shape) == (num_kv_heads,),
-                 f"keep_fractions must be a float32 tensor [num_kv_heads={num_kv_heads}], got "
-                 f"{keep_fractions.dtype} of shape {tuple(keep_fractions.shape)}")
+                 and tuple(keep_fractions.shape) in ((num_kv_heads,), (batch, num_kv_heads)),
+                 f"keep_fractions must be a float32 tensor [num_kv_heads={num_kv_heads}] or "
+                 f"[batch={batch}, num_kv_heads={num_kv_heads}], got {keep_fractions.dtype} of "
+                 f"shape {tuple(keep_fractions.shape)}")
         _require(top_k is None, "pass either top_k or keep_fractions, not both")
         _check_device(query=query, keep_fractions=keep_fractions)
     max_pages = block_table.shape[1]

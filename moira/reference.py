@@ -191,11 +191,14 @@ def _pack(shares, seq_lens, choose):
 
 
 def fraction_counts(keep_fractions, seq_lens, max_pages):
-    """Fraction mode's per-row counts ``[batch, num_kv_heads]``: ``max(2, floor(f_h * pages +
-    0.5))`` for a row of ``pages`` pages of KV head h."""
+    """Fraction mode's per-row counts ``[batch, num_kv_heads]``: ``max(2, floor(f * pages +
+    0.5))`` for a row of ``pages`` pages, f from ``keep_fractions`` ``[num_kv_heads]`` (per KV
+    head) or ``[batch, num_kv_heads]``."""
     pages = torch.tensor([num_pages(n, max_pages) for n in seq_lens.tolist()],
                          dtype=torch.float32)
-    counts = torch.floor(keep_fractions.float().cpu()[None, :] * pages[:, None] + 0.5)
+    fractions = keep_fractions.float().cpu()
+    fractions = fractions[None, :] if fractions.dim() == 1 else fractions
+    counts = torch.floor(fractions * pages[:, None] + 0.5)
     return counts.clamp(min=2).to(torch.int32)
 
 
@@ -203,8 +206,8 @@ def select(log_masses, seq_lens, *, gamma=0.98, top_k=None, keep_fractions=None)
     """The pages each row keeps: coverage rule (default) or, with ``top_k``, the ``top_k``
     largest (sink and current page included; rows of at most ``top_k`` pages keep all; ties
     broken by lower page index). ``top_k`` is an int or a ``[batch, num_kv_heads]`` tensor of
-    per-row counts; ``keep_fractions`` ``[num_kv_heads]`` sets them from each row's length
-    (``fraction_counts``).
+    per-row counts; ``keep_fractions`` (``[num_kv_heads]`` or ``[batch, num_kv_heads]``) sets
+    them from each row's length (``fraction_counts``).
 
     Returns ``(page_lists, page_counts)``: ``[batch, num_kv_heads, max_pages]`` int32 logical
     pages, sink first, current page last, the middle in increasing order, ``-1`` past the count;

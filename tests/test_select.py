@@ -134,6 +134,11 @@ def test_fraction_mode_keeps_each_heads_share_of_every_row():
         for h in range(3):
             n = int(page_counts[b, h])
             assert page_lists[b, h, :n].tolist() == expected_lists[b, h, :n].tolist()
+    # one fraction per (request, KV head)
+    per_request = torch.rand(len(seq_lens), 3) * 0.9 + 0.05
+    _, page_counts = run_select(log_masses, seq_lens, keep_fractions=per_request)
+    expected = ref.fraction_counts(per_request, seq_lens, log_masses.shape[-1])
+    assert torch.equal(page_counts, torch.minimum(expected, pages[:, None]).int())
 
 
 @pytest.mark.parametrize("pages", [4096, 16384])

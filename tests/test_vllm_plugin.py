@@ -8,7 +8,8 @@ from helpers import DEVICE, make_cache
 import moira
 from moira.integrations.vllm.settings import (MoiraSettings, explain, split_decodes,
                                               summary_bytes)
-from moira.integrations.vllm.state import DenseCheck, LayerState, PageStatsLog, bf16_ulps
+from moira.integrations.vllm.state import (DenseCheck, ImposedFractions, LayerState,
+                                           PageStatsLog, bf16_ulps)
 
 
 def test_settings_come_from_additional_config_then_environment():
@@ -27,7 +28,8 @@ def test_settings_come_from_additional_config_then_environment():
     ({"moira": {"top_k": 1}}, {}, "top_k must be None"),
     ({"moira": {"gama": 0.9}}, {}, r"unknown key\(s\) \['gama'\]"),
     ({"moira": {"stats_interval": -1}}, {}, "stats_interval must be"),
-    ({"moira": {"imposed_fraction": 1.5}}, {}, "imposed_fraction must lie in"),
+    ({"moira": {"imposed_fraction": 1.5}}, {}, "imposed_fraction must be a fraction"),
+    (None, {"MOIRA_IMPOSED_FRACTION": "8k:0.4"}, "use a fraction or tokens:fraction"),
     ({"moira": {"imposed_fraction": 0.3, "top_k": 8}}, {}, "top_k or imposed_fraction"),
     (None, {"MOIRA_CHECK_DENSE": "yes"}, "use 0 or 1"),
 ])
@@ -49,7 +51,23 @@ def test_imposed_fractions_have_the_papers_spread():
     assert 0.5 < cv[1:].median() < 0.8 and (table > 0).all() and (table <= 1).all()
     assert torch.equal(table, layer_head_fractions(0.31, 32, 8))  # deterministic
     settings = MoiraSettings.from_sources(None, {"MOIRA_IMPOSED_FRACTION": "0.15"})
-    assert settings.imposed_fraction == 0.15
+    assert settings.imposed_knots == ((1, 0.15),)
+
+
+def test_imposed_fractions_follow_the_context_length():
+    settings = MoiraSettings.from_sources(
+        None, {"MOIRA_IMPOSED_FRACTION": "131072:0.15,8192:0.42"})
+    assert settings.imposed_knots == ((8192, 0.42), (131072, 0.15))
+    imposed = ImposedFractions(settings.imposed_knots, num_layers=4, num_kv_heads=8,
+                               max_batch=6, device="cpu")
+    seq_lens = torch.tensor([4096, 8192, 32768, 131072, 500000], dtype=torch.int32)
+    fractions = imposed.fill(seq_lens)
+    assert fractions.shape == (4, 5, 8)
+    means = fractions.mean(dim=(0, 2))
+    assert abs(means[1] - 0.42) < 1e-3 and abs(means[3] - 0.15) < 1e-3
+    assert means[0] == means[1] and means[4] == means[3]  # clamped outside the knots
+    assert 0.15 < means[2] < 0.42  # halfway in log length
+    assert fractions.data_ptr() == imposed.buffer.data_ptr()  # a view of the persistent buffer
 
 
 def test_rejections_say_what_to_change():

@@ -16,8 +16,9 @@ float32 rounding of the sums, so the kept mass reaches gamma also where rounding
 Fixed-count mode (paper 3.5) bisects on the *number* of middle pages above the threshold and
 keeps exactly ``top_k`` pages per row (rows of at most ``top_k`` pages keep all); pages tied
 within the final interval are taken in page order. Fraction mode is fixed-count mode with a
-count per row, ``max(2, floor(f_h * pages + 0.5))`` for the row's KV head h, derived here from
-the row's length (budgets imposed for timing studies, still filled with the top pages).
+count per row, ``max(2, floor(f * pages + 0.5))`` with the row's fraction f (per KV head, or
+per request and KV head), derived here from the row's length (budgets imposed for timing
+studies, still filled with the top pages).
 
 Output: ``page_lists[b, h, :count]`` logical pages (sink, kept middle pages in increasing order,
 current page) and ``page_counts[b, h] = count``. Entries past the count are not written.
@@ -37,7 +38,7 @@ def num_warps(block):
 @triton.jit
 def _select_kernel(log_masses, seq_lens, keep_fractions, page_lists, page_counts,
                    stride_lr, stride_lg, stride_pb, stride_ph, stride_cb, stride_ch,
-                   num_kv_heads, max_pages, gamma, top_k,
+                   stride_fb, stride_fh, num_kv_heads, max_pages, gamma, top_k,
                    GROUP: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr,
                    PASSES: tl.constexpr, FIXED_COUNT: tl.constexpr, FRACTIONS: tl.constexpr,
                    PAGE: tl.constexpr):
@@ -71,7 +72,7 @@ def _select_kernel(log_masses, seq_lens, keep_fractions, page_lists, page_counts
 
     if FIXED_COUNT:
         if FRACTIONS:
-            fraction = tl.load(keep_fractions + head)
+            fraction = tl.load(keep_fractions + b * stride_fb + head * stride_fh)
             top_k = tl.maximum(tl.floor(fraction * pages_in_row + 0.5).to(tl.int32), 2)
         needed = top_k - 2
         lo = top * 0.0
@@ -117,14 +118,18 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
            top_k, ways, keep_fractions=None):
     """Fill ``page_lists`` ``[batch, num_kv_heads, >= max_pages]`` and ``page_counts``
     ``[batch, num_kv_heads]`` (int32) from ``log_masses`` ``[rows, G, >= max_pages]``.
-    ``keep_fractions`` (float32 ``[num_kv_heads]``) selects fraction mode."""
+    ``keep_fractions`` (float32 ``[num_kv_heads]`` or ``[batch, num_kv_heads]``) selects
+    fraction mode."""
     rows, group = log_masses.shape[0], log_masses.shape[1]
     block = max(16, triton.next_power_of_2(max_pages))
     fractions = keep_fractions is not None
     _select_kernel[(rows,)](
         log_masses, seq_lens, keep_fractions if fractions else seq_lens, page_lists, page_counts,
         log_masses.stride(0), log_masses.stride(1), *page_lists.stride()[:2],
-        *page_counts.stride(), num_kv_heads, max_pages, float(gamma), int(top_k or 0),
+        *page_counts.stride(),
+        *((0, keep_fractions.stride(0)) if fractions and keep_fractions.dim() == 1
+          else keep_fractions.stride() if fractions else (0, 0)),
+        num_kv_heads, max_pages, float(gamma), int(top_k or 0),
         GROUP=group, BLOCK=block, WAYS=ways, PASSES=BISECTION_BITS // (ways.bit_length() - 1),
         FIXED_COUNT=top_k is not None or fractions, FRACTIONS=fractions, PAGE=PAGE_SIZE,
         num_warps=num_warps(block),

@@ -27,8 +27,7 @@ from ...config import PAGE_SIZE
 from ...decode import DecodeWorkspace, sparse_decode, update_summaries
 from .settings import (SUPPORTED_HEAD_DIMS, SUPPORTED_KV_CACHE_DTYPES, MoiraSettings, explain,
                        split_decodes)
-from ...synthetic import layer_head_fractions
-from .state import DenseCheck, LayerState, PageStatsLog, not_capturing
+from .state import DenseCheck, ImposedFractions, LayerState, PageStatsLog
 
 logger = init_logger("vllm.moira")  # under "vllm", so vLLM's log handler prints it
 
@@ -116,6 +115,7 @@ class MoiraMetadata:
     workspace: DecodeWorkspace
     prefill: FlashAttentionMetadata | None = None
     dense: FlashAttentionMetadata | None = None  # check_dense: FA3 over the whole batch
+    keep_fractions: torch.Tensor | None = None  # imposed_fraction: [layers, decodes, heads]
 
 
 def _rows_from(cam: CommonAttentionMetadata, first_row: int,
@@ -161,6 +161,12 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         self.max_batch = max(vllm_config.scheduler_config.max_num_seqs,
                              self.max_cudagraph_size or 0)
         self.workspace = self._workspace(-(-vllm_config.model_config.max_model_len // PAGE_SIZE))
+        self.imposed = None
+        if self.settings.imposed_fraction is not None:
+            self.imposed = ImposedFractions(
+                self.settings.imposed_knots,
+                vllm_config.model_config.get_total_num_hidden_layers(), self.num_heads_kv,
+                self.max_batch, device)
         self.stats_log = PageStatsLog(
             self.settings.stats_interval, log=logger.info,
             note=" (imposed budgets, not the coverage rule)"
@@ -182,6 +188,9 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         if num_decodes < cam.num_reqs:
             prefill = super().build(0, _rows_from(cam, num_decodes, num_decode_tokens),
                                     fast_build)
+        keep_fractions = None
+        if self.imposed is not None and num_decodes:
+            keep_fractions = self.imposed.fill(cam.seq_lens[:num_decodes])
         dense = None
         if self.settings.check_dense:  # no AOT schedule: its buffer is the prefill rows'
             dense = super().build(0, cam, fast_build=True)
@@ -189,7 +198,7 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
             num_actual_tokens=cam.num_actual_tokens, num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens, seq_lens=cam.seq_lens[:num_decodes],
             block_table=cam.block_table_tensor[:num_decodes], workspace=self.workspace,
-            prefill=prefill, dense=dense)
+            prefill=prefill, dense=dense, keep_fractions=keep_fractions)
 
     def use_cascade_attention(self, *args, **kwargs) -> bool:
         return False
@@ -223,7 +232,7 @@ class MoiraAttentionImpl(FlashAttentionImpl):
                                                    os.environ)
         self.num_layers = config.model_config.get_total_num_hidden_layers() if config else 1
         self.state = None  # LayerState, created when the layer's name is known
-        self.keep_fractions = None  # imposed_fraction mode: this layer's [num_kv_heads]
+        self.layer_index = None
 
     def _state(self, layer) -> LayerState:
         if self.state is None:
@@ -231,18 +240,12 @@ class MoiraAttentionImpl(FlashAttentionImpl):
                                     with_stats=self.settings.stats_interval > 0)
         return self.state
 
-    def _keep_fractions(self, layer, device):
-        """imposed_fraction mode: this layer's row of ``layer_head_fractions`` (made once, in
-        the eager warm-up before graph capture)."""
-        if self.keep_fractions is None:
+    def _layer_index(self, layer) -> int:
+        if self.layer_index is None:
             from vllm.model_executor.models.utils import extract_layer_index
 
-            not_capturing(f"the imposed read fractions of {layer.layer_name}")
-            table = layer_head_fractions(self.settings.imposed_fraction, self.num_layers,
-                                         self.num_kv_heads)
-            index = extract_layer_index(layer.layer_name) % self.num_layers
-            self.keep_fractions = table[index].to(device)
-        return self.keep_fractions
+            self.layer_index = extract_layer_index(layer.layer_name) % self.num_layers
+        return self.layer_index
 
     def _key_value_caches(self, kv_cache):
         # (blocks, Hkv, 64, 2D) logical -> (blocks, 64, Hkv, D) views of K and V
@@ -279,8 +282,8 @@ class MoiraAttentionImpl(FlashAttentionImpl):
         if rows:
             state = self._state(layer)
             key_cache, value_cache = self._key_value_caches(kv_cache)
-            fractions = (self._keep_fractions(layer, query.device)
-                         if self.settings.imposed_fraction else None)
+            fractions = (None if metadata.keep_fractions is None
+                         else metadata.keep_fractions[self._layer_index(layer)])
             sparse_decode(query[:rows], key_cache, value_cache,
                           state.summaries_for(kv_cache, self.num_kv_heads, self.head_size),
                           metadata.block_table, metadata.seq_lens, scale=self.scale,

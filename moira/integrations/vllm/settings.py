@@ -20,7 +20,10 @@ key                environment variable     meaning
                                             a fixed fraction of its pages, drawn around this
                                             mean with the paper's spread
                                             (``moira.synthetic.layer_head_fractions``); the
-                                            pages are still the top-estimated ones
+                                            pages are still the top-estimated ones. A number,
+                                            or means by context length, interpolated in log
+                                            length: ``{"8192": 0.42, "131072": 0.15}``
+                                            (environment: ``8192:0.42,131072:0.15``)
 =================  =======================  ==================================================
 """
 
@@ -42,7 +45,7 @@ class MoiraSettings:
     top_k: int | None = None
     stats_interval: float = 30.0
     check_dense: bool = False
-    imposed_fraction: float | None = None
+    imposed_fraction: float | dict | None = None
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
             "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE",
@@ -54,16 +57,33 @@ class MoiraSettings:
                 and math.isfinite(self.stats_interval)):
             raise ValueError(f"moira stats_interval must be a number of seconds >= 0 (0 turns "
                              f"the page counters off), got {self.stats_interval!r}")
-        fraction = self.imposed_fraction
-        if fraction is not None and not (isinstance(fraction, (int, float))
-                                         and not isinstance(fraction, bool) and 0 < fraction <= 1):
-            raise ValueError(f"moira imposed_fraction must lie in (0, 1] (the mean fraction of "
-                             f"pages each decode step reads), got {fraction!r}")
-        if fraction is not None and self.top_k is not None:
-            raise ValueError("moira: set top_k or imposed_fraction, not both")
+        if self.imposed_fraction is not None:
+            knots = self.imposed_knots  # validates
+            if self.top_k is not None:
+                raise ValueError("moira: set top_k or imposed_fraction, not both")
+            del knots
         if not isinstance(self.check_dense, bool):
             raise ValueError(f"moira check_dense must be true or false, got "
                              f"{self.check_dense!r}")
+
+    @property
+    def imposed_knots(self) -> tuple[tuple[int, float], ...]:
+        """``imposed_fraction`` as ``((context_tokens, mean_fraction), ...)``, sorted."""
+        given = self.imposed_fraction
+        pairs = given.items() if isinstance(given, dict) else [(1, given)]
+        knots = []
+        for tokens, fraction in pairs:
+            try:
+                tokens = int(tokens)
+            except (TypeError, ValueError):
+                tokens = -1
+            if (tokens < 1 or isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                    or not 0 < fraction <= 1):
+                raise ValueError(
+                    f"moira imposed_fraction must be a fraction in (0, 1] or a mapping from "
+                    f"context length (tokens >= 1) to such fractions, got {given!r}")
+            knots.append((tokens, float(fraction)))
+        return tuple(sorted(knots))
 
     @property
     def config(self) -> MoiraConfig:
@@ -88,6 +108,14 @@ class MoiraSettings:
                     if text not in ("0", "1"):
                         raise ValueError(f"{variable}={text!r}: use 0 or 1")
                     values[key] = text == "1"
+                    continue
+                if key == "imposed_fraction" and ":" in text:
+                    try:
+                        values[key] = {int(t): float(f) for t, f in
+                                       (pair.split(":") for pair in text.split(","))}
+                    except ValueError:
+                        raise ValueError(f"{variable}={text!r}: use a fraction or "
+                                         f"tokens:fraction,tokens:fraction") from None
                     continue
                 try:
                     values[key] = int(text) if key == "top_k" else float(text)

@@ -16,9 +16,12 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
+
+from ...synthetic import layer_head_fractions
 
 logger = logging.getLogger("moira")
 
@@ -55,6 +58,36 @@ class LayerState:
                 self.page_stats = torch.zeros(2, dtype=torch.int64, device=kv_cache.device)
                 PageStatsLog.layers[self.layer_name] = self.page_stats
         return self.summaries
+
+
+class ImposedFractions:
+    """Read fractions for the imposed-budget mode: ``layer_head_fractions`` tables at each knot
+    ``(context_tokens, mean)``, interpolated per request in log context length into a persistent
+    ``[num_layers, max_batch, num_kv_heads]`` buffer (so graphs captured on its views see each
+    step's values)."""
+
+    def __init__(self, knots, num_layers, num_kv_heads, max_batch, device):
+        self.log_tokens = torch.tensor([math.log(tokens) for tokens, _ in knots],
+                                       dtype=torch.float32, device=device)
+        self.tables = torch.stack([layer_head_fractions(mean, num_layers, num_kv_heads)
+                                   for _, mean in knots]).to(device)  # [knots, layers, heads]
+        self.buffer = torch.zeros(num_layers, max_batch, num_kv_heads, dtype=torch.float32,
+                                  device=device)
+
+    def fill(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Write the fractions of requests with these lengths; returns ``[layers, rows, heads]``."""
+        rows = seq_lens.shape[0]
+        if self.tables.shape[0] == 1:
+            self.buffer[:, :rows] = self.tables[0][:, None, :]
+            return self.buffer[:, :rows]
+        x = torch.log(seq_lens.float().clamp(min=1))
+        upper = torch.searchsorted(self.log_tokens, x).clamp(1, self.tables.shape[0] - 1)
+        lower = upper - 1
+        alpha = ((x - self.log_tokens[lower]) / (self.log_tokens[upper] - self.log_tokens[lower])
+                 ).clamp(0, 1)[:, None, None]
+        fractions = self.tables[lower] * (1 - alpha) + self.tables[upper] * alpha
+        self.buffer[:, :rows] = fractions.permute(1, 0, 2)
+        return self.buffer[:, :rows]
 
 
 def bf16_ulps(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
