@@ -1,0 +1,137 @@
+"""Closed-loop serving client for vLLM's OpenAI-compatible server (issue 5, paper Figure 5).
+
+    python3 benchmarks/serve_bench.py --url http://127.0.0.1:8000 --set A --concurrency 16 \
+        [--output-tokens 1024] [--out $OUT/serve.json]
+
+Prompts are random token ids (the server runs with ``--skip-tokenizer-init``): set A has 256
+prompts of 4k-64k tokens, set B 64 prompts of 64k-126k (lengths uniform in log length, fixed
+seed). ``--concurrency`` workers each send one streaming ``/v1/completions`` request at a time
+(``ignore_eos``, greedy) until the set is done. Per request: time to first token and TPOT =
+(last chunk - first chunk) / (tokens - 1); overall: median TPOT, output tokens per second of
+wall time, and whether every request completed with all its tokens. Standard library only.
+"""
+
+import argparse
+import http.client
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+import urllib.parse
+
+SETS = {"A": (256, 4096, 65536), "B": (64, 65536, 126976)}
+
+
+def prompt_lengths(name, seed=0):
+    count, low, high = SETS[name]
+    rng = random.Random(seed)
+    return [int(math.exp(rng.uniform(math.log(low), math.log(high)))) for _ in range(count)]
+
+
+def stream_completion(url, model, prompt, max_tokens, timeout=3600):
+    """Send one streaming request; returns (first token time, last token time, tokens, ok)."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    body = json.dumps(dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                           ignore_eos=True, stream=True,
+                           stream_options=dict(include_usage=True)))
+    start = time.perf_counter()
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    if response.status != 200:
+        return dict(start=start, ok=False, error=f"HTTP {response.status}: "
+                    f"{response.read()[:300].decode(errors='replace')}")
+    first = last = None
+    chunks = 0
+    usage = None
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        event = json.loads(data)
+        if event.get("usage"):
+            usage = event["usage"]
+        if event.get("choices"):
+            now = time.perf_counter()
+            first = first if first is not None else now
+            last = now
+            chunks += 1
+    connection.close()
+    tokens = usage["completion_tokens"] if usage else chunks
+    return dict(start=start, first=first, last=last, tokens=tokens, chunks=chunks,
+                ok=tokens == max_tokens)
+
+
+def run(url, model, lengths, concurrency, max_tokens, seed=0):
+    rng = random.Random(seed + 1)
+    prompts = [[rng.randrange(100, 30000) for _ in range(n)] for n in lengths]
+    queue = list(range(len(prompts)))
+    lock = threading.Lock()
+    records = [None] * len(prompts)
+
+    def worker():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                index = queue.pop(0)
+            try:
+                records[index] = stream_completion(url, model, prompts[index], max_tokens)
+            except Exception as error:  # noqa: BLE001 -- a failed request is a result
+                records[index] = dict(ok=False, error=f"{type(error).__name__}: {error}")
+            records[index]["prompt_tokens"] = lengths[index]
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    done = [r for r in records if r and r.get("ok")]
+    tpots = [(r["last"] - r["first"]) / (r["tokens"] - 1) * 1e3 for r in done
+             if r["tokens"] > 1 and r["chunks"] > 1]
+    return dict(requests=len(prompts), completed=len(done), wall_s=round(wall, 1),
+                output_tokens_per_s=sum(r["tokens"] for r in done) / wall,
+                median_tpot_ms=statistics.median(tpots) if tpots else None,
+                median_ttft_s=statistics.median(r["first"] - r["start"] for r in done)
+                if done else None,
+                errors=[r.get("error") for r in records if r and not r.get("ok")][:5])
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="served model name (default: the first)")
+    parser.add_argument("--set", choices=sorted(SETS), default="A")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--output-tokens", type=int, default=1024)
+    parser.add_argument("--limit", type=int, default=0, help="only the first N prompts")
+    parser.add_argument("--label", default="")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "serve.json"))
+    args = parser.parse_args()
+    model = args.model
+    if model is None:
+        parts = urllib.parse.urlsplit(args.url)
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+        connection.request("GET", "/v1/models")
+        model = json.loads(connection.getresponse().read())["data"][0]["id"]
+    lengths = prompt_lengths(args.set)[: args.limit or None]
+    result = run(args.url, model, lengths, args.concurrency, args.output_tokens)
+    result.update(label=args.label, set=args.set, concurrency=args.concurrency,
+                  output_tokens=args.output_tokens, command="python3 " + " ".join(sys.argv),
+                  date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    print(json.dumps(result, indent=1))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

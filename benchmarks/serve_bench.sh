@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Serving benchmark (issue 5, paper Figure 5): one vLLM OpenAI-compatible server on loopback per
+# backend, closed-loop clients (benchmarks/serve_bench.py) for each (set, concurrency).
+#
+#   PYTHONPATH=/tmp/site:. bash benchmarks/serve_bench.sh BACKEND [SETS...]
+#   BACKEND: dense | flashinfer | moira (imposed reads of the paper at gamma 0.98)
+#   SETS:    e.g. A:1 A:16 B:1 B:8 (default: all four)
+# Results: $OUT/serve-BACKEND-SET-CONCURRENCY.json; server log: $OUT/server-BACKEND.log
+set -euo pipefail
+backend=$1; shift
+runs=${*:-A:1 A:16 B:1 B:8}
+out=${OUT:-.}
+model=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vllm_checks; print(vllm_checks.model_dir('llama-3.1-8b', 0))")
+case $backend in
+  dense) args=(--attention-backend FLASH_ATTN) ;;
+  flashinfer) args=(--attention-backend FLASHINFER) ;;
+  moira) args=(--attention-backend CUSTOM --additional-config
+               '{"moira": {"imposed_fraction": {"8192": 0.42, "16384": 0.37, "32768": 0.31, "65536": 0.16, "130000": 0.15}, "stats_interval": 30}}') ;;
+  *) echo "unknown backend $backend" >&2; exit 2 ;;
+esac
+python3 -m vllm.entrypoints.openai.api_server --model "$model" --load-format dummy \
+  --skip-tokenizer-init --block-size 64 --max-model-len 131072 --no-enable-prefix-caching \
+  --max-num-seqs 16 --gpu-memory-utilization 0.88 --port 8000 "${args[@]}" \
+  > "$out/server-$backend.log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null || true' EXIT
+for _ in $(seq 600); do
+  curl -sf http://127.0.0.1:8000/health >/dev/null 2>&1 && break
+  kill -0 $server 2>/dev/null || { tail -30 "$out/server-$backend.log"; exit 1; }
+  sleep 1
+done
+for run in $runs; do
+  set_name=${run%:*}; concurrency=${run#*:}
+  python3 benchmarks/serve_bench.py --set "$set_name" --concurrency "$concurrency" \
+    --label "$backend" --out "$out/serve-$backend-$set_name-$concurrency.json"
+done
