@@ -6,6 +6,8 @@ KV head) page counts at a mean of 22% of each row's pages, plus a "real-like" sp
 with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page lists:
 
 - ``moira``          Attend + Merge on vLLM's cache layout (NHD, ``[pages, 64, Hkv, D]``).
+- ``moira_balanced`` the same lists with ``MoiraConfig(schedule="balanced")``: all rows'
+                     pages split evenly over P programs (``moira/kernels/balanced.py``).
 - ``moira_hnd``      the same on the head-major layout the folded peers need.
 - ``fa3_varlen``     vLLM's FA3 (``vllm_flash_attn``, ``fa_version=3``), each (request, KV head)
                      row its own sequence over the HND cache viewed as ``[pages*Hkv, 64, 1, D]``;
@@ -140,6 +142,9 @@ class Shape:
                                                HEAD_DIM, device="cuda")
         self.workspace_f = moira.DecodeWorkspace(self.rows, self.pages, GROUP, 1, HEAD_DIM,
                                                  device="cuda")
+        self.workspace_balanced = moira.DecodeWorkspace(
+            batch, self.pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, device="cuda",
+            config=moira.MoiraConfig(schedule="balanced"))
         self.out = torch.empty_like(self.query)
 
     def kv_bytes(self, counts):
@@ -159,6 +164,13 @@ class Shape:
         return lambda: moira.attend(self.query, self.key_nhd, self.value_nhd, self.table,
                                     self.seq_lens, lists3, counts2, scale=self.scale,
                                     workspace=self.workspace, out=self.out)
+
+    def moira_balanced(self, lists, counts):
+        lists3 = lists.view(self.batch, KV_HEADS, -1)
+        counts2 = counts.view(self.batch, KV_HEADS)
+        return lambda: moira.attend(self.query, self.key_nhd, self.value_nhd, self.table,
+                                    self.seq_lens, lists3, counts2, scale=self.scale,
+                                    workspace=self.workspace_balanced, out=self.out)
 
     def moira_hnd(self, lists, counts):
         lists3, counts2 = lists.view(self.rows, 1, -1), counts.view(self.rows, 1)
@@ -256,7 +268,8 @@ def host_time_us(fn, repeats=30):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--arms", default="moira,moira_hnd,fa3_varlen,pad,pow2,flashinfer,flex")
+    parser.add_argument("--arms", default="moira,moira_balanced,moira_hnd,fa3_varlen,pad,pow2,"
+                                          "flashinfer,flex")
     parser.add_argument("--quick", action="store_true", help="CV 0 and 1.0 only, no real-like")
     args = parser.parse_args()
     arms = set(args.arms.split(","))
@@ -364,6 +377,9 @@ def main():
                 if "moira" in arms:
                     timed(shape_name, "moira", lambda: s.moira(lists, counts), tag, bytes_read,
                           **info)
+                if "moira_balanced" in arms:
+                    timed(shape_name, "moira_balanced", lambda: s.moira_balanced(lists, counts),
+                          tag, bytes_read, **info)
                 if "moira_hnd" in arms:
                     timed(shape_name, "moira_hnd", lambda: s.moira_hnd(lists, counts), tag,
                           bytes_read, **info)

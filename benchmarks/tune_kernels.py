@@ -56,7 +56,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer variants")
     parser.add_argument("--kinds", default="estimate,select,attend,step",
-                        help="comma-separated subset of estimate,select,attend,tiles,step")
+                        help="comma-separated subset of estimate,select,attend,tiles,balanced,step")
     args = parser.parse_args()
     kinds = set(args.kinds.split(","))
     results = []
@@ -149,6 +149,16 @@ def main():
                    micros, sparse_bytes)
         attend_module.PAGES_PER_ITER = 1
         attend_module.NUM_WARPS, attend_module.NUM_STAGES = 4, 3
+        # the balanced global split: programs P and minimum pages per program C
+        for programs, floor in itertools.product(
+                [264, 528, 792, 1056, 1584, 2112] if "balanced" in kinds else [], [4, 8, 16]):
+            config = moira.MoiraConfig(schedule="balanced", programs=programs, chunk_pages=floor)
+            ws = moira.DecodeWorkspace(batch, pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
+                                       device="cuda", config=config)
+            micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
+                                                sparse_lists, sparse_counts, workspace=ws,
+                                                out=out))
+            record("attend22", shape, f"balanced P={programs} C={floor}", micros, sparse_bytes)
         if "step" in kinds:
             micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
                                                 sparse_lists, sparse_counts,

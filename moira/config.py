@@ -35,10 +35,17 @@ class MoiraConfig:
         in full. ``gamma`` is then ignored.
     chunk_pages:
         C, the fewest pages one Attend program processes (so a short row needs one program).
+    schedule:
+        How Attend splits the work. ``"rows"``: the paper's Eq. (4), J programs per row, each
+        planning its chunk from its row's length. ``"balanced"``: ``programs`` programs split
+        the concatenation of all rows' lists evenly (each at least C pages), planning from all
+        rows' lengths (``moira/kernels/balanced.py``).
     min_chunks_per_row:
         N_J, the fewest programs Attend launches per row.
     min_programs:
         N_T, the fewest programs Attend launches in all (so a few long rows still fill the GPU).
+    programs:
+        P of the balanced schedule: programs launched per step.
     bisection_ways:
         The K_B schedule: ``((max_pages, K_B), ...)`` in increasing ``max_pages``; a step whose
         block table holds fewer than ``max_pages`` pages per row uses that K_B, and the last
@@ -48,8 +55,10 @@ class MoiraConfig:
     gamma: float = 0.98
     top_k: int | None = None
     chunk_pages: int = 24
+    schedule: str = "rows"
     min_chunks_per_row: int = 32
     min_programs: int = 4096
+    programs: int = 1056
     bisection_ways: tuple[tuple[int, int], ...] = ((256, 8), (4096, 4), (32768, 2))
 
     def __post_init__(self):
@@ -67,7 +76,10 @@ class MoiraConfig:
                 f"top_k must be None (coverage rule) or an int >= 2 (pages per row, sink and "
                 f"current page included), got {self.top_k!r}"
             )
-        for name in ("chunk_pages", "min_chunks_per_row", "min_programs"):
+        if self.schedule not in ("rows", "balanced"):
+            raise ValueError(f"schedule must be 'rows' (paper Eq. 4) or 'balanced', got "
+                             f"{self.schedule!r}")
+        for name in ("chunk_pages", "min_chunks_per_row", "min_programs", "programs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -30,6 +30,8 @@ import torch
 from .config import MAX_PAGES_PER_SEQ, PAGE_SIZE, MoiraConfig
 from .kernels import interpreting
 from .kernels.attend import attend as _launch_attend
+from .kernels.balanced import attend_balanced as _launch_attend_balanced
+from .kernels.balanced import merge_balanced as _launch_merge_balanced
 from .kernels.estimate import estimate as _launch_estimate
 from .kernels.merge import merge as _launch_merge
 from .kernels.select import select as _launch_select
@@ -184,9 +186,9 @@ class DecodeWorkspace:
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
         max_rows = max_batch * num_kv_heads
-        # rows * max(N_J, ceil(N_T / rows)) <= max(N_J * rows, N_T + rows)
+        # rows * max(N_J, ceil(N_T / rows)) <= max(N_J * rows, N_T + rows); balanced: P + rows
         slots = max(self.config.min_chunks_per_row * max_rows,
-                    self.config.min_programs + max_rows)
+                    self.config.min_programs + max_rows, self.config.programs + max_rows)
         f32, i32 = torch.float32, torch.int32
         self.log_masses = torch.empty(max_rows * self.group * max_pages_per_seq, dtype=f32,
                                       device=device)
@@ -290,16 +292,20 @@ def _check_page_stats(page_stats, query):
 def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
                       page_counts, scale, workspace, out, page_stats=None):
     config = workspace.config
+    buffers = dict(partial_out=workspace.partial_out, partial_lse=workspace.partial_lse)
+    stats = dict(seq_lens=seq_lens, max_pages=block_table.shape[1], page_stats=page_stats)
+    inputs = (query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts)
+    if config.schedule == "balanced":
+        split = dict(min_pages=config.chunk_pages, programs=config.programs)
+        _launch_attend_balanced(*inputs, scale=scale, out=out, **split, **buffers)
+        _launch_merge_balanced(page_counts, *buffers.values(), out,
+                               num_kv_heads=key_cache.shape[2], **split, **stats)
+        return out
     rows = query.shape[0] * key_cache.shape[2]
-    chunks_per_row = config.chunks_per_row(rows)
-    _launch_attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
-                   scale=scale, chunk_floor=config.chunk_pages, chunks_per_row=chunks_per_row,
-                   out=out, partial_out=workspace.partial_out,
-                   partial_lse=workspace.partial_lse)
-    _launch_merge(page_counts, workspace.partial_out, workspace.partial_lse, out,
-                  num_kv_heads=key_cache.shape[2], chunk_floor=config.chunk_pages,
-                  chunks_per_row=chunks_per_row, seq_lens=seq_lens,
-                  max_pages=block_table.shape[1], page_stats=page_stats)
+    split = dict(chunk_floor=config.chunk_pages, chunks_per_row=config.chunks_per_row(rows))
+    _launch_attend(*inputs, scale=scale, out=out, **split, **buffers)
+    _launch_merge(page_counts, *buffers.values(), out, num_kv_heads=key_cache.shape[2],
+                  **split, **stats)
     return out
 
 

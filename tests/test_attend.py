@@ -22,7 +22,8 @@ def random_lists(seq_lens, num_kv_heads, width, fraction=0.5, shuffle=False):
                 keep = torch.arange(pages)  # the whole row
             else:
                 keep = torch.nonzero(torch.rand(pages) < fraction).flatten()
-                keep = torch.unique(torch.cat([keep, torch.tensor([pages - 1])]))
+                if pages:
+                    keep = torch.unique(torch.cat([keep, torch.tensor([pages - 1])]))
             if shuffle:
                 keep = keep[torch.randperm(len(keep))]
             page_lists[b, h, : len(keep)] = keep.to(torch.int32)

@@ -11,8 +11,10 @@ from moira.synthetic import synthetic_context
 pytestmark = pytest.mark.cuda
 
 
-@pytest.mark.parametrize("gamma, top_k", [(0.95, None), (1.0, None), (0.98, 12)])
-def test_graph_replay_matches_eager(gamma, top_k):
+@pytest.mark.parametrize("gamma, top_k, schedule", [(0.95, None, "rows"), (1.0, None, "rows"),
+                                                    (0.98, 12, "rows"),
+                                                    (0.95, None, "balanced")])
+def test_graph_replay_matches_eager(gamma, top_k, schedule):
     batch, num_kv_heads, group, head_dim, width = 4, 8, 4, 128, 96
     ctx = synthetic_context(width * PAGE_SIZE, batch=batch, num_kv_heads=num_kv_heads,
                             group=group, head_dim=head_dim, device="cuda", seed=1)
@@ -25,7 +27,8 @@ def test_graph_replay_matches_eager(gamma, top_k):
     slot_mapping = torch.full((batch,), -1, dtype=torch.int64, device="cuda")
     out = torch.empty_like(query)
     workspace = moira.DecodeWorkspace(batch, width, num_kv_heads * group, num_kv_heads,
-                                      head_dim, device="cuda")
+                                      head_dim, device="cuda",
+                                      config=moira.MoiraConfig(schedule=schedule, programs=264))
 
     def step():
         moira.update_summaries(keys, slot_mapping, summaries)

@@ -19,26 +19,10 @@ from .attend import plan_row
 
 
 @triton.jit
-def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_stats,
-                  stride_cb, stride_ch, stride_ob, stride_oh, stride_od,
-                  num_kv_heads, max_pages, chunk_floor, chunks_per_row,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                  SPLITS_PER_LOAD: tl.constexpr, HAS_STATS: tl.constexpr, PAGE: tl.constexpr):
-    row = tl.program_id(0)
-    g = tl.program_id(1)
-    b = row // num_kv_heads
-    head = row % num_kv_heads
-    count, _, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
-                                    chunk_floor, chunks_per_row)
-    if HAS_STATS:
-        if g == 0:
-            row_pages = tl.minimum(tl.cdiv(tl.load(seq_lens + b), PAGE), max_pages)
-            tl.atomic_add(page_stats, count.to(tl.int64))
-            tl.atomic_add(page_stats + 1, row_pages.to(tl.int64))
-    if num_chunks == 1:
-        return
-
-    first_slot = row.to(tl.int64) * chunks_per_row
+def merged(partial_out, partial_lse, first_slot, num_chunks, g, GROUP: tl.constexpr,
+           HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLITS_PER_LOAD: tl.constexpr):
+    """The LSE combination of query head ``g``'s partials in slots ``[first_slot, first_slot +
+    num_chunks)`` (``partial_lse[slot * GROUP + g]``, ``partial_out[(slot * GROUP + g) * D]``)."""
     splits = tl.arange(0, SPLITS_PAD)
     lse = tl.load(partial_lse + (first_slot + splits) * GROUP + g, mask=splits < num_chunks,
                   other=float("-inf"))
@@ -57,8 +41,31 @@ def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_sta
         part = tl.load(partial_out + slot[:, None] * HEAD_DIM + dims[None, :],
                        mask=(weight > 0.0)[:, None], other=0.0)  # empty chunks: never read
         acc += tl.sum(weight[:, None] * part, axis=0)
-    result = acc / tl.where(total == 0.0, 1.0, total)
+    return acc / tl.where(total == 0.0, 1.0, total)
 
+
+@triton.jit
+def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_stats,
+                  stride_cb, stride_ch, stride_ob, stride_oh, stride_od,
+                  num_kv_heads, max_pages, chunk_floor, chunks_per_row,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                  SPLITS_PER_LOAD: tl.constexpr, HAS_STATS: tl.constexpr, PAGE: tl.constexpr):
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    b = row // num_kv_heads
+    head = row % num_kv_heads
+    count, _, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
+                                    chunk_floor, chunks_per_row)
+    if HAS_STATS:
+        if g == 0:
+            row_pages = tl.minimum(tl.cdiv(tl.load(seq_lens + b), PAGE), max_pages)
+            tl.atomic_add(page_stats, count.to(tl.int64))
+            tl.atomic_add(page_stats + 1, row_pages.to(tl.int64))
+    if num_chunks == 1:
+        return
+    result = merged(partial_out, partial_lse, row.to(tl.int64) * chunks_per_row, num_chunks, g,
+                    GROUP, HEAD_DIM, SPLITS_PAD, SPLITS_PER_LOAD)
+    dims = tl.arange(0, HEAD_DIM)
     tl.store(out + b.to(tl.int64) * stride_ob + (head * GROUP + g) * stride_oh
              + dims * stride_od, result.to(out.dtype.element_ty))
 
