@@ -155,6 +155,14 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         return cls._cudagraph_support
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        if not vllm_config.use_v2_model_runner:
+            # the V1 path (decode-first order through reorder_batch_threshold) is in place but
+            # not yet verified on the GPU; refuse rather than risk silent errors
+            raise ValueError(
+                "Moira's attention backend is verified with vLLM's V2 model runner (the default "
+                "for dense decoder models in vLLM 0.26), and this engine would use V1: unset "
+                "VLLM_USE_V2_MODEL_RUNNER (or set it to 1), or drop the feature that needs V1 "
+                "(e.g. ngram speculative decoding, custom logits processors)")
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)  # decode rows first under the V1 runner too
         self.settings = MoiraSettings.from_sources(vllm_config.additional_config, os.environ)
