@@ -24,7 +24,7 @@ def _device(choice):
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("moira demo: --device cuda, but torch sees no CUDA device")
+        raise SystemExit("moira: --device cuda, but torch sees no CUDA device")
     return choice
 
 
@@ -159,8 +159,10 @@ def evaluate(args, command):
     torch.manual_seed(args.seed)
     hf.register()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    device = _device(args.device)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,
                                                  attn_implementation=hf.ATTENTION_NAME)
+    model.to(device)
     with open(args.text) as f:
         text = f.read()
     if args.text.endswith(".json"):
@@ -175,7 +177,8 @@ def evaluate(args, command):
         progress=progress)
     result.update(command=command,
                   model=args.model, text=args.text, context=args.context,
-                  documents=args.documents, gammas=gammas, device="cpu (float32 reference)",
+                  documents=args.documents, gammas=gammas,
+                  device=f"{device} (float32 model, Moira's float32 reference)",
                   torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
@@ -209,6 +212,8 @@ def main(argv=None):
                     help="documents that profile per-(layer, head) budgets for the ablation")
     ev.add_argument("--new-tokens", type=int, default=32, help="continuation length for KL")
     ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--device", default="cpu", choices=("auto", "cuda", "cpu"),
+                    help="where the model and the reference run (cuda: long contexts)")
     ev.add_argument("--out", default="accuracy.json")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
