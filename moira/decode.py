@@ -413,9 +413,9 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
                                     device=query.device, config=config)
     workspace.check_fits(batch, num_heads, num_kv_heads, head_dim, max_pages, query.device)
     config = workspace.config
-    # validate overrides through the config's own checks
-    config = config.replace(gamma=config.gamma if gamma is None else gamma,
-                            top_k=config.top_k if top_k is None else top_k)
+    if gamma is not None or top_k is not None:  # validated by the config's own checks
+        config = config.replace(gamma=config.gamma if gamma is None else gamma,
+                                top_k=config.top_k if top_k is None else top_k)
     scale = _resolve_scale(scale, head_dim)
     out = torch.empty_like(query) if out is None else out
 

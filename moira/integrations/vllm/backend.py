@@ -169,6 +169,7 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         self.max_batch = max(vllm_config.scheduler_config.max_num_seqs,
                              self.max_cudagraph_size or 0)
         self.workspace = self._workspace(-(-vllm_config.model_config.max_model_len // PAGE_SIZE))
+        self.retired = []
         self.imposed = None
         if self.settings.imposed_fraction is not None:
             self.imposed = ImposedFractions(
@@ -189,6 +190,8 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         self.stats_log.maybe_log()
         width = cam.block_table_tensor.shape[1]
         if width > self.workspace.max_pages_per_seq:  # wider than max_model_len's pages
+            # (the first build, before any capture); the old buffers stay alive regardless
+            self.retired.append(self.workspace)
             self.workspace = self._workspace(width)
         num_decodes, num_decode_tokens = split_decodes(cam.query_start_loc_cpu, cam.num_reqs,
                                                        cam.max_query_len)
