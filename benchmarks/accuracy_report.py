@@ -1,6 +1,10 @@
 """Tables (markdown) and plots (PNG) from `moira eval` result files.
 
     python benchmarks/accuracy_report.py benchmarks/results/accuracy-*.json [--readme README.md]
+    python benchmarks/accuracy_report.py --merge-into merged.json part1.json part2.json ...
+
+``--merge-into`` first joins runs of the same model and context that measured different tasks
+(their rows, re-summarized) into one file, keeping each part's command and time.
 
 Writes `<result>-kl.png` (token KL against pages read) and, where the budget analysis ran,
 `<result>-budget.png` (mean oracle coverage set per layer and KV head) beside each file, prints
@@ -18,6 +22,10 @@ def _gammas(table):
     return sorted((key for key in table if key.replace(".", "").isdigit()), key=float)
 
 
+def _fmt(value, spec):
+    return "—" if value is None else format(value, spec)
+
+
 def markdown(path, result):
     table = result["table"]
     lines = [f"**{os.path.basename(result['model'].rstrip('/'))}**, {result['context']}-token "
@@ -25,21 +33,23 @@ def markdown(path, result):
              f"{result['date']} (`{os.path.basename(path)}`; {result['seconds'] / 60:.0f} min; "
              f"command: `{result['command']}`).", ""]
     gammas = _gammas(table)
-    if any("kl" in table[g] or "retrieval" in table[g] for g in gammas):
+    if any(key in table[g] for g in gammas for key in ("kl", "retrieval", "repeat_ppl")):
         lines += ["| γ | token KL | pages read | pass-key acc. (dense) | Δ vs dense [95% CI] "
-                  "| pages read | repeated-passage ppl (dense) |", "|---|---|---|---|---|---|---|"]
+                  "| pages read | repeated-passage ppl (dense) | pages read |",
+                  "|---|---|---|---|---|---|---|---|"]
         dense = table.get("dense", {})
-        nan = float("nan")
         for g in gammas:
             row = table[g]
             delta = row.get("retrieval_minus_dense")
             interval = (f"{delta['mean']:+.3f} [{delta['low']:+.3f}, {delta['high']:+.3f}]"
-                        if delta else "–")
+                        if delta else "—")
             lines.append(
-                f"| {g} | {row['kl']:.3g} | {row['kl_read_fraction']:.1%} | "
-                f"{row.get('retrieval', nan):.2f} ({dense.get('retrieval', nan):.2f}) | "
-                f"{interval} | {row.get('retrieval_read_fraction', nan):.1%} | "
-                f"{row.get('repeat_ppl', nan):.3f} ({dense.get('repeat_ppl', nan):.3f}) |")
+                f"| {g} | {_fmt(row.get('kl'), '.3g')} | "
+                f"{_fmt(row.get('kl_read_fraction'), '.1%')} | "
+                f"{_fmt(row.get('retrieval'), '.2f')} ({_fmt(dense.get('retrieval'), '.2f')}) | "
+                f"{interval} | {_fmt(row.get('retrieval_read_fraction'), '.1%')} | "
+                f"{_fmt(row.get('repeat_ppl'), '.3f')} ({_fmt(dense.get('repeat_ppl'), '.3f')}) "
+                f"| {_fmt(row.get('repeat_read_fraction'), '.1%')} |")
         lines.append("")
     if "budget" in table:
         b = table["budget"]
@@ -106,11 +116,42 @@ def plots(path, result):
         plt.close(fig)
 
 
+def merge(paths, destination):
+    from moira.evaluation.experiments import summarize_rows
+
+    parts = []
+    for path in paths:
+        with open(path) as f:
+            parts.append(json.load(f))
+    keys = {(p["model"], p["context"], p["documents"]) for p in parts}
+    if len(keys) != 1:
+        raise SystemExit(f"--merge-into joins runs of one model, context and sample count; "
+                         f"got {sorted(keys)}")
+    rows = {}
+    for part in parts:
+        overlap = set(rows) & set(part["rows"])
+        if overlap:
+            raise SystemExit(f"tasks {sorted(overlap)} appear in more than one part")
+        rows.update(part["rows"])
+    merged = dict(parts[0], rows=rows, table=summarize_rows(rows),
+                  seconds=sum(p["seconds"] for p in parts),
+                  command=" ; ".join(p["command"] for p in parts),
+                  parts=[dict(file=os.path.basename(path), command=p["command"],
+                              seconds=p["seconds"], date=p["date"])
+                         for path, p in zip(paths, parts)])
+    with open(destination, "w") as f:
+        json.dump(merged, f, indent=1)
+    return destination
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("results", nargs="+")
     parser.add_argument("--readme")
+    parser.add_argument("--merge-into", help="join the result files into this one first")
     args = parser.parse_args()
+    if args.merge_into:
+        args.results = [merge(args.results, args.merge_into)]
     sections = []
     for path in args.results:
         with open(path) as f:

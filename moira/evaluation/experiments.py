@@ -345,6 +345,8 @@ def summarize_rows(results):
             rows = [r for r in results["repeat"] if r["gamma"] == gamma]
             entry = table.setdefault("dense" if gamma is None else str(gamma), {})
             entry["repeat_ppl"] = math.exp(sum(r["nll"] for r in rows) / len(rows))
+            if gamma is not None:
+                entry["repeat_read_fraction"] = sum(r["read_fraction"] for r in rows) / len(rows)
     return table
 
 
