@@ -91,12 +91,14 @@ def main():
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)
         default_warps = select_module.num_warps
-        for k_b in [2, 4, 8, 16] if "select" in kinds else []:
-            select_module.num_warps = lambda block: 8
+        # wider passes need more threads to hold the [K_B, pages] comparison tile
+        for k_b, warps in itertools.product([2, 4, 8, 16] if "select" in kinds else [],
+                                            [8, 16]):
+            select_module.num_warps = lambda block, warps=warps: warps
             micros = bench(lambda: select_module.select(
                 log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS, max_pages=pages,
                 ways=k_b, gamma=0.98, top_k=None))
-            record("select", shape, f"coverage K_B={k_b} warps=8", micros)
+            record("select", shape, f"coverage K_B={k_b} warps={warps}", micros)
         for warps in ([4, 8, 16] if not args.quick else [4, 8]) if "select" in kinds else []:
             select_module.num_warps = lambda block, warps=warps: warps
             for mode, kwargs in [("coverage", dict(gamma=0.98, top_k=None)),
