@@ -13,9 +13,19 @@ the markdown, and with --readme replaces the text between `<!-- accuracy:begin -
 """
 
 import argparse
+import gzip
 import json
 import os
 import re
+
+
+def _open(path, mode="rt"):
+    """Result files may be gzipped (``.json.gz``: the per-step rows run to megabytes)."""
+    return gzip.open(path, mode) if path.endswith(".gz") else open(path, mode)
+
+
+def _stem(path):
+    return re.sub(r"\.json(\.gz)?$", "", path)
 
 
 def _gammas(table):
@@ -86,7 +96,7 @@ def plots(path, result):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    table, stem = result["table"], path[: -len(".json")]
+    table, stem = result["table"], _stem(path)
     gammas = [g for g in _gammas(table) if "kl" in table[g]]
     if gammas:
         fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -121,7 +131,7 @@ def merge(paths, destination):
 
     parts = []
     for path in paths:
-        with open(path) as f:
+        with _open(path) as f:
             parts.append(json.load(f))
     keys = {(p["model"], p["context"], p["documents"]) for p in parts}
     if len(keys) != 1:
@@ -139,8 +149,8 @@ def merge(paths, destination):
                   parts=[dict(file=os.path.basename(path), command=p["command"],
                               seconds=p["seconds"], date=p["date"])
                          for path, p in zip(paths, parts)])
-    with open(destination, "w") as f:
-        json.dump(merged, f, indent=1)
+    with _open(destination, "wt") as f:
+        json.dump(merged, f, indent=None if destination.endswith(".gz") else 1)
     return destination
 
 
@@ -154,7 +164,7 @@ def main():
         args.results = [merge(args.results, args.merge_into)]
     sections = []
     for path in args.results:
-        with open(path) as f:
+        with _open(path) as f:
             result = json.load(f)
         plots(path, result)
         sections.append(markdown(path, result))
