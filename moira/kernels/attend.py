@@ -35,18 +35,30 @@ def plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per
 
 
 @triton.jit
-def attend_pages(q, acc, running_max, running_sum, key_cache, value_cache, row_pages, row_table,
-                 seq_len, head, first, last,
-                 stride_kp, stride_kt, stride_kh, stride_kd,
-                 stride_vp, stride_vt, stride_vh, stride_vd,
-                 max_pages, qk_scale_log2,
-                 HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr):
-    """Online softmax of the G query heads ``q`` over the listed pages ``[first, last)`` of one
-    row (logits in the log2 domain); returns the updated ``(acc, running_max, running_sum)``."""
+def attend_segment(query, key_cache, value_cache, block_table, seq_lens, page_lists, b, head,
+                   first, last,
+                   stride_qb, stride_qh, stride_qd,
+                   stride_kp, stride_kt, stride_kh, stride_kd,
+                   stride_vp, stride_vt, stride_vh, stride_vd,
+                   stride_bt, stride_pb, stride_ph, max_pages, qk_scale_log2,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr):
+    """Attention of the G query heads of row (b, head) over its listed pages ``[first, last)``:
+    ``(output [GROUP_PAD, D] float32, lse [GROUP_PAD])``; zeros and lse = -inf without keys."""
+    groups = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(query + b.to(tl.int64) * stride_qb + (head * GROUP + groups)[:, None] * stride_qh
+                + dims[None, :] * stride_qd, mask=groups[:, None] < GROUP, other=0.0)
+    seq_len = tl.load(seq_lens + b)
+    row_pages = page_lists + b.to(tl.int64) * stride_pb + head * stride_ph
+    row_table = block_table + b.to(tl.int64) * stride_bt
     tokens = tl.arange(0, PAGE * PAGES_PER_TILE)
     tile_page = tokens // PAGE  # which of the tile's pages a token belongs to
     offset = tokens % PAGE
+
+    running_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # log2 domain
+    running_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     for i in range(first, last, PAGES_PER_TILE):
         if PAGES_PER_TILE == 1:  # one page: its list entry and physical id are scalars
             logical = tl.load(row_pages + i)
@@ -76,12 +88,7 @@ def attend_pages(q, acc, running_max, running_sum, key_cache, value_cache, row_p
         running_sum = running_sum * rescale + tl.sum(probs.to(tl.float32), axis=1)
         acc = acc * rescale[:, None] + tl.dot(probs, values)
         running_max = new_max
-    return acc, running_max, running_sum
 
-
-@triton.jit
-def normalized(acc, running_max, running_sum):
-    """``(output, lse)`` of a finished online softmax: zeros and lse = -inf without keys."""
     empty = running_sum == 0.0
     running_sum = tl.where(empty, 1.0, running_sum)
     lse = tl.where(empty, float("-inf"),
@@ -109,22 +116,16 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
     if chunk_id >= num_chunks:
         return
 
+    start = chunk_id * chunk
+    result, lse = attend_segment(
+        query, key_cache, value_cache, block_table, seq_lens, page_lists, b, head, start,
+        tl.minimum(start + chunk, count), stride_qb, stride_qh, stride_qd,
+        stride_kp, stride_kt, stride_kh, stride_kd, stride_vp, stride_vt, stride_vh, stride_vd,
+        stride_bt, stride_pb, stride_ph, max_pages, qk_scale_log2,
+        GROUP, GROUP_PAD, HEAD_DIM, PAGE, PAGES_PER_TILE)
     groups = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
     heads = head * GROUP + groups
-    q = tl.load(query + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-                + dims[None, :] * stride_qd, mask=groups[:, None] < GROUP, other=0.0)
-    start = chunk_id * chunk
-    acc, running_max, running_sum = attend_pages(
-        q, tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32),
-        tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32),
-        tl.zeros([GROUP_PAD], dtype=tl.float32), key_cache, value_cache,
-        page_lists + b.to(tl.int64) * stride_pb + head * stride_ph,
-        block_table + b.to(tl.int64) * stride_bt, tl.load(seq_lens + b), head,
-        start, tl.minimum(start + chunk, count),
-        stride_kp, stride_kt, stride_kh, stride_kd, stride_vp, stride_vt, stride_vh, stride_vd,
-        max_pages, qk_scale_log2, HEAD_DIM, PAGE, PAGES_PER_TILE)
-    result, lse = normalized(acc, running_max, running_sum)
     head_mask = groups[:, None] < GROUP
     if num_chunks == 1:
         tl.store(out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ..config import PAGE_SIZE
 from . import attend as attend_module
-from .attend import attend_pages, normalized
+from .attend import attend_segment
 from .merge import merged
 
 
@@ -81,19 +81,12 @@ def _attend_balanced_kernel(query, key_cache, value_cache, block_table, seq_lens
             b = row // num_kv_heads
             head = row % num_kv_heads
             heads = head * GROUP + groups
-            q = tl.load(query + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-                        + dims[None, :] * stride_qd, mask=head_mask, other=0.0)
-            acc, running_max, running_sum = attend_pages(
-                q, tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32),
-                tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32),
-                tl.zeros([GROUP_PAD], dtype=tl.float32), key_cache, value_cache,
-                page_lists + b.to(tl.int64) * stride_pb + head * stride_ph,
-                block_table + b.to(tl.int64) * stride_bt, tl.load(seq_lens + b), head,
+            result, lse = attend_segment(
+                query, key_cache, value_cache, block_table, seq_lens, page_lists, b, head,
                 (position - row_start).to(tl.int32), (segment_end - row_start).to(tl.int32),
-                stride_kp, stride_kt, stride_kh, stride_kd,
-                stride_vp, stride_vt, stride_vh, stride_vd,
-                max_pages, qk_scale_log2, HEAD_DIM, PAGE, PAGES_PER_TILE)
-            result, lse = normalized(acc, running_max, running_sum)
+                stride_qb, stride_qh, stride_qd, stride_kp, stride_kt, stride_kh, stride_kd,
+                stride_vp, stride_vt, stride_vh, stride_vd, stride_bt, stride_pb, stride_ph,
+                max_pages, qk_scale_log2, GROUP, GROUP_PAD, HEAD_DIM, PAGE, PAGES_PER_TILE)
             if (position == row_start) & (segment_end == row_end):  # the whole row
                 tl.store(out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
                          + dims[None, :] * stride_od, result.to(out.dtype.element_ty),
