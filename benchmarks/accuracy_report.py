@@ -18,6 +18,8 @@ import json
 import os
 import re
 
+from readme_section import write_section
+
 
 def _open(path, mode="rt"):
     """Result files may be gzipped (``.json.gz``: the per-step rows run to megabytes)."""
@@ -171,16 +173,7 @@ def main():
     text = "\n".join(sections)
     print(text)
     if args.readme:
-        with open(args.readme) as f:
-            readme = f.read()
-        pattern = r"(<!-- accuracy:begin -->\n).*?(<!-- accuracy:end -->)"
-        readme, found = re.subn(pattern, lambda m: m.group(1) + text + "\n" + m.group(2),
-                                readme, flags=re.S)
-        if not found:
-            raise SystemExit(f"{args.readme} has no accuracy markers")
-        with open(args.readme, "w") as f:
-            f.write(readme)
-
+        write_section(args.readme, "accuracy", text)
 
 if __name__ == "__main__":
     main()

@@ -8,9 +8,10 @@ README between ``<!-- kernels:begin -->`` and ``<!-- kernels:end -->``.
 import argparse
 import json
 import os
-import re
 import statistics
 from collections import defaultdict
+
+from readme_section import write_section
 
 ARMS = [("moira", "Moira"), ("fa3_varlen", "FA3 varlen"), ("pad", "pad"), ("pow2", "pow2"),
         ("flashinfer", "FlashInfer"), ("flex", "FlexAttention")]
@@ -137,18 +138,8 @@ def main():
     print(markdown)
     print(f"wrote {png}")
     if args.readme:
-        with open(args.readme) as f:
-            text = f.read()
-        block = (f"<!-- kernels:begin -->\n{markdown}\n\n![kernel times]"
-                 f"({os.path.relpath(png, os.path.dirname(os.path.abspath(args.readme)))})\n"
-                 "<!-- kernels:end -->")
-        text, found = re.subn(r"<!-- kernels:begin -->.*?<!-- kernels:end -->", block, text,
-                              flags=re.S)
-        if not found:
-            raise SystemExit(f"{args.readme} has no <!-- kernels:begin/end --> markers")
-        with open(args.readme, "w") as f:
-            f.write(text)
-
+        image = os.path.relpath(png, os.path.dirname(os.path.abspath(args.readme)))
+        write_section(args.readme, "kernels", f"{markdown}\n\n![kernel times]({image})")
 
 if __name__ == "__main__":
     main()
