@@ -158,19 +158,12 @@ class Shape:
 
     # ---- arms: each returns a no-argument callable writing its output ------------------------
 
-    def moira(self, lists, counts):
+    def moira(self, lists, counts, workspace=None):
         lists3 = lists.view(self.batch, KV_HEADS, -1)
         counts2 = counts.view(self.batch, KV_HEADS)
         return lambda: moira.attend(self.query, self.key_nhd, self.value_nhd, self.table,
                                     self.seq_lens, lists3, counts2, scale=self.scale,
-                                    workspace=self.workspace, out=self.out)
-
-    def moira_balanced(self, lists, counts):
-        lists3 = lists.view(self.batch, KV_HEADS, -1)
-        counts2 = counts.view(self.batch, KV_HEADS)
-        return lambda: moira.attend(self.query, self.key_nhd, self.value_nhd, self.table,
-                                    self.seq_lens, lists3, counts2, scale=self.scale,
-                                    workspace=self.workspace_balanced, out=self.out)
+                                    workspace=workspace or self.workspace, out=self.out)
 
     def moira_hnd(self, lists, counts):
         lists3, counts2 = lists.view(self.rows, 1, -1), counts.view(self.rows, 1)
@@ -378,7 +371,8 @@ def main():
                     timed(shape_name, "moira", lambda: s.moira(lists, counts), tag, bytes_read,
                           **info)
                 if "moira_balanced" in arms:
-                    timed(shape_name, "moira_balanced", lambda: s.moira_balanced(lists, counts),
+                    timed(shape_name, "moira_balanced",
+                          lambda: s.moira(lists, counts, s.workspace_balanced),
                           tag, bytes_read, **info)
                 if "moira_hnd" in arms:
                     timed(shape_name, "moira_hnd", lambda: s.moira_hnd(lists, counts), tag,

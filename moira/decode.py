@@ -292,20 +292,20 @@ def _check_page_stats(page_stats, query):
 def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
                       page_counts, scale, workspace, out, page_stats=None):
     config = workspace.config
-    buffers = dict(partial_out=workspace.partial_out, partial_lse=workspace.partial_lse)
+    partials = (workspace.partial_out, workspace.partial_lse)
     stats = dict(seq_lens=seq_lens, max_pages=block_table.shape[1], page_stats=page_stats)
     inputs = (query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts)
+    num_kv_heads = key_cache.shape[2]
     if config.schedule == "balanced":
         split = dict(min_pages=config.chunk_pages, programs=config.programs)
-        _launch_attend_balanced(*inputs, scale=scale, out=out, **split, **buffers)
-        _launch_merge_balanced(page_counts, *buffers.values(), out,
-                               num_kv_heads=key_cache.shape[2], **split, **stats)
-        return out
-    rows = query.shape[0] * key_cache.shape[2]
-    split = dict(chunk_floor=config.chunk_pages, chunks_per_row=config.chunks_per_row(rows))
-    _launch_attend(*inputs, scale=scale, out=out, **split, **buffers)
-    _launch_merge(page_counts, *buffers.values(), out, num_kv_heads=key_cache.shape[2],
-                  **split, **stats)
+        attend_kernel, merge_kernel = _launch_attend_balanced, _launch_merge_balanced
+    else:
+        split = dict(chunk_floor=config.chunk_pages,
+                     chunks_per_row=config.chunks_per_row(query.shape[0] * num_kv_heads))
+        attend_kernel, merge_kernel = _launch_attend, _launch_merge
+    attend_kernel(*inputs, scale=scale, out=out, partial_out=partials[0],
+                  partial_lse=partials[1], **split)
+    merge_kernel(page_counts, *partials, out, num_kv_heads=num_kv_heads, **split, **stats)
     return out
 
 

@@ -25,7 +25,7 @@ import triton.language as tl
 from ..config import PAGE_SIZE
 from . import attend as attend_module
 from .attend import attend_segment
-from .merge import merged
+from .merge import add_page_stats, merged
 
 
 @triton.jit
@@ -119,9 +119,7 @@ def _merge_balanced_kernel(page_counts, partial_out, partial_lse, out, seq_lens,
     row_end = tl.sum(tl.where(rows == row, ends, 0), axis=0).to(tl.int64)
     if HAS_STATS:
         if g == 0:
-            row_pages = tl.minimum(tl.cdiv(tl.load(seq_lens + b), PAGE), max_pages)
-            tl.atomic_add(page_stats, count.to(tl.int64))
-            tl.atomic_add(page_stats + 1, row_pages.to(tl.int64))
+            add_page_stats(page_stats, seq_lens, b, count, max_pages, PAGE)
     dims = tl.arange(0, HEAD_DIM)
     destination = out + b.to(tl.int64) * stride_ob + (head * GROUP + g) * stride_oh \
         + dims * stride_od

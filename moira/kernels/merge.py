@@ -45,6 +45,15 @@ def merged(partial_out, partial_lse, first_slot, num_chunks, g, GROUP: tl.conste
 
 
 @triton.jit
+def add_page_stats(page_stats, seq_lens, b, count, max_pages, PAGE: tl.constexpr):
+    """Add a row's listed pages and its pages present (``min(ceil(seq_len / 64), max_pages)``)
+    to the two int64 counters."""
+    row_pages = tl.minimum(tl.cdiv(tl.load(seq_lens + b), PAGE), max_pages)
+    tl.atomic_add(page_stats, count.to(tl.int64))
+    tl.atomic_add(page_stats + 1, row_pages.to(tl.int64))
+
+
+@triton.jit
 def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_stats,
                   stride_cb, stride_ch, stride_ob, stride_oh, stride_od,
                   num_kv_heads, max_pages, chunk_floor, chunks_per_row,
@@ -58,9 +67,7 @@ def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_sta
                                     chunk_floor, chunks_per_row)
     if HAS_STATS:
         if g == 0:
-            row_pages = tl.minimum(tl.cdiv(tl.load(seq_lens + b), PAGE), max_pages)
-            tl.atomic_add(page_stats, count.to(tl.int64))
-            tl.atomic_add(page_stats + 1, row_pages.to(tl.int64))
+            add_page_stats(page_stats, seq_lens, b, count, max_pages, PAGE)
     if num_chunks == 1:
         return
     result = merged(partial_out, partial_lse, row.to(tl.int64) * chunks_per_row, num_chunks, g,
@@ -85,6 +92,6 @@ def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_flo
         chunks_per_row,
         GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
         SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)), HAS_STATS=has_stats,
-        PAGE=PAGE_SIZE,        num_warps=4,
+        PAGE=PAGE_SIZE, num_warps=4,
     )
     return out

@@ -123,12 +123,12 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
     rows, group = log_masses.shape[0], log_masses.shape[1]
     block = max(16, triton.next_power_of_2(max_pages))
     fractions = keep_fractions is not None
+    if fractions and keep_fractions.dim() == 1:  # one fraction per KV head, for every request
+        keep_fractions = keep_fractions.expand(page_counts.shape)
     _select_kernel[(rows,)](
         log_masses, seq_lens, keep_fractions if fractions else seq_lens, page_lists, page_counts,
         log_masses.stride(0), log_masses.stride(1), *page_lists.stride()[:2],
-        *page_counts.stride(),
-        *((0, keep_fractions.stride(0)) if fractions and keep_fractions.dim() == 1
-          else keep_fractions.stride() if fractions else (0, 0)),
+        *page_counts.stride(), *(keep_fractions.stride() if fractions else (0, 0)),
         num_kv_heads, max_pages, float(gamma), int(top_k or 0),
         GROUP=group, BLOCK=block, WAYS=ways, PASSES=BISECTION_BITS // (ways.bit_length() - 1),
         FIXED_COUNT=top_k is not None or fractions, FRACTIONS=fractions, PAGE=PAGE_SIZE,
