@@ -79,6 +79,8 @@ def main():
     parser.add_argument("--no-check", action="store_true", help="moira: skip the dense check")
     parser.add_argument("--weights", choices=["normal", "dummy"], default="normal")
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
+    parser.add_argument("--gpu-memory", type=float, default=0.85,
+                        help="vLLM's gpu_memory_utilization (lower it to share the GPU)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check.json"))
     args = parser.parse_args()
 
@@ -110,7 +112,7 @@ def main():
               skip_tokenizer_init=True, block_size=64, attention_backend=backend,
               max_model_len=max(lengths) + args.tokens + 64, enable_prefix_caching=False,
               max_num_seqs=max(len(prompts), 8), max_num_batched_tokens=max(
-                  args.max_batched_tokens, args.tokens), gpu_memory_utilization=0.85,
+                  args.max_batched_tokens, args.tokens), gpu_memory_utilization=args.gpu_memory,
               compilation_config={
                   "cudagraph_mode": args.graph_mode,
                   # no benchmarked kernel choices: engines compiled apart must compute alike

@@ -31,14 +31,18 @@ def main():
             for name in sorted(os.listdir(folder)) if name.endswith(".json")}
     pairs = [("dense", "full", "dense", "halves", "dense batch 8 vs two batches of 4"),
              ("dense", "full", "moira_graph", "full", "dense FA3 vs Moira gamma=1 (FULL graphs)"),
+             ("moira_graph", "full", "moira_eager", "full",
+              "Moira FULL graphs vs Moira eager (graph mode NONE)"),
              ("moira_graph", "full", "moira_check", "full",
               "Moira FULL graphs vs Moira eager attention (+dense check)")]
-    print("| comparison | prompts with identical tokens | max abs logprob diff | "
-          "bit-identical logprobs |\n|---|---|---|---|")
+    print("| comparison | prompts with identical tokens | first differing step per prompt | "
+          "max abs logprob diff before it | bit-identical logprobs |\n|---|---|---|---|---|")
     for a, ka, b, kb, label in pairs:
         if a in runs and b in runs and ka in runs[a] and kb in runs[b]:
-            same, _, worst, bitwise = agreement(runs[a][ka], runs[b][kb])
-            print(f"| {label} | {same}/{len(runs[a][ka])} | {worst:.3g} | {bitwise} |")
+            same, first_diff, worst, bitwise = agreement(runs[a][ka], runs[b][kb])
+            steps = " ".join("-" if d is None else str(d) for d in first_diff)
+            print(f"| {label} | {same}/{len(runs[a][ka])} | {steps} | {worst:.3g} | "
+                  f"{bitwise} |")
     for name, run in runs.items():
         check = run.get("dense_check")
         if check:

@@ -3,7 +3,7 @@ engine per invocation, random weights, every shape of the list in turn.
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/vllm_tpot.py --backend moira \
         [--model llama-3.1-8b] [--gamma 0.98] [--shapes 8k32,16k32,32k16,64k8,130k4] \
-        [--tokens 256] [--repeats 2] [--out $OUT/tpot.json]
+        [--tokens 256] [--repeats 2] [--schedule rows|balanced] [--out $OUT/tpot.json]
 
 Random weights make attention nearly uniform, so the coverage rule would keep every page. Moira
 therefore runs with *imposed* read fractions (``imposed_fraction``): per (layer, KV head),
@@ -53,6 +53,8 @@ def main():
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--schedule", default="rows", choices=["rows", "balanced"],
+                        help="moira: how Attend splits its work (MoiraConfig.schedule)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tpot.json"))
     args = parser.parse_args()
 
@@ -70,7 +72,8 @@ def main():
     if args.backend == "moira":
         extra = dict(attention_backend="CUSTOM",
                      additional_config={"moira": {"imposed_fraction": knots,
-                                                  "stats_interval": 0}})
+                                                  "stats_interval": 0,
+                                                  "schedule": args.schedule}})
     else:
         extra = dict(attention_backend="FLASH_ATTN")
     longest = max(context for _, context, _ in shapes)
@@ -113,6 +116,7 @@ def main():
             print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:
             json.dump(dict(backend=args.backend, model=args.model, gamma=args.gamma,
+                           schedule=args.schedule if args.backend == "moira" else None,
                            fractions="imposed (paper's measured reads), not the coverage rule"
                            if args.backend == "moira" else None,
                            startup_s=round(startup, 1), gpu=torch.cuda.get_device_name(),

@@ -158,9 +158,12 @@ def evaluate(args, command):
 
     torch.manual_seed(args.seed)
     hf.register()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    # a GGUF file loads directly (transformers dequantizes it; needs the `gguf` package)
+    folder, gguf = ((os.path.dirname(args.model) or ".", os.path.basename(args.model))
+                    if args.model.endswith(".gguf") else (args.model, None))
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     device = _device(args.device)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32,
                                                  attn_implementation=hf.ATTENTION_NAME)
     model.to(device)
     with open(args.text) as f:
@@ -201,7 +204,8 @@ def main(argv=None):
     run.add_argument("--out", default="moira-demo.png", help="PNG of the kept pages")
     ev = commands.add_parser("eval", help="accuracy of sparse vs dense decoding on a "
                                           "Hugging Face causal LM (CPU, float32 reference)")
-    ev.add_argument("--model", required=True, help="a Hugging Face model folder")
+    ev.add_argument("--model", required=True,
+                    help="a Hugging Face model folder, or a .gguf file")
     ev.add_argument("--text", required=True, help="a long text file (.txt or {'text': ...} .json)")
     ev.add_argument("--context", type=int, default=4096, help="tokens per prompt")
     ev.add_argument("--documents", type=int, default=20, help="samples per task")

@@ -1,10 +1,12 @@
 """The accuracy harness on a tiny random-weight Llama built here (no downloads)."""
 
+import copy
 import math
 import random
 
 import pytest
 import torch
+from helpers import DEVICE
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,7 +41,7 @@ def lm():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(12)
             layer.self_attn.k_proj.weight.mul_(12)
-    return experiments.CausalLM(model)
+    return experiments.CausalLM(model.to(DEVICE))  # on the GPU host: `moira eval --device cuda`
 
 
 def test_gamma_one_matches_dense_decoding(lm):
@@ -48,6 +50,18 @@ def test_gamma_one_matches_dense_decoding(lm):
     exact, sparse = kl_rows
     assert exact["read_fraction"] == 1.0 and exact["kl"] < 1e-6
     assert sparse["read_fraction"] < 1.0 and sparse["kl"] > exact["kl"]
+
+
+def test_prefill_is_the_models_own_attention(lm):
+    ids = torch.tensor([encode(text())[:200]], device=lm.device)
+    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(lm.model.config),
+                                                          attn_implementation="eager")
+    assert lm.model.config._attn_implementation == hf.ATTENTION_NAME
+    eager.load_state_dict(lm.model.state_dict())
+    with torch.no_grad():
+        expected = eager.to(lm.device)(ids).logits
+        actual = lm.model(ids).logits
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_sparse_decode_step_is_the_reference(lm):
@@ -63,7 +77,7 @@ def test_sparse_decode_step_is_the_reference(lm):
 def test_multi_token_forward_on_a_cache_is_refused(lm):
     cache, _ = lm.prefill(encode(text())[:100])
     with pytest.raises(ValueError, match="empty cache"):
-        lm.model(torch.tensor([[1, 2, 3]]), use_cache=True, **{lm.cache_argument: cache})
+        lm.model(torch.tensor([[1, 2, 3]], device=lm.device), use_cache=True, **{lm.cache_argument: cache})
 
 
 def test_evaluate_end_to_end(lm):
@@ -100,8 +114,12 @@ def test_repeated_passage_and_windows():
     assert len(ids) == 20 and ids[:3] == ids[second:] == [1, 2, 3]
     parts = tasks.windows(list(range(100)), 10, 5, seed=1)
     assert len({tuple(p) for p in parts}) == 5 and all(len(p) == 10 for p in parts)
-    with pytest.raises(ValueError, match="windows"):
-        tasks.windows(list(range(100)), 30, 4)
+    # too few disjoint windows: evenly spaced overlapping ones, first and last at the ends
+    overlapping = sorted(tasks.windows(list(range(100)), 30, 4))
+    assert [w[0] for w in overlapping] == [0, 23, 47, 70] and overlapping[-1][-1] == 99
+    assert all(len(w) == 30 for w in overlapping)
+    with pytest.raises(ValueError, match="fewer than one window"):
+        tasks.windows(list(range(100)), 101, 1)
 
 
 def test_paired_bootstrap():

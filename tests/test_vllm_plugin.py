@@ -19,6 +19,8 @@ def test_settings_come_from_additional_config_then_environment():
                                   "MOIRA_STATS_INTERVAL": "0", "MOIRA_CHECK_DENSE": "1"})
     assert settings == MoiraSettings(gamma=1.0, top_k=16, stats_interval=0.0, check_dense=True)
     assert settings.config.gamma == 1.0 and settings.config.top_k == 16
+    balanced = MoiraSettings.from_sources(None, {"MOIRA_SCHEDULE": "balanced"})
+    assert balanced.config.schedule == "balanced"
 
 
 @pytest.mark.parametrize("config, environ, match", [
@@ -32,6 +34,7 @@ def test_settings_come_from_additional_config_then_environment():
     (None, {"MOIRA_IMPOSED_FRACTION": "8k:0.4"}, "use a fraction or tokens:fraction"),
     ({"moira": {"imposed_fraction": 0.3, "top_k": 8}}, {}, "top_k or imposed_fraction"),
     (None, {"MOIRA_CHECK_DENSE": "yes"}, "use 0 or 1"),
+    ({"moira": {"schedule": "even"}}, {}, "schedule must be 'rows'"),
 ])
 def test_bad_settings_name_the_setting(config, environ, match):
     with pytest.raises(ValueError, match=match):

@@ -1,7 +1,7 @@
 """Moira's float32 reference as a transformers attention function.
 
 After ``register()``, a model loaded with ``attn_implementation="moira"`` runs exactly as in
-serving: prefill (several query tokens) is dense, through transformers' own SDPA path; each
+serving: prefill (several query tokens) is dense, through PyTorch's causal SDPA; each
 decode step (one query token) runs dense too, unless a ``SparseDecoding`` is active, in which
 case it runs Moira's Estimate -> Select -> Attend from ``moira.reference`` over a paged view
 of the layer's KV cache, and counts the pages it reads.
@@ -123,7 +123,17 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     if query.shape[2] > 1 and key.shape[2] != query.shape[2]:
         raise ValueError("moira attention: a multi-token forward must start from an empty cache "
                          "(chunked prefill is not supported by this harness)")
-    if query.shape[2] > 1 or _active is None:
+    if query.shape[2] > 1:
+        # Prefill of one unpadded sequence: plain causal SDPA, with no materialized mask, so
+        # PyTorch picks a memory-efficient kernel (a 32k-token float32 prefill through a 4-D
+        # mask takes the math path: 14 x 32k x 32k floats, > 100 GB)
+        if query.shape[0] != 1:
+            raise ValueError("moira attention: this harness runs one unpadded sequence at a "
+                             f"time, got a batch of {query.shape[0]}")
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                             enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    if _active is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

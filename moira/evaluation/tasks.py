@@ -13,11 +13,18 @@ NAMES = ["Alice", "Bruno", "Chen", "Dara", "Emeka", "Farah", "Goran", "Hana"]
 
 
 def windows(text_ids, length, count, *, seed=0):
-    """``count`` non-overlapping windows of ``length`` tokens from ``text_ids``, in a seeded
-    random order of the available windows (raises if the text is too short)."""
+    """``count`` windows of ``length`` tokens from ``text_ids``: non-overlapping ones in a seeded
+    random order when the text holds enough, otherwise evenly spaced overlapping ones (long
+    contexts on a short text: each window still ends, and is continued, somewhere else)."""
     available = len(text_ids) // length
+    if available == 0:
+        raise ValueError(f"the text holds {len(text_ids)} tokens, fewer than one window of "
+                         f"{length}")
     if available < count:
-        raise ValueError(f"the text holds {available} windows of {length} tokens, {count} needed")
+        stride = (len(text_ids) - length) / max(count - 1, 1)
+        starts = [round(i * stride) for i in range(count)]
+        random.Random(seed).shuffle(starts)
+        return [text_ids[start : start + length] for start in starts]
     order = random.Random(seed).sample(range(available), count)
     return [text_ids[i * length : (i + 1) * length] for i in order]
 

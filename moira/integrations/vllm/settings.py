@@ -24,6 +24,9 @@ key                environment variable     meaning
                                             or means by context length, interpolated in log
                                             length: ``{"8192": 0.42, "131072": 0.15}``
                                             (environment: ``8192:0.42,131072:0.15``)
+``schedule``       ``MOIRA_SCHEDULE``       how Attend splits its work: ``rows`` (the paper's
+                                            per-row chunks, Eq. 4; default) or ``balanced``
+                                            (all rows' pages split evenly over a fixed grid)
 =================  =======================  ==================================================
 """
 
@@ -46,13 +49,14 @@ class MoiraSettings:
     stats_interval: float = 30.0
     check_dense: bool = False
     imposed_fraction: float | dict | None = None
+    schedule: str = "rows"
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
             "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE",
-            "imposed_fraction": "MOIRA_IMPOSED_FRACTION"}
+            "imposed_fraction": "MOIRA_IMPOSED_FRACTION", "schedule": "MOIRA_SCHEDULE"}
 
     def __post_init__(self):
-        MoiraConfig(gamma=self.gamma, top_k=self.top_k)  # its errors name the field and range
+        self.config  # MoiraConfig's errors name the field and its range
         if not (isinstance(self.stats_interval, (int, float)) and self.stats_interval >= 0
                 and math.isfinite(self.stats_interval)):
             raise ValueError(f"moira stats_interval must be a number of seconds >= 0 (0 turns "
@@ -87,7 +91,7 @@ class MoiraSettings:
 
     @property
     def config(self) -> MoiraConfig:
-        return MoiraConfig(gamma=self.gamma, top_k=self.top_k)
+        return MoiraConfig(gamma=self.gamma, top_k=self.top_k, schedule=self.schedule)
 
     @classmethod
     def from_sources(cls, additional_config: Mapping | None,
@@ -108,6 +112,9 @@ class MoiraSettings:
                     if text not in ("0", "1"):
                         raise ValueError(f"{variable}={text!r}: use 0 or 1")
                     values[key] = text == "1"
+                    continue
+                if key == "schedule":
+                    values[key] = text
                     continue
                 if key == "imposed_fraction" and ":" in text:
                     try:
