@@ -59,6 +59,7 @@ def main():
     args = parser.parse_args()
 
     import torch
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -120,6 +121,7 @@ def main():
                            fractions="imposed (paper's measured reads), not the coverage rule"
                            if args.backend == "moira" else None,
                            startup_s=round(startup, 1), gpu=torch.cuda.get_device_name(),
+                           versions=dict(torch=torch.__version__, vllm=vllm.__version__),
                            command="python3 " + " ".join(sys.argv),
                            date=time.strftime("%Y-%m-%d %H:%M:%S"), results=results), f,
                       indent=1)

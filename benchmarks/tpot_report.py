@@ -1,0 +1,146 @@
+"""Tables and a plot from ``vllm_tpot.py`` runs (issue 5): TPOT of dense FA3 and of Moira at
+the paper's read fractions, speedups against the paper's Tables 3 and 7.
+
+    python benchmarks/tpot_report.py benchmarks/results/tpot-2026-11-29 [--readme README.md]
+
+The folder holds one JSON per engine run: ``<model>-dense.json`` and ``<model>-moira-g098.json``
+/ ``-g099.json``. Writes ``<folder>.png`` and, with ``--readme``, the README's ``tpot``
+section.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from readme_section import write_section  # noqa: E402
+
+SHAPES = ["8k32", "16k32", "32k16", "64k8", "130k4"]
+# the paper's speedups of Moira over dense FA3 (Table 3: gamma 0.98, Table 7: gamma 0.99) and
+# issue 5's aims at gamma 0.98
+PAPER = {("llama-3.1-8b", 0.98): [1.38, 1.78, 1.89, 2.62, 2.64],
+         ("llama-3.1-8b", 0.99): [1.25, 1.49, 1.68, 2.16, 2.27],
+         ("qwen3-4b", 0.98): [1.38, 1.76, 1.91, 2.44, 2.69],
+         ("qwen3-4b", 0.99): [1.23, 1.48, 1.60, 2.02, 2.27]}
+AIM = {("llama-3.1-8b", 0.98): [1.5, 2.0, 2.1, 2.9, 3.0]}
+
+
+def tpot_by_shape(run):
+    """Median over repeats of each repeat's median-over-requests TPOT (ms), per shape."""
+    by_shape = {}
+    for row in run["results"]:
+        by_shape.setdefault(row["shape"], []).append(row["tpot_ms"])
+    return {shape: statistics.median(values) for shape, values in by_shape.items()}
+
+
+def load(folder):
+    runs = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                run = json.load(f)
+            key = (run["model"], "dense" if run["backend"] == "dense" else run["gamma"])
+            runs[key] = run
+    return runs
+
+
+def table(runs):
+    lines = ["| model | shape | dense FA3 (ms) | Moira γ=0.98 (ms) | reads | speedup | paper | "
+             "aim | Moira γ=0.99 (ms) | reads | speedup | paper |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
+    for model in sorted({model for model, _ in runs}):
+        dense = runs.get((model, "dense"))
+        if dense is None:
+            continue
+        dense_ms = tpot_by_shape(dense)
+        for index, shape in enumerate(SHAPES):
+            if shape not in dense_ms:
+                continue
+            cells = [model, shape, f"{dense_ms[shape]:.2f}"]
+            row = dict(model=model, shape=shape, dense_ms=dense_ms[shape])
+            for gamma in (0.98, 0.99):
+                run = runs.get((model, gamma))
+                ms = tpot_by_shape(run).get(shape) if run else None
+                reads = next((r["imposed_read_fraction"] for r in run["results"]
+                              if r["shape"] == shape), None) if run else None
+                paper = PAPER.get((model, gamma), [None] * 5)[index]
+                aim = AIM.get((model, gamma), [None] * 5)[index]
+                speedup = dense_ms[shape] / ms if ms else None
+                row[f"g{gamma}"] = dict(ms=ms, reads=reads, speedup=speedup, paper=paper)
+                cells += [f"{ms:.2f}" if ms else "–", f"{reads:.2f}" if reads else "–",
+                          f"**{speedup:.2f}×**" if speedup else "–",
+                          f"{paper:.2f}×" if paper else "–"]
+                if gamma == 0.98:
+                    cells.append(f"{aim:.1f}×" if aim else "–")
+            lines.append("| " + " | ".join(cells) + " |")
+            rows.append(row)
+    return "\n".join(lines), rows
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        x = range(len(mine))
+        width = 0.27
+        ax.bar([i - width for i in x], [r["dense_ms"] for r in mine], width, label="dense FA3",
+               color="0.6")
+        for offset, gamma, color in ((0, 0.98, "tab:blue"), (width, 0.99, "tab:cyan")):
+            values = [r[f"g{gamma}"]["ms"] or 0 for r in mine]
+            bars = ax.bar([i + offset for i in x], values, width, color=color,
+                          label=f"Moira, γ={gamma} reads (imposed)")
+            for bar, r in zip(bars, mine):
+                cell = r[f"g{gamma}"]
+                if cell["speedup"]:
+                    ax.annotate(f"{cell['speedup']:.2f}×\n({cell['paper']:.2f})",
+                                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                                ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(list(x), [r["shape"] for r in mine])
+        ax.set_ylabel("TPOT (ms)")
+        ax.set_title(f"{model}, H200, vLLM 0.26: speedup over dense (paper's in brackets)",
+                     fontsize=9)
+        ax.legend(fontsize=8, loc="upper left")
+        ax.set_ylim(0, max(r["dense_ms"] for r in mine) * 1.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("folder")
+    parser.add_argument("--readme")
+    args = parser.parse_args()
+    runs = load(args.folder)
+    text, rows = table(runs)
+    png = args.folder.rstrip("/") + ".png"
+    plot(rows, png)
+    print(text)
+    if args.readme:
+        any_run = next(iter(runs.values()))
+        versions = any_run.get("versions") or {}
+        source = os.path.relpath(args.folder, os.path.dirname(os.path.abspath(args.readme)))
+        note = (f"Generated by `benchmarks/tpot_report.py` from `{source}/` "
+                f"({any_run['gpu']}, {any_run['date'][:10]}"
+                + (f", vLLM {versions['vllm']}, torch {versions['torch']}" if versions else "")
+                + "; commands in each JSON). TPOT: median over requests of (last − first token "
+                "time) / 255 from vLLM's request metrics, median of two repeats in one engine "
+                "per backend; random weights, so Moira's read fractions are imposed (the "
+                "paper's measured reads, spread per (layer, KV head) with CV ≈ 0.7), not chosen "
+                "by the coverage rule. Plot: "
+                f"`{os.path.relpath(png, os.path.dirname(os.path.abspath(args.readme)))}`.")
+        write_section(args.readme, "tpot", text + "\n\n" + note)
+
+
+if __name__ == "__main__":
+    main()
