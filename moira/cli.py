@@ -172,19 +172,29 @@ def evaluate(args, command):
         text = json.loads(text)["text"]
     gammas = [float(g) for g in args.gammas.split(",")]
     progress = _Progress(None)
+    header = dict(command=command, model=args.model, text=args.text, context=args.context,
+                  documents=args.documents, gammas=gammas,
+                  device=f"{device} (float32 model, Moira's float32 reference)",
+                  torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
+    last_write = [time.monotonic()]
+
+    def checkpoint(rows):  # every 60 s, the rows so far: a run cut short keeps its samples
+        if time.monotonic() - last_write[0] >= 60:
+            last_write[0] = time.monotonic()
+            with open(args.out + ".partial", "w") as f:
+                json.dump(dict(header, rows=rows, partial=True), f)
+
     result = experiments.evaluate(
         model, lambda s: tokenizer(s, add_special_tokens=False)["input_ids"],
         lambda ids: tokenizer.decode(ids), text, context=args.context,
         documents=args.documents, gammas=gammas, tasks=args.tasks.split(","),
         new_tokens=args.new_tokens, seed=args.seed, calibration=args.calibration,
-        progress=progress)
-    result.update(command=command,
-                  model=args.model, text=args.text, context=args.context,
-                  documents=args.documents, gammas=gammas,
-                  device=f"{device} (float32 model, Moira's float32 reference)",
-                  torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
+        progress=progress, checkpoint=checkpoint)
+    result.update(header)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    if os.path.exists(args.out + ".partial"):
+        os.remove(args.out + ".partial")
     print(json.dumps(result["table"], indent=1))
     print(f"wrote {args.out}")
 

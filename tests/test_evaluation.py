@@ -81,9 +81,13 @@ def test_multi_token_forward_on_a_cache_is_refused(lm):
 
 
 def test_evaluate_end_to_end(lm):
+    snapshots = []  # rows per task after each document: a cut-short run keeps them
     result = experiments.evaluate(
         lm.model, encode, decode, text(30000), context=640, documents=2, gammas=[0.5, 1.0],
-        new_tokens=4, passage_tokens=24, progress=lambda m: None)
+        new_tokens=4, passage_tokens=24, progress=lambda m: None,
+        checkpoint=lambda rows: snapshots.append({k: len(v) for k, v in rows.items()}))
+    assert snapshots[0] == {"kl": 2} and snapshots[1] == {"kl": 4}  # 2 gammas per document
+    assert snapshots[-1] == {k: len(v) for k, v in result["rows"].items()}
     table = result["table"]
     assert set(table) == {"dense", "0.5", "1.0"}
     assert table["1.0"]["kl"] < 1e-6 and table["1.0"]["kl_read_fraction"] == 1.0

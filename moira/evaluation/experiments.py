@@ -92,10 +92,10 @@ def paired_bootstrap(dense, sparse, *, resamples=10_000, seed=0):
 # --------------------------------------------------------------------------------------------
 
 
-def token_kl(lm, documents, gammas, new_tokens, progress=print):
+def token_kl(lm, documents, gammas, new_tokens, progress=print, rows=None):
     """Mean token KL(dense || sparse) on each document's dense greedy continuation,
     teacher-forced; the first new token comes from the (dense) prefill and is not counted."""
-    rows = []
+    rows = [] if rows is None else rows  # the caller's list: rows land as they are made
     for index, doc in enumerate(documents):
         cache, logprobs = lm.prefill(doc)
         tokens, dense_steps = lm.greedy(cache, logprobs, new_tokens)
@@ -110,11 +110,11 @@ def token_kl(lm, documents, gammas, new_tokens, progress=print):
 
 
 def retrieval(lm, haystacks, encode, decode, context, gammas, answer_tokens=8,
-              progress=print):
+              progress=print, rows=None):
     """Pass-key retrieval, single- and multi-key, needle depth swept over samples: exact match
     of the greedy answer's leading digits, dense and sparse, per sample."""
     depths = [0.1, 0.3, 0.5, 0.7, 0.9]
-    rows = []
+    rows = [] if rows is None else rows  # the caller's list: rows land as they are made
     for index, haystack in enumerate(haystacks):
         for kind in ("single", "multi"):
             sample = passkey(haystack, encode, context, kind=kind,
@@ -132,10 +132,10 @@ def retrieval(lm, haystacks, encode, decode, context, gammas, answer_tokens=8,
     return rows
 
 
-def repeated_passage_nll(lm, pairs, context, gammas, progress=print):
+def repeated_passage_nll(lm, pairs, context, gammas, progress=print, rows=None):
     """Mean NLL over the second copy of a passage repeated after filler, teacher-forced as
     decode steps (the prefill ends at the first token of the copy), dense and sparse."""
-    rows = []
+    rows = [] if rows is None else rows  # the caller's list: rows land as they are made
     for index, (passage, filler) in enumerate(pairs):
         ids, second = repeated_passage(passage, filler, context)
         cache, _ = lm.prefill(ids[: second + 1])
@@ -155,10 +155,10 @@ def _all_pages(layer, query, key_cache, block_table, seq_lens, scale):
                             sink_pages=0, recent_pages=block_table.shape[1])
 
 
-def budget_analysis(lm, documents, new_tokens, coverage=0.95, progress=print):
+def budget_analysis(lm, documents, new_tokens, coverage=0.95, progress=print, rows=None):
     """The oracle coverage set C*(coverage) (Eq. 1, exact attention) of every (layer, KV head,
     decode step) along dense greedy decoding; returns one row per (doc, step, layer, head)."""
-    rows = []
+    rows = [] if rows is None else rows  # the caller's list: rows land as they are made
     for index, doc in enumerate(documents):
         steps = {}
 
@@ -221,7 +221,8 @@ def budget_statistics(rows, quantile=0.9):
         rows=len(rows))
 
 
-def ablation(lm, documents, calibration, new_tokens, gamma=0.98, progress=print):
+def ablation(lm, documents, calibration, new_tokens, gamma=0.98, progress=print,
+             rows=None):
     """Selectors at (about) equal reads, by token KL to dense on the dense greedy continuation.
 
     Per document, the coverage rule at ``gamma`` sets the reads; the other arms get the same
@@ -241,7 +242,7 @@ def ablation(lm, documents, calibration, new_tokens, gamma=0.98, progress=print)
         profile = kept if profile is None else profile + kept
     progress("ablation: calibrated")
 
-    rows = []
+    rows = [] if rows is None else rows  # the caller's list: rows land as they are made
     for index, doc in enumerate(documents):
         cache, logprobs = lm.prefill(doc)
         tokens, dense_steps = lm.greedy(cache, logprobs, new_tokens)
@@ -352,10 +353,12 @@ def summarize_rows(results):
 
 def evaluate(model, tokenizer_encode, tokenizer_decode, text, *, context, documents, gammas,
              tasks=("kl", "retrieval", "repeat"), new_tokens=32, passage_tokens=96, seed=0,
-             calibration=5, progress=print):
+             calibration=5, progress=print, checkpoint=None):
     """Run the chosen measurements; returns ``{"rows": {...}, "table": {...}, "seconds": s}``.
 
     ``documents`` samples per task, each from a different part of ``text`` (a long string).
+    ``checkpoint(rows)``, if given, is called after every document with the rows so far (so a
+    long GPU run that is cut short keeps what it measured).
     """
     start = time.perf_counter()
     lm = CausalLM(model)
@@ -363,20 +366,27 @@ def evaluate(model, tokenizer_encode, tokenizer_decode, text, *, context, docume
     # disjoint slices of the text for the three tasks
     parts = windows(text_ids, len(text_ids) // 3, 3, seed=seed)
     results = {}
+
+    def report(message):
+        progress(message)
+        if checkpoint is not None:
+            checkpoint(results)
+
     if "kl" in tasks:
         docs = windows(parts[0], context, documents, seed=seed)
-        results["kl"] = token_kl(lm, docs, gammas, new_tokens, progress)
+        token_kl(lm, docs, gammas, new_tokens, report, rows=results.setdefault("kl", []))
     if "retrieval" in tasks:
         haystacks = windows(parts[1], context, documents, seed=seed)
-        results["retrieval"] = retrieval(lm, haystacks, tokenizer_encode, tokenizer_decode,
-                                         context, gammas, progress=progress)
+        retrieval(lm, haystacks, tokenizer_encode, tokenizer_decode, context, gammas,
+                  progress=report, rows=results.setdefault("retrieval", []))
     if "budget" in tasks:
         docs = windows(parts[0], context, documents, seed=seed + 1)
-        results["budget"] = budget_analysis(lm, docs, new_tokens, progress=progress)
+        budget_analysis(lm, docs, new_tokens, progress=report,
+                        rows=results.setdefault("budget", []))
     if "ablation" in tasks:
         docs = windows(parts[0], context, documents + calibration, seed=seed + 2)
-        results["ablation"] = ablation(lm, docs[:documents], docs[documents:], new_tokens,
-                                       progress=progress)
+        ablation(lm, docs[:documents], docs[documents:], new_tokens, progress=report,
+                 rows=results.setdefault("ablation", []))
     if "repeat" in tasks:
         chunks = windows(parts[2], context, documents + 1, seed=seed)
         rng = random.Random(seed)
@@ -384,6 +394,7 @@ def evaluate(model, tokenizer_encode, tokenizer_decode, text, *, context, docume
         for chunk, filler in zip(chunks, chunks[1:]):
             start_at = rng.randrange(0, len(chunk) - passage_tokens)
             pairs.append((chunk[start_at : start_at + passage_tokens], filler))
-        results["repeat"] = repeated_passage_nll(lm, pairs, context, gammas, progress)
+        repeated_passage_nll(lm, pairs, context, gammas, report,
+                             rows=results.setdefault("repeat", []))
     return dict(rows=results, table=summarize_rows(results),
                 seconds=round(time.perf_counter() - start, 1))
