@@ -1,0 +1,122 @@
+"""One decode step in vLLM broken into kernels (issue 5, paper Table 4): dense FA3 or Moira at
+the paper's read fractions, Llama-3.1-8B geometry, random weights, FULL CUDA graphs.
+
+    PYTHONPATH=/tmp/site:. python3 benchmarks/vllm_step_profile.py --backend moira \
+        [--shapes 8k32,32k16,130k4] [--steps 32] [--out $OUT/step-moira.json]
+
+Per shape: the prompts fill the cache (one output token, prefix caching on), then a second run
+of ``--steps`` tokens is traced with the PyTorch profiler (CUPTI reports the kernels inside
+replayed CUDA graphs one by one). GPU time per decode step is summed by kernel class (Attend,
+Estimate, Select, Merge, Summarize, FA3, GEMM, other) and divided by the number of decode
+steps. With prefix caching the traced run's first step recomputes only each prompt's last
+token (one query token per request), so every traced step has a decode's shape.
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # kernels in this process
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from vllm_checks import model_dir  # noqa: E402
+from vllm_tpot import PAPER_READS, SHAPES  # noqa: E402
+
+# kernel class by a substring of the kernel's name, first match wins
+CLASSES = [("Attend", ("_attend_kernel", "_attend_balanced_kernel")),
+           ("Estimate", ("_estimate_kernel",)),
+           ("Select", ("_select_kernel",)),
+           ("Merge", ("_merge_kernel", "_merge_balanced_kernel")),
+           ("Summarize", ("_summarize",)),
+           ("FA3", ("flash_fwd", "FlashAttn", "flash::")),
+           ("GEMM", ("gemm", "Gemm", "GEMM", "cutlass", "xmma", "nvjet", "sm90_"))]
+
+
+def kernel_class(name):
+    for label, needles in CLASSES:
+        if any(needle in name for needle in needles):
+            return label
+    return "other"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", choices=["dense", "moira"], required=True)
+    parser.add_argument("--shapes", default="8k32,32k16,130k4")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
+                                                      "step-profile.json"))
+    args = parser.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import moira.integrations.vllm as plugin
+
+    plugin.register()
+    shapes = [(name, *SHAPES[name]) for name in args.shapes.split(",")]
+    reads = dict(zip(SHAPES.values(), PAPER_READS[("llama-3.1-8b", 0.98)]))
+    extra = dict(attention_backend="FLASH_ATTN")
+    if args.backend == "moira":
+        knots = {str(context): reads[(context, batch)] for _, context, batch in shapes}
+        extra = dict(attention_backend="CUSTOM", additional_config={
+            "moira": {"imposed_fraction": knots, "stats_interval": 0}})
+    longest = max(context for _, context, _ in shapes)
+    llm = LLM(model=model_dir("llama-3.1-8b", 0), load_format="dummy", skip_tokenizer_init=True,
+              block_size=64, max_model_len=longest + args.steps + 64, enable_prefix_caching=True,
+              max_num_seqs=max(b for _, _, b in shapes), max_num_batched_tokens=16384,
+              gpu_memory_utilization=0.88, seed=0, **extra)
+    rng = random.Random(0)
+    results = []
+    for name, context, batch in shapes:
+        prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(100, 30000)
+                                                  for _ in range(context)])
+                   for _ in range(batch)]
+        fill = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+        llm.generate(prompts, fill, use_tqdm=False)
+        timed = SamplingParams(max_tokens=args.steps, ignore_eos=True, detokenize=False)
+        llm.generate(prompts, timed, use_tqdm=False)  # warm: graphs and caches in place
+        with profile(activities=[ProfilerActivity.CUDA]) as trace:
+            llm.generate(prompts, timed, use_tqdm=False)
+        kernels = [e for e in trace.events() if e.device_type.name == "CUDA"
+                   and e.device_time_total > 0 and "Memcpy" not in e.name
+                   and "Memset" not in e.name]
+        kernels.sort(key=lambda e: e.time_range.start)
+        by_class = {}
+        for event in kernels:
+            label = kernel_class(event.name)
+            by_class[label] = by_class.get(label, 0.0) + event.device_time_total
+        # the traced run is `steps` engine steps: the cached prompts' last token (one query
+        # token per request, so it takes the decode path too), then steps - 1 decode steps
+        decode_steps = args.steps
+        per_step_ms = {k: v / decode_steps / 1e3 for k, v in sorted(by_class.items())}
+        top = {}
+        for event in kernels:
+            top[event.name] = top.get(event.name, 0.0) + event.device_time_total
+        row = dict(shape=name, context=context, batch=batch, steps=args.steps,
+                   per_step_ms=per_step_ms, total_ms=sum(per_step_ms.values()),
+                   imposed_read_fraction=reads[(context, batch)]
+                   if args.backend == "moira" else None,
+                   top_kernels_ms_per_step={k: v / decode_steps / 1e3 for k, v in
+                                            sorted(top.items(), key=lambda kv: -kv[1])[:15]})
+        results.append(row)
+        print(json.dumps({k: row[k] for k in ("shape", "per_step_ms", "total_ms")}), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(backend=args.backend, gpu=torch.cuda.get_device_name(),
+                           versions=dict(torch=torch.__version__),
+                           command="python3 " + " ".join(sys.argv),
+                           date=time.strftime("%Y-%m-%d %H:%M:%S"),
+                           note="GPU time per step by kernel class, averaged over the traced "
+                                "run's steps (one of which is the one-token prefill)",
+                           results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
