@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from readme_section import write_section  # noqa: E402
 
-SHAPES = ["8k32", "16k32", "32k16", "64k8", "130k4"]
+SHAPES = ["8k32", "16k32", "32k16", "64k8", "130k4", "2k1", "8k1", "32k1", "64k1"]
 # the paper's speedups of Moira over dense FA3 (Table 3: gamma 0.98, Table 7: gamma 0.99) and
 # issue 5's aims at gamma 0.98
 PAPER = {("llama-3.1-8b", 0.98): [1.38, 1.78, 1.89, 2.62, 2.64],
@@ -67,8 +67,8 @@ def table(runs):
                 ms = tpot_by_shape(run).get(shape) if run else None
                 reads = next((r["imposed_read_fraction"] for r in run["results"]
                               if r["shape"] == shape), None) if run else None
-                paper = PAPER.get((model, gamma), [None] * 5)[index]
-                aim = AIM.get((model, gamma), [None] * 5)[index]
+                paper = (PAPER.get((model, gamma), []) + [None] * len(SHAPES))[index]
+                aim = (AIM.get((model, gamma), []) + [None] * len(SHAPES))[index]
                 speedup = dense_ms[shape] / ms if ms else None
                 row[f"g{gamma}"] = dict(ms=ms, reads=reads, speedup=speedup, paper=paper)
                 cells += [f"{ms:.2f}" if ms else "–", f"{reads:.2f}" if reads else "–",
@@ -102,7 +102,8 @@ def plot(rows, path):
             for bar, r in zip(bars, mine):
                 cell = r[f"g{gamma}"]
                 if cell["speedup"]:
-                    ax.annotate(f"{cell['speedup']:.2f}×\n({cell['paper']:.2f})",
+                    paper = f"\n({cell['paper']:.2f})" if cell["paper"] else ""
+                    ax.annotate(f"{cell['speedup']:.2f}×{paper}",
                                 (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                                 ha="center", va="bottom", fontsize=7)
         ax.set_xticks(list(x), [r["shape"] for r in mine])

@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from vllm_checks import model_dir  # noqa: E402
-from vllm_tpot import PAPER_READS, SHAPES  # noqa: E402
+from vllm_tpot import SHAPES, imposed_mean, paper_knots  # noqa: E402
 
 # kernel class by a substring of the kernel's name, first match wins
 CLASSES = [("Attend", ("_attend_kernel", "_attend_balanced_kernel")),
@@ -62,10 +62,9 @@ def main():
 
     plugin.register()
     shapes = [(name, *SHAPES[name]) for name in args.shapes.split(",")]
-    reads = dict(zip(SHAPES.values(), PAPER_READS[("llama-3.1-8b", 0.98)]))
+    knots = paper_knots("llama-3.1-8b", 0.98)
     extra = dict(attention_backend="FLASH_ATTN")
     if args.backend == "moira":
-        knots = {str(context): reads[(context, batch)] for _, context, batch in shapes}
         extra = dict(attention_backend="CUSTOM", additional_config={
             "moira": {"imposed_fraction": knots, "stats_interval": 0}})
     longest = max(context for _, context, _ in shapes)
@@ -102,7 +101,7 @@ def main():
             top[event.name] = top.get(event.name, 0.0) + event.device_time_total
         row = dict(shape=name, context=context, batch=batch, steps=args.steps,
                    per_step_ms=per_step_ms, total_ms=sum(per_step_ms.values()),
-                   imposed_read_fraction=reads[(context, batch)]
+                   imposed_read_fraction=imposed_mean(knots, context)
                    if args.backend == "moira" else None,
                    top_kernels_ms_per_step={k: v / decode_steps / 1e3 for k, v in
                                             sorted(top.items(), key=lambda kv: -kv[1])[:15]})
