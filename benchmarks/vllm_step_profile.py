@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from vllm_checks import model_dir  # noqa: E402
-from vllm_tpot import SHAPES, imposed_mean, paper_knots  # noqa: E402
+from vllm_tpot import SHAPES, cached_prompts, imposed_mean, paper_knots  # noqa: E402
 
 # kernel class by a substring of the kernel's name, first match wins
 CLASSES = [("Attend", ("_attend_kernel", "_attend_balanced_kernel")),
@@ -56,7 +56,6 @@ def main():
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     import moira.integrations.vllm as plugin
 
@@ -75,11 +74,7 @@ def main():
     rng = random.Random(0)
     results = []
     for name, context, batch in shapes:
-        prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(100, 30000)
-                                                  for _ in range(context)])
-                   for _ in range(batch)]
-        fill = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
-        llm.generate(prompts, fill, use_tqdm=False)
+        prompts = cached_prompts(llm, rng, context, batch)
         timed = SamplingParams(max_tokens=args.steps, ignore_eos=True, detokenize=False)
         llm.generate(prompts, timed, use_tqdm=False)  # warm: graphs and caches in place
         with profile(activities=[ProfilerActivity.CUDA]) as trace:
