@@ -10,6 +10,14 @@ Modes (Llama-3.1-8B geometry from ``benchmarks/models``, ``--layers`` to cut the
   same batch and counts where Moira differs (decode rows in bf16 ulps, other rows bitwise).
   ``--graph-mode NONE`` runs the same compiled model without CUDA graphs (eager steps).
 - ``e2e``: a long run (``--context``, ``--batch``) with page-read statistics.
+- ``prefix``: prefix caching on; the prompts share a ``--prefix``-token prefix. The first
+  prompt runs alone, then all of them (the others' prefix pages come from the cache, so
+  Moira must find their summaries written by the first run), then all again after
+  ``reset_prefix_cache()`` (everything recomputed). The two full runs are compared; run it
+  with ``--backend FLASH_ATTN`` too for the yardstick (recomputation changes batch shapes).
+- ``preempt``: the same prompts with a KV cache of ``--blocks`` pages, too small for all of
+  them, so vLLM preempts and recomputes requests; compare its tokens with a ``moira`` /
+  ``dense`` run of the same backend (``vllm_compare.py``).
 
 Prompts are random token ids of mixed lengths (partial last pages); ``--max-batched-tokens``
 keeps prefills chunked, so decode rows and prefill rows share steps (mixed steps). Writes the
@@ -64,7 +72,7 @@ def redraw_weights(model):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["dense", "moira", "e2e"])
+    parser.add_argument("mode", choices=["dense", "moira", "e2e", "prefix", "preempt"])
     parser.add_argument("--model", default="llama-3.1-8b")
     parser.add_argument("--layers", type=int, default=0, help="0: the model's own depth")
     parser.add_argument("--prompts", type=int, default=8)
@@ -79,6 +87,9 @@ def main():
     parser.add_argument("--no-check", action="store_true", help="moira: skip the dense check")
     parser.add_argument("--weights", choices=["normal", "dummy"], default="normal")
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
+    parser.add_argument("--prefix", type=int, default=3000, help="prefix: shared tokens")
+    parser.add_argument("--blocks", type=int, default=0,
+                        help="preempt: KV cache pages (0: a third of what the prompts need)")
     parser.add_argument("--gpu-memory", type=float, default=0.85,
                         help="vLLM's gpu_memory_utilization (lower it to share the GPU)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check.json"))
@@ -98,19 +109,29 @@ def main():
         lengths = [args.context] * args.batch
     else:
         lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.prompts)]
-    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(100, 120000) for _ in range(n)])
+    shared = [rng.randrange(100, 120000) for _ in range(args.prefix if args.mode == "prefix"
+                                                          else 0)]
+    prompts = [TokensPrompt(prompt_token_ids=shared + [rng.randrange(100, 120000)
+                                                       for _ in range(n)])
                for n in lengths]
     moira_backend = args.mode != "dense"
     backend = args.backend or ("CUSTOM" if moira_backend else "FLASH_ATTN")
     extra = {}
     if backend == "CUSTOM":
         check = args.mode == "moira" and not args.no_check
+        if args.mode in ("prefix", "preempt") and args.gamma == 1.0:
+            print("note: at gamma 1 every page is read and summaries do not matter; "
+                  "use --gamma 0.9 to test them")
         extra["additional_config"] = {"moira": {"gamma": args.gamma, "check_dense": check,
                                                 "stats_interval": 5.0}}
     start = time.time()
+    if args.mode == "preempt":
+        needed = sum(-(-(len(p["prompt_token_ids"]) + args.tokens) // 64) for p in prompts)
+        extra["num_gpu_blocks_override"] = args.blocks or needed // 3
     llm = LLM(model=model_dir(args.model, args.layers), load_format="dummy",
               skip_tokenizer_init=True, block_size=64, attention_backend=backend,
-              max_model_len=max(lengths) + args.tokens + 64, enable_prefix_caching=False,
+              max_model_len=len(shared) + max(lengths) + args.tokens + 64,
+              enable_prefix_caching=args.mode == "prefix",
               max_num_seqs=max(len(prompts), 8), max_num_batched_tokens=max(
                   args.max_batched_tokens, args.tokens), gpu_memory_utilization=args.gpu_memory,
               compilation_config={
@@ -142,7 +163,12 @@ def main():
                   startup_s=round(startup, 1), gpu=torch.cuda.get_device_name(),
                   command="python3 " + " ".join(sys.argv))
     DenseCheck.layers.clear()
+    if args.mode == "prefix":
+        result["first"], _ = run(prompts[:1])  # writes the shared pages and their summaries
     result["full"], result["full_s"] = run(prompts)
+    if args.mode == "prefix":
+        llm.reset_prefix_cache()
+        result["recomputed"], _ = run(prompts)
     if args.mode == "dense":
         half = len(prompts) // 2
         first, _ = run(prompts[:half])

@@ -34,7 +34,12 @@ def main():
              ("moira_graph", "full", "moira_eager", "full",
               "Moira FULL graphs vs Moira eager (graph mode NONE)"),
              ("moira_graph", "full", "moira_check", "full",
-              "Moira FULL graphs vs Moira eager attention (+dense check)")]
+              "Moira FULL graphs vs Moira eager attention (+dense check)"),
+             ("dense", "full", "preempt_dense", "full", "dense vs dense with preemption"),
+             ("moira_graph", "full", "preempt_moira", "full", "Moira vs Moira with preemption")]
+    # prefix mode: prefix-cache hits against the same prompts recomputed, in one engine
+    pairs += [(name, "full", name, "recomputed", f"{name}: prefix-cache hits vs recomputed")
+              for name, run in runs.items() if "recomputed" in run]
     print("| comparison | prompts with identical tokens | first differing step per prompt | "
           "max abs logprob diff before it | bit-identical logprobs |\n|---|---|---|---|---|")
     for a, ka, b, kb, label in pairs:
