@@ -9,12 +9,13 @@ cheaply than raising gamma for every head. This study measures both on the same 
     PYTHONPATH=. python benchmarks/calibration_study.py evaluate --calibration cal.json \
         --part 0/2 --out part0.json          # and --part 1/2 in parallel
     PYTHONPATH=. python benchmarks/calibration_study.py report part0.json part1.json \
-        --out benchmarks/results/calibration-smollm2-135m-4k.json
+        --out benchmarks/results/calibration-smollm2-135m-4k.json [--plot P.png] [--readme R]
 
-calibrate: on ``--documents`` calibration documents, along the dense greedy continuation, the
-exact group-mean mass inside each row's gamma-list per (layer, KV head); the head's tail ratio
-r = (1 - mean covered) / (1 - gamma) sets its target gamma' = 1 - (1 - gamma) / r (clamped),
-so that a head which leaves out 2.3x the mass it estimates is asked to leave out 2.3x less.
+calibrate: ``moira.evaluation.calibration`` (as ``moira calibrate``) on ``--documents``
+calibration documents from the text's first half: per (layer, KV head), the exact mass inside
+the gamma-lists along the dense greedy continuation, and the tail ratio r = (1 - mean covered)
+/ (1 - gamma) that sets the head's target gamma' = 1 - (1 - gamma) / r: a head which leaves
+out 2.3x the mass it estimates is asked to leave out 2.3x less.
 evaluate: token KL to dense (teacher-forced on the dense continuation, as ``moira eval``) and
 pages read on held-out documents for global gammas and calibrated targets.
 """
@@ -27,8 +28,7 @@ import time
 
 import torch
 
-from moira import reference
-from moira.evaluation import experiments, hf
+from moira.evaluation import calibration, experiments, hf
 from moira.evaluation.tasks import windows
 
 DEFAULT_MODEL = os.path.expanduser("~/.cache/moira-models/smollm2-135m-hf")
@@ -51,78 +51,40 @@ def load(args):
     return experiments.CausalLM(model), ids[:half], ids[half:]
 
 
-def tail_ratio(mean_covered, gamma):
-    """How much more mass a head leaves out than its estimate says, clamped to [0.5, 20]: a few
-    calibration steps cannot pin down a head that (nearly) always keeps everything."""
-    return min(20.0, max(0.5, (1 - mean_covered) / (1 - gamma)))
-
-
-def target_gamma(gamma, ratio):
-    return 1 - (1 - gamma) / ratio
-
-
-def per_head_gamma_pages(targets):
-    """A ``SparseDecoding`` selector: the coverage rule with gamma per (layer, KV head)."""
-
-    def select(layer, query, key_cache, block_table, seq_lens, scale):
-        summaries = reference.summarize(key_cache, block_table, seq_lens)
-        log_masses = reference.estimate(query, key_cache, summaries, block_table, seq_lens,
-                                        scale)
-        lists, counts = zip(*(reference.select(log_masses[:, h : h + 1], seq_lens,
-                                               gamma=float(targets[layer][h]))
-                              for h in range(log_masses.shape[1])))
-        return torch.cat(lists, 1), torch.cat(counts, 1)
-
-    return select
+def per_head_gamma(table):
+    """A ``SparseDecoding`` selector: the coverage rule with the targets ``[layers, heads]``."""
+    return lambda layer, *inputs: hf.moira_pages(*inputs, gamma=table[layer])
 
 
 def calibrate(args):
     lm, calibration_ids, _ = load(args)
-    covered = {}
-
-    def select_and_check(layer, query, key_cache, block_table, seq_lens, scale):
-        lists, counts = hf.moira_pages(query, key_cache, block_table, seq_lens, scale,
-                                       gamma=args.gamma)
-        shares = reference.group_shares(reference.exact_log_masses(
-            query, key_cache, block_table, seq_lens, scale))
-        for head in range(counts.shape[1]):
-            kept = lists[0, head, : counts[0, head]].long()
-            covered.setdefault((layer, head), []).append(float(shares[0, head, kept].sum()))
-        return lists, counts
-
     start = time.time()
-    for index, doc in enumerate(windows(calibration_ids, args.context, args.documents, seed=7)):
-        cache, logprobs = lm.prefill(doc)
-        lm.greedy(cache, logprobs, args.new_tokens,
-                  hf.SparseDecoding(select=select_and_check))
-        print(f"calibration document {index + 1}/{args.documents}", flush=True)
-    layers = 1 + max(layer for layer, _ in covered)
-    heads = 1 + max(head for _, head in covered)
-    mean_covered = [[sum(covered[(l, h)]) / len(covered[(l, h)]) for h in range(heads)]
-                    for l in range(layers)]
-    targets = [[target_gamma(args.gamma, tail_ratio(m, args.gamma)) for m in row]
-               for row in mean_covered]
+    covered = calibration.measure(lm, windows(calibration_ids, args.context, args.documents,
+                                              seed=7),
+                                  gamma=args.gamma, new_tokens=args.new_tokens)
+    ratios = [[calibration.tail_ratio(m, args.gamma) for m in row] for row in covered]
     with open(args.out, "w") as f:
-        json.dump(dict(gamma=args.gamma, mean_covered=mean_covered, targets=targets,
+        json.dump(dict(gamma=args.gamma, mean_covered=covered, tail_ratios=ratios,
+                       targets=calibration.targets(ratios, args.gamma).tolist(),
                        documents=args.documents, context=args.context,
                        seconds=round(time.time() - start), command=" ".join(sys.argv)), f)
-    print(f"mean covered {sum(map(sum, mean_covered)) / layers / heads:.3f}; targets "
-          f"{min(map(min, targets)):.4f}..{max(map(max, targets)):.4f}")
+    flat = [m for row in covered for m in row]
+    print(f"mean covered {sum(flat) / len(flat):.3f}")
 
 
 def evaluate(args):
     lm, _, evaluation_ids = load(args)
     with open(args.calibration) as f:
-        calibration = json.load(f)
+        measured = json.load(f)
     part, parts = map(int, args.part.split("/"))
     docs = windows(evaluation_ids, args.context, args.documents, seed=11)[part::parts]
-    base = calibration["gamma"]
-    # a second calibrated arm aims at gamma 0.99 by the same tail ratio
-    ratios = [[tail_ratio(m, base) for m in row] for row in calibration["mean_covered"]]
+    # the tail ratios measured at the calibration's gamma serve every target
+    ratios = [[calibration.tail_ratio(m, measured["gamma"]) for m in row]
+              for row in measured["mean_covered"]]
     arms = {f"global gamma={g}": dict(gamma=g) for g in args.gammas}
     for target in args.calibrated:
-        table = [[target_gamma(target, r) for r in row] for row in ratios]
-        arms[f"calibrated target={target}"] = dict(select=per_head_gamma_pages(table))
+        table = calibration.targets(ratios, target)
+        arms[f"calibrated target={target}"] = dict(select=per_head_gamma(table))
     rows = []
     start = time.time()
     for index, doc in zip(range(part, len(docs) * parts, parts), docs):
@@ -149,19 +111,38 @@ def report(args):
         parts.append(dict(file=os.path.basename(path), command=part["command"],
                           seconds=part["seconds"]))
     with open(json.load(open(args.parts[0]))["calibration"]) as f:
-        calibration = json.load(f)
+        measured = json.load(f)
     table = {}
     for name in dict.fromkeys(r["arm"] for r in rows):
         mine = [r for r in rows if r["arm"] == name]
         table[name] = dict(kl=sum(r["kl"] for r in mine) / len(mine),
                            read_fraction=sum(r["read_fraction"] for r in mine) / len(mine),
                            documents=len(mine))
-    result = dict(table=table, rows=rows, parts=parts, calibration=calibration,
+    result = dict(table=table, rows=rows, parts=parts, calibration=measured,
                   date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    medians = {name: sorted(r["kl"] for r in rows if r["arm"] == name) for name in table}
+    lines = ["| arm | token KL (mean) | token KL (median) | pages read | documents |",
+             "|---|---|---|---|---|"]
     for name, row in table.items():
-        print(f"| {name} | {row['kl']:.4f} | {row['read_fraction']:.1%} | {row['documents']} |")
+        values = medians[name]
+        median = (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
+        lines.append(f"| {name} | {row['kl']:.4f} | {median:.4f} | {row['read_fraction']:.1%} "
+                     f"| {row['documents']} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.readme:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from readme_section import write_section
+
+        commands = "; ".join(p["command"] for p in parts)
+        write_section(args.readme, "calibration", text + (
+            f"\n\nGenerated by `benchmarks/calibration_study.py report` from "
+            f"`{os.path.relpath(args.out)}` ({result['date']}, CPU, float32 reference; "
+            f"calibration: {measured['documents']} documents of {measured['context']} tokens "
+            f"from the text's first half, `{measured['command']}`; evaluation: "
+            f"{len({r['doc'] for r in rows})} documents from its second half, `{commands}`)."))
     if args.plot:
         import matplotlib
 
@@ -206,6 +187,7 @@ def main():
     rep.add_argument("parts", nargs="+")
     rep.add_argument("--out", required=True)
     rep.add_argument("--plot")
+    rep.add_argument("--readme")
     args = parser.parse_args()
     dict(calibrate=calibrate, evaluate=evaluate, report=report)[args.command](args)
 

@@ -148,13 +148,15 @@ def _plot(masks, args, path):
     plt.close(fig)
 
 
-def evaluate(args, command):
+def _model_and_text(args):
+    """``(model, tokenizer, device, text)`` for ``eval`` and ``calibrate``: the model in float32
+    with Moira's attention function registered, the text from a .txt or {"text": ...} .json."""
     import json
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from moira.evaluation import experiments, hf
+    from moira.evaluation import hf
 
     torch.manual_seed(args.seed)
     hf.register()
@@ -170,6 +172,47 @@ def evaluate(args, command):
         text = f.read()
     if args.text.endswith(".json"):
         text = json.loads(text)["text"]
+    return model, tokenizer, device, text
+
+
+def calibrate(args, command):
+    import json
+
+    import torch
+
+    from moira.evaluation import calibration, experiments
+    from moira.evaluation.tasks import windows
+
+    model, tokenizer, device, text = _model_and_text(args)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    start = time.time()
+    covered = calibration.measure(experiments.CausalLM(model),
+                                  windows(ids, args.context, args.documents, seed=args.seed),
+                                  gamma=args.gamma, new_tokens=args.new_tokens,
+                                  progress=_Progress(None))
+    ratios = [[calibration.tail_ratio(m, args.gamma) for m in row] for row in covered]
+    result = dict(command=command, model=args.model, text=args.text, context=args.context,
+                  documents=args.documents, new_tokens=args.new_tokens, gamma=args.gamma,
+                  mean_covered=covered, tail_ratios=ratios, device=str(device),
+                  torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
+                  seconds=round(time.time() - start))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    flat = [m for row in covered for m in row]
+    print(f"exact mass inside the gamma={args.gamma} lists: mean {sum(flat) / len(flat):.3f}, "
+          f"lowest head {min(flat):.3f}; targets for gamma={args.gamma}: "
+          f"{calibration.targets(ratios, args.gamma).min():.4f} to "
+          f"{calibration.targets(ratios, args.gamma).max():.4f}; wrote {args.out}")
+
+
+def evaluate(args, command):
+    import json
+
+    import torch
+
+    from moira.evaluation import experiments
+
+    model, tokenizer, device, text = _model_and_text(args)
     gammas = [float(g) for g in args.gammas.split(",")]
     progress = _Progress(None)
     header = dict(command=command, model=args.model, text=args.text, context=args.context,
@@ -229,12 +272,27 @@ def main(argv=None):
     ev.add_argument("--device", default="cpu", choices=("auto", "cuda", "cpu"),
                     help="where the model and the reference run (cuda: long contexts)")
     ev.add_argument("--out", default="accuracy.json")
+    cal = commands.add_parser("calibrate", help="per-(layer, KV head) coverage targets for a "
+                                                "model (tail ratios of the mvar estimate)")
+    cal.add_argument("--model", required=True,
+                     help="a Hugging Face model folder, or a .gguf file")
+    cal.add_argument("--text", required=True,
+                     help="a long text file; use text you will not evaluate on")
+    cal.add_argument("--context", type=int, default=4096, help="tokens per document")
+    cal.add_argument("--documents", type=int, default=5)
+    cal.add_argument("--new-tokens", type=int, default=32, help="decode steps per document")
+    cal.add_argument("--gamma", type=float, default=0.98, help="the target measured at")
+    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--device", default="cpu", choices=("auto", "cuda", "cpu"))
+    cal.add_argument("--out", default="calibration.json")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command == "demo":
         demo(args)
     elif args.command == "eval":
         evaluate(args, "moira " + " ".join(argv))
+    elif args.command == "calibrate":
+        calibrate(args, "moira " + " ".join(argv))
     return 0
 
 

@@ -354,6 +354,16 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
                              page_counts, scale, workspace, out, page_stats)
 
 
+def _check_row_values(name, values, batch, num_kv_heads, query):
+    """A float32 value per KV head or per (request, KV head), on the query's device."""
+    _require(values.dtype == torch.float32
+             and tuple(values.shape) in ((num_kv_heads,), (batch, num_kv_heads)),
+             f"{name} must be a float32 tensor [num_kv_heads={num_kv_heads}] or "
+             f"[batch={batch}, num_kv_heads={num_kv_heads}], got {values.dtype} of shape "
+             f"{tuple(values.shape)}")
+    _check_device(query=query, **{name: values})
+
+
 def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_lens, *,
                   gamma=None, top_k=None, keep_fractions=None, scale=None, return_pages=False,
                   config=None, workspace=None, out=None, page_stats=None):
@@ -368,6 +378,9 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     block_table : ``[batch, max_pages_per_seq]`` int32.
     seq_lens : ``[batch]`` int32, the current token included (0 = padded row, output zeros).
     gamma : coverage target in (0, 1]; default ``config.gamma`` (0.98). 1.0 keeps every page.
+        Or per-row targets, float32 ``[num_kv_heads]`` or ``[batch, num_kv_heads]`` on the
+        query's device (e.g. calibrated per head: ``moira calibrate``); their values are not
+        checked here (that would read GPU memory), so keep them in (0, 1].
     top_k : fixed-count mode: keep this many pages per row (sink and current page included)
         instead of applying the coverage rule; default ``config.top_k`` (None).
     keep_fractions : fraction mode, float32 ``[num_kv_heads]`` or ``[batch, num_kv_heads]``:
@@ -397,13 +410,12 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     _check_out(out, query)
     _check_page_stats(page_stats, query)
     if keep_fractions is not None:
-        _require(keep_fractions.dtype == torch.float32
-                 and tuple(keep_fractions.shape) in ((num_kv_heads,), (batch, num_kv_heads)),
-                 f"keep_fractions must be a float32 tensor [num_kv_heads={num_kv_heads}] or "
-                 f"[batch={batch}, num_kv_heads={num_kv_heads}], got {keep_fractions.dtype} of "
-                 f"shape {tuple(keep_fractions.shape)}")
+        _check_row_values("keep_fractions", keep_fractions, batch, num_kv_heads, query)
         _require(top_k is None, "pass either top_k or keep_fractions, not both")
-        _check_device(query=query, keep_fractions=keep_fractions)
+    gammas = None
+    if torch.is_tensor(gamma):
+        _check_row_values("gamma", gamma, batch, num_kv_heads, query)
+        gamma, gammas = None, gamma
     max_pages = block_table.shape[1]
     _require(1 <= max_pages <= MAX_PAGES_PER_SEQ,
              f"block_table has {max_pages} pages per request; Select supports 1 to "
@@ -424,7 +436,8 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     _launch_select(log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
                    max_pages=max_pages, gamma=config.gamma,
                    top_k=None if keep_fractions is not None else config.top_k,
-                   ways=config.bisection_ways_for(max_pages), keep_fractions=keep_fractions)
+                   ways=config.bisection_ways_for(max_pages), keep_fractions=keep_fractions,
+                   gammas=gammas)
     _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
                       page_counts, scale, workspace, out, page_stats)
     return (out, page_lists, page_counts) if return_pages else out

@@ -203,7 +203,8 @@ def fraction_counts(keep_fractions, seq_lens, max_pages):
 
 
 def select(log_masses, seq_lens, *, gamma=0.98, top_k=None, keep_fractions=None):
-    """The pages each row keeps: coverage rule (default) or, with ``top_k``, the ``top_k``
+    """The pages each row keeps: coverage rule (default; ``gamma`` a number, or per-row
+    targets ``[num_kv_heads]`` or ``[batch, num_kv_heads]``) or, with ``top_k``, the ``top_k``
     largest (sink and current page included; rows of at most ``top_k`` pages keep all; ties
     broken by lower page index). ``top_k`` is an int or a ``[batch, num_kv_heads]`` tensor of
     per-row counts; ``keep_fractions`` (``[num_kv_heads]`` or ``[batch, num_kv_heads]``) sets
@@ -223,7 +224,10 @@ def select(log_masses, seq_lens, *, gamma=0.98, top_k=None, keep_fractions=None)
             order = torch.sort(row[1:-1], descending=True, stable=True).indices
             chosen = sorted((order[: max(count - 2, 0)] + 1).tolist())
         else:
-            tau, _ = coverage_threshold(row, gamma)
+            target = gamma
+            if torch.is_tensor(gamma):
+                target = float(gamma[h] if gamma.dim() == 1 else gamma[b, h])
+            tau, _ = coverage_threshold(row, target)
             chosen = (torch.nonzero(row[1:-1] >= tau).flatten() + 1).tolist()
         return [0] + chosen + [pages - 1]
 

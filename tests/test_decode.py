@@ -104,6 +104,24 @@ def test_fraction_mode_through_the_step():
         moira.sparse_decode(*inputs, keep_fractions=fractions.double())
 
 
+def test_coverage_targets_per_kv_head():
+    ctx, summaries = structured_step()
+    inputs = (ctx.query, ctx.key_cache, ctx.value_cache, summaries, ctx.block_table,
+              ctx.seq_lens)
+    targets = torch.tensor([0.5, 1.0], device=DEVICE)
+    _, _, counts = moira.sparse_decode(*inputs, gamma=targets, config=SMALL_SPLIT,
+                                       return_pages=True)
+    counts = counts.cpu()
+    for head, gamma in enumerate(targets.tolist()):  # each head as with that scalar target
+        _, _, alone = moira.sparse_decode(*inputs, gamma=gamma, config=SMALL_SPLIT,
+                                          return_pages=True)
+        assert torch.equal(counts[:, head], alone.cpu()[:, head])
+    assert counts[:, 1].tolist() == [-(-int(n) // 64) for n in ctx.seq_lens]  # 1.0: all
+    assert (counts[:, 0] < counts[:, 1]).all()
+    with pytest.raises(ValueError, match="gamma must be a float32"):
+        moira.sparse_decode(*inputs, gamma=targets[:1])
+
+
 def test_fixed_count_mode():
     ctx, summaries = structured_step()
     out, page_lists, page_counts = moira.sparse_decode(

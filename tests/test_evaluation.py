@@ -77,7 +77,8 @@ def test_sparse_decode_step_is_the_reference(lm):
 def test_multi_token_forward_on_a_cache_is_refused(lm):
     cache, _ = lm.prefill(encode(text())[:100])
     with pytest.raises(ValueError, match="empty cache"):
-        lm.model(torch.tensor([[1, 2, 3]], device=lm.device), use_cache=True, **{lm.cache_argument: cache})
+        lm.model(torch.tensor([[1, 2, 3]], device=lm.device), use_cache=True,
+                 **{lm.cache_argument: cache})
 
 
 def test_evaluate_end_to_end(lm):
@@ -174,3 +175,27 @@ def test_library_selectors_feed_attend():
         assert (logits.amax(-1) <= bound.sum(-1) + 1e-4).all()
     out = reference.attend(query, keys, values, table, seq_lens, lists, counts)
     assert torch.isfinite(out).all()
+
+
+def test_calibration_measures_each_heads_tail(lm, tmp_path):
+    from moira.evaluation import calibration
+
+    covered = calibration.measure(lm, [encode(text())[:400]], gamma=0.5, new_tokens=3,
+                                  progress=lambda m: None)
+    assert len(covered) == 2 and all(len(row) == 2 for row in covered)  # layers x KV heads
+    assert all(0 < m <= 1 + 1e-6 for row in covered for m in row)  # exact mass: may miss 0.5
+    ratios = [[calibration.tail_ratio(m, 0.5) for m in row] for row in covered]
+    targets = calibration.targets(ratios, 0.5)
+    assert targets.shape == (2, 2) and targets.dtype == torch.float32
+    # a head that leaves out twice the mass it meant to is asked for half the tail
+    assert calibration.targets([[2.0]], 0.98).item() == pytest.approx(0.99)
+    assert calibration.tail_ratio(1.0, 0.98) == calibration.MIN_RATIO  # keeps all: clamped
+    assert (calibration.targets(ratios, 1.0) == 1.0).all()
+    path = tmp_path / "cal.json"
+    path.write_text('{"tail_ratios": [[1.0, 2.0], [0.5, 3.0]]}')
+    assert calibration.load(str(path), 2, 2) == [[1.0, 2.0], [0.5, 3.0]]
+    with pytest.raises(ValueError, match="2 layers x 2 KV heads, this model has 3 x 2"):
+        calibration.load(str(path), 3, 2)
+    path.write_text('{"gamma": 0.98}')
+    with pytest.raises(ValueError, match="not a `moira calibrate` result"):
+        calibration.load(str(path))

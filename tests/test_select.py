@@ -12,7 +12,7 @@ NEAR = 1e-6  # pages this close to the threshold may differ from the reference's
 
 
 def run_select(log_masses, seq_lens, *, gamma=0.98, top_k=None, max_pages=None,
-               keep_fractions=None):
+               keep_fractions=None, gammas=None):
     batch, num_kv_heads, group, width = log_masses.shape
     max_pages = max_pages or width
     page_lists = torch.full((batch, num_kv_heads, width), -7, dtype=torch.int32, device=DEVICE)
@@ -20,7 +20,8 @@ def run_select(log_masses, seq_lens, *, gamma=0.98, top_k=None, max_pages=None,
     select(log_masses.to(DEVICE).view(batch * num_kv_heads, group, width), seq_lens.to(DEVICE),
            page_lists, page_counts, num_kv_heads=num_kv_heads, max_pages=max_pages,
            gamma=gamma, top_k=top_k, ways=MoiraConfig().bisection_ways_for(max_pages),
-           keep_fractions=None if keep_fractions is None else keep_fractions.to(DEVICE))
+           keep_fractions=None if keep_fractions is None else keep_fractions.to(DEVICE),
+           gammas=None if gammas is None else gammas.to(DEVICE))
     return page_lists.cpu(), page_counts.cpu()
 
 
@@ -117,6 +118,33 @@ def test_fixed_count_keeps_exactly_k(top_k):
             dropped[chosen] = False
             assert (middle[chosen] >= cut - NEAR).all()
             assert (middle[dropped] <= cut + NEAR).all()
+
+
+@pytest.mark.parametrize("per_request", [False, True])
+def test_coverage_with_a_target_per_row(per_request):
+    seq_lens = [1, 65, 64 * 37 + 9, 64 * 300, 0]
+    log_masses, seq_lens = random_log_masses(seq_lens, 3, 4, 2.0)
+    gammas = (torch.rand(len(seq_lens), 3) * 0.5 + 0.5 if per_request
+              else torch.tensor([0.6, 0.98, 1.0]))
+    gammas[-1] = 1.0  # keeps every page, as the scalar gamma = 1 does
+    page_lists, page_counts = run_select(log_masses, seq_lens, gamma=0.5, gammas=gammas)
+    check_lists(page_lists, page_counts, seq_lens)
+    expected_lists, expected_counts = ref.select(log_masses, seq_lens, gamma=gammas)
+    shares = ref.group_shares(log_masses)
+    for b, length in enumerate(seq_lens.tolist()):
+        pages = ref.num_pages(length, log_masses.shape[-1])
+        for h in range(3):
+            row_gamma = float(gammas[b, h] if per_request else gammas[h])
+            got = set(page_lists[b, h, : page_counts[b, h]].tolist())
+            want = set(expected_lists[b, h, : expected_counts[b, h]].tolist())
+            if pages <= 2:
+                assert got == want
+                continue
+            check_superset(shares[b, h, :pages], got, want, row_gamma)
+            if row_gamma == 1.0:
+                assert len(got) == pages
+    if not per_request:  # the targets differ, so do the lists: 0.6 keeps fewer than 0.98
+        assert (page_counts[3, 0] < page_counts[3, 1] < page_counts[3, 2]).item()
 
 
 def test_fraction_mode_keeps_each_heads_share_of_every_row():

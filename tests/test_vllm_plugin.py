@@ -21,6 +21,8 @@ def test_settings_come_from_additional_config_then_environment():
     assert settings.config.gamma == 1.0 and settings.config.top_k == 16
     balanced = MoiraSettings.from_sources(None, {"MOIRA_SCHEDULE": "balanced"})
     assert balanced.config.schedule == "balanced"
+    calibrated = MoiraSettings.from_sources({"moira": {"calibration": "cal.json"}}, {})
+    assert calibrated.calibration == "cal.json"
 
 
 @pytest.mark.parametrize("config, environ, match", [
@@ -35,6 +37,8 @@ def test_settings_come_from_additional_config_then_environment():
     ({"moira": {"imposed_fraction": 0.3, "top_k": 8}}, {}, "top_k or imposed_fraction"),
     (None, {"MOIRA_CHECK_DENSE": "yes"}, "use 0 or 1"),
     ({"moira": {"schedule": "even"}}, {}, "schedule must be 'rows'"),
+    ({"moira": {"calibration": 3}}, {}, "calibration must be the path"),
+    ({"moira": {"calibration": "c.json", "top_k": 8}}, {}, "does not combine with top_k"),
 ])
 def test_bad_settings_name_the_setting(config, environ, match):
     with pytest.raises(ValueError, match=match):

@@ -20,6 +20,10 @@ count per row, ``max(2, floor(f * pages + 0.5))`` with the row's fraction f (per
 per request and KV head), derived here from the row's length (budgets imposed for timing
 studies, still filled with the top pages).
 
+The coverage target is one ``gamma`` for every row, or one per row (``gammas``, per KV head or
+per request and KV head: targets calibrated per head, where the estimate is known to state a
+head's coverage too high or too low).
+
 Output: ``page_lists[b, h, :count]`` logical pages (sink, kept middle pages in increasing order,
 current page) and ``page_counts[b, h] = count``. Entries past the count are not written.
 """
@@ -36,12 +40,13 @@ def num_warps(block):
 
 
 @triton.jit
-def _select_kernel(log_masses, seq_lens, keep_fractions, page_lists, page_counts,
+def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
                    stride_lr, stride_lg, stride_pb, stride_ph, stride_cb, stride_ch,
-                   stride_fb, stride_fh, num_kv_heads, max_pages, gamma, top_k,
+                   stride_vb, stride_vh, num_kv_heads, max_pages, gamma, top_k,
                    GROUP: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr,
                    PASSES: tl.constexpr, FIXED_COUNT: tl.constexpr, FRACTIONS: tl.constexpr,
-                   PAGE: tl.constexpr):
+                   ROW_GAMMAS: tl.constexpr, PAGE: tl.constexpr):
+    # row_values: the row's keep fraction (FRACTIONS) or coverage target (ROW_GAMMAS)
     row = tl.program_id(0)
     b = row // num_kv_heads
     head = row % num_kv_heads
@@ -72,7 +77,7 @@ def _select_kernel(log_masses, seq_lens, keep_fractions, page_lists, page_counts
 
     if FIXED_COUNT:
         if FRACTIONS:
-            fraction = tl.load(keep_fractions + b * stride_fb + head * stride_fh)
+            fraction = tl.load(row_values + b * stride_vb + head * stride_vh)
             top_k = tl.maximum(tl.floor(fraction * pages_in_row + 0.5).to(tl.int32), 2)
         needed = top_k - 2
         lo = top * 0.0
@@ -89,6 +94,8 @@ def _select_kernel(log_masses, seq_lens, keep_fractions, page_lists, page_counts
         keep = sure | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= missing))
         keep = tl.where(pages_in_row <= top_k, middle, keep)
     else:
+        if ROW_GAMMAS:
+            gamma = tl.load(row_values + b * stride_vb + head * stride_vh)
         # a margin above float32 rounding of the sums (~1e-6 over 16k pages): the kept mass
         # reaches gamma even where rounding makes it ambiguous, at the cost of a page there
         target = gamma - forced + 2e-6
@@ -115,23 +122,25 @@ def _select_kernel(log_masses, seq_lens, keep_fractions, page_lists, page_counts
 
 
 def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
-           top_k, ways, keep_fractions=None):
+           top_k, ways, keep_fractions=None, gammas=None):
     """Fill ``page_lists`` ``[batch, num_kv_heads, >= max_pages]`` and ``page_counts``
     ``[batch, num_kv_heads]`` (int32) from ``log_masses`` ``[rows, G, >= max_pages]``.
     ``keep_fractions`` (float32 ``[num_kv_heads]`` or ``[batch, num_kv_heads]``) selects
-    fraction mode."""
+    fraction mode; ``gammas`` (same shapes) gives each row its own coverage target."""
     rows, group = log_masses.shape[0], log_masses.shape[1]
     block = max(16, triton.next_power_of_2(max_pages))
+    row_values = keep_fractions if keep_fractions is not None else gammas
+    if row_values is not None and row_values.dim() == 1:  # per KV head, for every request
+        row_values = row_values.expand(page_counts.shape)
     fractions = keep_fractions is not None
-    if fractions and keep_fractions.dim() == 1:  # one fraction per KV head, for every request
-        keep_fractions = keep_fractions.expand(page_counts.shape)
     _select_kernel[(rows,)](
-        log_masses, seq_lens, keep_fractions if fractions else seq_lens, page_lists, page_counts,
-        log_masses.stride(0), log_masses.stride(1), *page_lists.stride()[:2],
-        *page_counts.stride(), *(keep_fractions.stride() if fractions else (0, 0)),
+        log_masses, seq_lens, seq_lens if row_values is None else row_values, page_lists,
+        page_counts, log_masses.stride(0), log_masses.stride(1), *page_lists.stride()[:2],
+        *page_counts.stride(), *(row_values.stride() if row_values is not None else (0, 0)),
         num_kv_heads, max_pages, float(gamma), int(top_k or 0),
         GROUP=group, BLOCK=block, WAYS=ways, PASSES=BISECTION_BITS // (ways.bit_length() - 1),
-        FIXED_COUNT=top_k is not None or fractions, FRACTIONS=fractions, PAGE=PAGE_SIZE,
+        FIXED_COUNT=top_k is not None or fractions, FRACTIONS=fractions,
+        ROW_GAMMAS=gammas is not None and not fractions, PAGE=PAGE_SIZE,
         num_warps=num_warps(block),
     )
     return page_lists, page_counts

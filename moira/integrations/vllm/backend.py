@@ -242,6 +242,13 @@ class MoiraAttentionImpl(FlashAttentionImpl):
         self.settings = MoiraSettings.from_sources(config.additional_config if config else None,
                                                    os.environ)
         self.num_layers = config.model_config.get_total_num_hidden_layers() if config else 1
+        self.gamma_table = None  # calibrated coverage targets [layers, KV heads], on the GPU
+        if self.settings.calibration is not None:
+            from ...evaluation import calibration
+
+            ratios = calibration.load(self.settings.calibration, self.num_layers,
+                                      self.num_kv_heads)
+            self.gamma_table = calibration.targets(ratios, self.settings.gamma).cuda()
         self.state = None  # LayerState, created when the layer's name is known
         self.layer_index = None
 
@@ -295,9 +302,11 @@ class MoiraAttentionImpl(FlashAttentionImpl):
             key_cache, value_cache = self._key_value_caches(kv_cache)
             fractions = (None if metadata.keep_fractions is None
                          else metadata.keep_fractions[self._layer_index(layer)])
+            gamma = (None if self.gamma_table is None
+                     else self.gamma_table[self._layer_index(layer)])  # a view: graph-safe
             sparse_decode(query[:rows], key_cache, value_cache,
                           state.summaries_for(kv_cache, self.num_kv_heads, self.head_size),
-                          metadata.block_table, metadata.seq_lens, scale=self.scale,
+                          metadata.block_table, metadata.seq_lens, gamma=gamma, scale=self.scale,
                           keep_fractions=fractions, workspace=metadata.workspace,
                           out=output[:rows], page_stats=state.page_stats)
         if metadata.dense is not None:

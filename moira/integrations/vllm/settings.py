@@ -24,6 +24,9 @@ key                environment variable     meaning
                                             or means by context length, interpolated in log
                                             length: ``{"8192": 0.42, "131072": 0.15}``
                                             (environment: ``8192:0.42,131072:0.15``)
+``calibration``    ``MOIRA_CALIBRATION``    a ``moira calibrate`` result for this model: each
+                                            (layer, KV head) gets its own coverage target
+                                            from its measured tail ratio (default: one gamma)
 ``schedule``       ``MOIRA_SCHEDULE``       how Attend splits its work: ``rows`` (the paper's
                                             per-row chunks, Eq. 4; default) or ``balanced``
                                             (all rows' pages split evenly over a fixed grid)
@@ -50,10 +53,12 @@ class MoiraSettings:
     check_dense: bool = False
     imposed_fraction: float | dict | None = None
     schedule: str = "rows"
+    calibration: str | None = None
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
             "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE",
-            "imposed_fraction": "MOIRA_IMPOSED_FRACTION", "schedule": "MOIRA_SCHEDULE"}
+            "imposed_fraction": "MOIRA_IMPOSED_FRACTION", "schedule": "MOIRA_SCHEDULE",
+            "calibration": "MOIRA_CALIBRATION"}
 
     def __post_init__(self):
         self.config  # MoiraConfig's errors name the field and its range
@@ -66,6 +71,13 @@ class MoiraSettings:
             if self.top_k is not None:
                 raise ValueError("moira: set top_k or imposed_fraction, not both")
             del knots
+        if self.calibration is not None:
+            if not isinstance(self.calibration, str):
+                raise ValueError(f"moira calibration must be the path of a `moira calibrate` "
+                                 f"result, got {self.calibration!r}")
+            if self.top_k is not None or self.imposed_fraction is not None:
+                raise ValueError("moira calibration sets per-head coverage targets; it does "
+                                 "not combine with top_k or imposed_fraction")
         if not isinstance(self.check_dense, bool):
             raise ValueError(f"moira check_dense must be true or false, got "
                              f"{self.check_dense!r}")
@@ -113,7 +125,7 @@ class MoiraSettings:
                         raise ValueError(f"{variable}={text!r}: use 0 or 1")
                     values[key] = text == "1"
                     continue
-                if key == "schedule":
+                if key in ("schedule", "calibration"):
                     values[key] = text
                     continue
                 if key == "imposed_fraction" and ":" in text:
