@@ -67,18 +67,28 @@ def test_coverage_matches_reference(group, spread, gamma):
     seq_lens = [1, 64, 65, 130, 64 * 37 + 9, 64 * 300, 0]
     log_masses, seq_lens = random_log_masses(seq_lens, 2, group, spread)
     page_lists, page_counts = run_select(log_masses, seq_lens, gamma=gamma)
+    check_coverage(log_masses, seq_lens, page_lists, page_counts, gamma)
+
+
+def check_coverage(log_masses, seq_lens, page_lists, page_counts, gamma):
+    """Every row's list against the reference's at the row's target (``gamma``: a number, or
+    ``[num_kv_heads]`` / ``[batch, num_kv_heads]``)."""
     check_lists(page_lists, page_counts, seq_lens)
     expected_lists, expected_counts = ref.select(log_masses, seq_lens, gamma=gamma)
     shares = ref.group_shares(log_masses)
     for b, length in enumerate(seq_lens.tolist()):
         pages = ref.num_pages(length, log_masses.shape[-1])
-        for h in range(2):
+        for h in range(log_masses.shape[1]):
+            row_gamma = float(gamma if not torch.is_tensor(gamma)
+                              else gamma[h] if gamma.dim() == 1 else gamma[b, h])
             got = set(page_lists[b, h, : page_counts[b, h]].tolist())
             want = set(expected_lists[b, h, : expected_counts[b, h]].tolist())
             if pages <= 2:
                 assert got == want
                 continue
-            check_superset(shares[b, h, :pages], got, want, gamma)
+            check_superset(shares[b, h, :pages], got, want, row_gamma)
+            if row_gamma == 1.0:
+                assert len(got) == pages
 
 
 def test_gamma_one_keeps_every_page_even_underflowing_ones():
@@ -126,23 +136,9 @@ def test_coverage_with_a_target_per_row(per_request):
     log_masses, seq_lens = random_log_masses(seq_lens, 3, 4, 2.0)
     gammas = (torch.rand(len(seq_lens), 3) * 0.5 + 0.5 if per_request
               else torch.tensor([0.6, 0.98, 1.0]))
-    gammas[-1] = 1.0  # keeps every page, as the scalar gamma = 1 does
+    gammas[..., -1] = 1.0  # the last KV head keeps every page, as a scalar gamma = 1 does
     page_lists, page_counts = run_select(log_masses, seq_lens, gamma=0.5, gammas=gammas)
-    check_lists(page_lists, page_counts, seq_lens)
-    expected_lists, expected_counts = ref.select(log_masses, seq_lens, gamma=gammas)
-    shares = ref.group_shares(log_masses)
-    for b, length in enumerate(seq_lens.tolist()):
-        pages = ref.num_pages(length, log_masses.shape[-1])
-        for h in range(3):
-            row_gamma = float(gammas[b, h] if per_request else gammas[h])
-            got = set(page_lists[b, h, : page_counts[b, h]].tolist())
-            want = set(expected_lists[b, h, : expected_counts[b, h]].tolist())
-            if pages <= 2:
-                assert got == want
-                continue
-            check_superset(shares[b, h, :pages], got, want, row_gamma)
-            if row_gamma == 1.0:
-                assert len(got) == pages
+    check_coverage(log_masses, seq_lens, page_lists, page_counts, gammas)
     if not per_request:  # the targets differ, so do the lists: 0.6 keeps fewer than 0.98
         assert (page_counts[3, 0] < page_counts[3, 1] < page_counts[3, 2]).item()
 
