@@ -17,6 +17,8 @@ jobs=("$@")
 [ ${#jobs[@]} -gt 0 ] || jobs=("32k-kl:32000:kl" "32k-retrieval:32000:retrieval"
                                "16k-kl:16384:kl" "16k-retrieval:16384:retrieval"
                                "32k-budget:32000:budget:--documents 10 --new-tokens 16")
+# calibrated arms too (per-head targets): "--calibrate 5" in a job's extra arguments, e.g.
+# "32k-kl:32000:kl:--calibrate 5"
 mkdir -p "$out"
 start=$(date +%s)
 for job in "${jobs[@]}"; do

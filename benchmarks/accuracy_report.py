@@ -31,7 +31,9 @@ def _stem(path):
 
 
 def _gammas(table):
-    return sorted((key for key in table if key.replace(".", "").isdigit()), key=float)
+    """The arms' keys: "0.98", and "0.98 calibrated" (per-head targets) after its gamma."""
+    arms = [key for key in table if re.fullmatch(r"[\d.]+( calibrated)?", key)]
+    return sorted(arms, key=lambda key: (float(key.split()[0]), key))
 
 
 def _fmt(value, spec):

@@ -212,11 +212,21 @@ def evaluate(args, command):
 
     from moira.evaluation import experiments
 
+    if args.calibrated and args.calibrate:
+        raise SystemExit("moira eval: --calibrated FILE or --calibrate N, not both")
     model, tokenizer, device, text = _model_and_text(args)
     gammas = [float(g) for g in args.gammas.split(",")]
+    tail_ratios = None
+    if args.calibrated:
+        from moira.evaluation import calibration
+
+        config = model.config
+        tail_ratios = calibration.load(
+            args.calibrated, config.num_hidden_layers,
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     progress = _Progress(None)
     header = dict(command=command, model=args.model, text=args.text, context=args.context,
-                  documents=args.documents, gammas=gammas,
+                  documents=args.documents, gammas=gammas, calibrated=args.calibrated,
                   device=f"{device} (float32 model, Moira's float32 reference)",
                   torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
     last_write = [time.monotonic()]
@@ -232,7 +242,8 @@ def evaluate(args, command):
         lambda ids: tokenizer.decode(ids), text, context=args.context,
         documents=args.documents, gammas=gammas, tasks=args.tasks.split(","),
         new_tokens=args.new_tokens, seed=args.seed, calibration=args.calibration,
-        progress=progress, checkpoint=checkpoint)
+        progress=progress, checkpoint=checkpoint, tail_ratios=tail_ratios,
+        calibrate_documents=args.calibrate)
     result.update(header)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
@@ -269,6 +280,12 @@ def main(argv=None):
                     help="documents that profile per-(layer, head) budgets for the ablation")
     ev.add_argument("--new-tokens", type=int, default=32, help="continuation length for KL")
     ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--calibrated", metavar="FILE",
+                    help="also run every gamma < 1 with per-(layer, KV head) targets from this "
+                         "`moira calibrate` result")
+    ev.add_argument("--calibrate", type=int, default=0, metavar="N",
+                    help="measure per-head targets first on N documents the KL and retrieval "
+                         "samples do not use, and add the calibrated arms")
     ev.add_argument("--device", default="cpu", choices=("auto", "cuda", "cpu"),
                     help="where the model and the reference run (cuda: long contexts)")
     ev.add_argument("--out", default="accuracy.json")

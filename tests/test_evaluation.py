@@ -199,3 +199,28 @@ def test_calibration_measures_each_heads_tail(lm, tmp_path):
     path.write_text('{"gamma": 0.98}')
     with pytest.raises(ValueError, match="not a `moira calibrate` result"):
         calibration.load(str(path))
+
+
+def test_calibrated_arms_use_per_head_targets(lm):
+    docs = [encode(text(seed=3))[:400]]
+    quiet = dict(progress=lambda m: None)
+    # tail ratio 1 everywhere: the targets are gamma itself, so the arm equals gamma's
+    neutral = experiments.Calibrated(0.5, ((0.5, 0.5), (0.5, 0.5)))
+    rows = experiments.token_kl(lm, docs, [0.5, neutral], new_tokens=4, **quiet)
+    assert [r["gamma"] for r in rows] == [0.5, "0.5 calibrated"]
+    assert rows[0]["kl"] == rows[1]["kl"] and rows[0]["read_fraction"] == rows[1]["read_fraction"]
+    # a head asked for more mass reads more
+    stricter = experiments.Calibrated(0.5, ((0.5, 0.99), (0.5, 0.99)))
+    rows = experiments.token_kl(lm, docs, [0.5, stricter], new_tokens=4, **quiet)
+    assert rows[1]["read_fraction"] > rows[0]["read_fraction"]
+    table = experiments.summarize_rows({"kl": rows})
+    assert set(table) == {"0.5", "0.5 calibrated"}
+    result = experiments.evaluate(lm.model, encode, decode, text(8000), context=300,
+                                  documents=1, gammas=[0.5, 1.0], tasks=("kl",), new_tokens=3,
+                                  tail_ratios=[[1.0, 2.0], [1.0, 1.0]], **quiet)
+    assert set(result["table"]) == {"0.5", "1.0", "0.5 calibrated"}  # none for gamma = 1
+    measured = experiments.evaluate(lm.model, encode, decode, text(8000), context=300,
+                                    documents=1, gammas=[0.5], tasks=("kl",), new_tokens=3,
+                                    calibrate_documents=1, **quiet)
+    assert set(measured["table"]) == {"0.5", "0.5 calibrated"}
+    assert len(measured["rows"]["calibration"]) == 2  # mean covered per layer

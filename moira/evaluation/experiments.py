@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import math
 import random
@@ -72,6 +73,32 @@ class CausalLM:
             return [self.step(token, cache) for token in tokens]
 
 
+@dataclasses.dataclass(frozen=True)
+class Calibrated:
+    """An arm with per-(layer, KV head) coverage targets (``moira calibrate``) instead of one
+    gamma; ``targets`` ``[layers][kv_heads]``. Its rows carry the label ``"<gamma> calibrated"``."""
+
+    gamma: float
+    targets: tuple
+
+    def __str__(self):
+        return f"{self.gamma} calibrated"
+
+
+def sparse_arm(key):
+    """The ``SparseDecoding`` of an arm: a gamma, or a ``Calibrated``."""
+    if isinstance(key, Calibrated):
+        table = torch.tensor(key.targets, dtype=torch.float32)
+        return SparseDecoding(select=lambda layer, *inputs: moira_pages(*inputs,
+                                                                        gamma=table[layer]))
+    return SparseDecoding(gamma=key)
+
+
+def label(key):
+    """How an arm is named in the rows and tables (JSON-friendly)."""
+    return str(key) if isinstance(key, Calibrated) else key
+
+
 def kl(p_log, q_log):
     """KL(p || q) from log-probabilities."""
     return float((p_log.exp() * (p_log - q_log)).sum())
@@ -100,10 +127,11 @@ def token_kl(lm, documents, gammas, new_tokens, progress=print, rows=None):
         cache, logprobs = lm.prefill(doc)
         tokens, dense_steps = lm.greedy(cache, logprobs, new_tokens)
         for gamma in gammas:
-            arm = SparseDecoding(gamma=gamma)
+            arm = sparse_arm(gamma)
             sparse_steps = lm.teacher_forced(cache, tokens[:-1], arm)
             kls = [kl(p, q) for p, q in zip(dense_steps, sparse_steps)]
-            rows.append(dict(doc=index, gamma=gamma, kl=sum(kls) / len(kls), tokens=len(kls),
+            rows.append(dict(doc=index, gamma=label(gamma), kl=sum(kls) / len(kls),
+                             tokens=len(kls),
                              read_fraction=arm.read_fraction))
         progress(f"kl: document {index + 1}/{len(documents)}")
     return rows
@@ -121,12 +149,13 @@ def retrieval(lm, haystacks, encode, decode, context, gammas, answer_tokens=8,
                              depth=depths[index % len(depths)], seed=index)
             cache, logprobs = lm.prefill(sample.prompt)
             for gamma in [None] + list(gammas):
-                arm = None if gamma is None else SparseDecoding(gamma=gamma)
+                arm = None if gamma is None else sparse_arm(gamma)
                 tokens, _ = lm.greedy(cache, logprobs, answer_tokens, arm)
                 text = decode(tokens).strip()
                 digits = text[: len(sample.answer)]
                 rows.append(dict(sample=index, kind=kind, depth=sample.depth,
-                                 gamma=gamma, correct=digits == sample.answer, output=text,
+                                 gamma=label(gamma), correct=digits == sample.answer,
+                                 output=text,
                                  read_fraction=None if arm is None else arm.read_fraction))
         progress(f"retrieval: haystack {index + 1}/{len(haystacks)}")
     return rows
@@ -141,10 +170,11 @@ def repeated_passage_nll(lm, pairs, context, gammas, progress=print, rows=None):
         cache, _ = lm.prefill(ids[: second + 1])
         targets = ids[second + 1 :]
         for gamma in [None] + list(gammas):
-            arm = None if gamma is None else SparseDecoding(gamma=gamma)
+            arm = None if gamma is None else sparse_arm(gamma)
             steps = lm.teacher_forced(cache, targets[:-1], arm)
             nll = [-float(step[token]) for step, token in zip(steps, targets[1:])]
-            rows.append(dict(doc=index, gamma=gamma, nll=sum(nll) / len(nll), tokens=len(nll),
+            rows.append(dict(doc=index, gamma=label(gamma), nll=sum(nll) / len(nll),
+                             tokens=len(nll),
                              read_fraction=None if arm is None else arm.read_fraction))
         progress(f"repeated passage: document {index + 1}/{len(pairs)}")
     return rows
@@ -295,7 +325,7 @@ def summarize_rows(results):
     """Per-gamma tables from the raw rows of ``evaluate``."""
     table = {}
     if "kl" in results:
-        for gamma in sorted({row["gamma"] for row in results["kl"]}):
+        for gamma in sorted({row["gamma"] for row in results["kl"]}, key=str):
             rows = [row for row in results["kl"] if row["gamma"] == gamma]
             table.setdefault(str(gamma), {}).update(
                 kl=sum(r["kl"] for r in rows) / len(rows),
@@ -305,7 +335,7 @@ def summarize_rows(results):
         dense = {(r["sample"], r["kind"]): float(r["correct"]) for r in rows if r["gamma"] is None}
         keys = sorted(dense)
         table.setdefault("dense", {})["retrieval"] = sum(dense.values()) / len(dense)
-        for gamma in sorted({r["gamma"] for r in rows if r["gamma"] is not None}):
+        for gamma in sorted({r["gamma"] for r in rows if r["gamma"] is not None}, key=str):
             sparse = {(r["sample"], r["kind"]): float(r["correct"]) for r in rows
                       if r["gamma"] == gamma}
             entry = table.setdefault(str(gamma), {})
@@ -342,7 +372,7 @@ def summarize_rows(results):
         table["budget"] = budget_statistics(results["budget"])
     if "repeat" in results:
         for gamma in [None] + sorted({r["gamma"] for r in results["repeat"]
-                                      if r["gamma"] is not None}):
+                                      if r["gamma"] is not None}, key=str):
             rows = [r for r in results["repeat"] if r["gamma"] == gamma]
             entry = table.setdefault("dense" if gamma is None else str(gamma), {})
             entry["repeat_ppl"] = math.exp(sum(r["nll"] for r in rows) / len(rows))
@@ -353,10 +383,15 @@ def summarize_rows(results):
 
 def evaluate(model, tokenizer_encode, tokenizer_decode, text, *, context, documents, gammas,
              tasks=("kl", "retrieval", "repeat"), new_tokens=32, passage_tokens=96, seed=0,
-             calibration=5, progress=print, checkpoint=None):
+             calibration=5, progress=print, checkpoint=None, tail_ratios=None,
+             calibrate_documents=0):
     """Run the chosen measurements; returns ``{"rows": {...}, "table": {...}, "seconds": s}``.
 
     ``documents`` samples per task, each from a different part of ``text`` (a long string).
+    ``tail_ratios`` (``[layers][kv_heads]``, from ``moira calibrate``) adds, for every gamma
+    below 1, an arm with per-head targets (``"<gamma> calibrated"``) to KL, retrieval and the
+    repeated passage. ``calibrate_documents`` > 0 measures them first, on documents from the
+    third of the text the KL and retrieval samples never use (the repeated passage's third).
     ``checkpoint(rows)``, if given, is called after every document with the rows so far (so a
     long GPU run that is cut short keeps what it measured).
     """
@@ -366,6 +401,18 @@ def evaluate(model, tokenizer_encode, tokenizer_decode, text, *, context, docume
     # disjoint slices of the text for the three tasks
     parts = windows(text_ids, len(text_ids) // 3, 3, seed=seed)
     results = {}
+    if calibrate_documents:
+        from .calibration import measure, tail_ratio
+
+        covered = measure(lm, windows(parts[2], context, calibrate_documents, seed=seed + 3),
+                          new_tokens=new_tokens, progress=progress)
+        results["calibration"] = covered
+        tail_ratios = [[tail_ratio(m, 0.98) for m in row] for row in covered]
+    if tail_ratios is not None:
+        from .calibration import targets
+
+        gammas = list(gammas) + [Calibrated(g, tuple(map(tuple, targets(tail_ratios, g).tolist())))
+                                 for g in gammas if g < 1]
 
     def report(message):
         progress(message)
