@@ -56,7 +56,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer variants")
     parser.add_argument("--kinds", default="estimate,select,attend,step",
-                        help="comma-separated subset of estimate,select,attend,tiles,balanced,step")
+                        help="comma-separated subset of estimate,select,attend,tiles,balanced,"
+                             "fractions,step")
     args = parser.parse_args()
     kinds = set(args.kinds.split(","))
     results = []
@@ -161,6 +162,16 @@ def main():
                                                 sparse_lists, sparse_counts, workspace=ws,
                                                 out=out))
             record("attend22", shape, f"balanced P={programs} C={floor}", micros, sparse_bytes)
+        # time against bytes: Attend + Merge at several fixed fractions of every row; the
+        # intercept of time over bytes is the fixed cost per layer (launches, ramp, Merge)
+        for fraction in [0.05, 0.11, 0.22, 0.44, 1.0] if "fractions" in kinds else []:
+            count = max(2, round(fraction * pages))
+            select_module.select(log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS,
+                                 max_pages=pages, gamma=0.98, top_k=count, ways=ways)
+            micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens, lists,
+                                                counts, workspace=workspace, out=out))
+            record("fraction", shape, f"{fraction:.0%} ({count} pages/row)", micros,
+                   batch * KV_HEADS * count * PAGE_KV_BYTES)
         if "step" in kinds:
             micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
                                                 sparse_lists, sparse_counts,
