@@ -164,14 +164,17 @@ def main():
             record("attend22", shape, f"balanced P={programs} C={floor}", micros, sparse_bytes)
         # time against bytes: Attend + Merge at several fixed fractions of every row; the
         # intercept of time over bytes is the fixed cost per layer (launches, ramp, Merge)
+        fused = moira.DecodeWorkspace(batch, pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
+                                      device="cuda", config=moira.MoiraConfig(fused_merge=True))
         for fraction in [0.05, 0.11, 0.22, 0.44, 1.0] if "fractions" in kinds else []:
             count = max(2, round(fraction * pages))
             select_module.select(log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS,
                                  max_pages=pages, gamma=0.98, top_k=count, ways=ways)
-            micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens, lists,
-                                                counts, workspace=workspace, out=out))
-            record("fraction", shape, f"{fraction:.0%} ({count} pages/row)", micros,
-                   batch * KV_HEADS * count * PAGE_KV_BYTES)
+            for name, ws in (("", workspace), (", fused merge", fused)):
+                micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
+                                                    lists, counts, workspace=ws, out=out))
+                record("fraction", shape, f"{fraction:.0%} ({count} pages/row){name}", micros,
+                       batch * KV_HEADS * count * PAGE_KV_BYTES)
         if "step" in kinds:
             micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
                                                 sparse_lists, sparse_counts,

@@ -40,6 +40,9 @@ class MoiraConfig:
         planning its chunk from its row's length. ``"balanced"``: ``programs`` programs split
         the concatenation of all rows' lists evenly (each at least C pages), planning from all
         rows' lengths (``moira/kernels/balanced.py``).
+    fused_merge:
+        ``"rows"`` only: fold Merge into Attend (the last chunk of a split row to finish merges
+        the row, counted by one atomic per chunk): one kernel per layer instead of two.
     min_chunks_per_row:
         N_J, the fewest programs Attend launches per row.
     min_programs:
@@ -56,6 +59,7 @@ class MoiraConfig:
     top_k: int | None = None
     chunk_pages: int = 24
     schedule: str = "rows"
+    fused_merge: bool = False
     min_chunks_per_row: int = 32
     min_programs: int = 4096
     programs: int = 1056
@@ -79,6 +83,11 @@ class MoiraConfig:
         if self.schedule not in ("rows", "balanced"):
             raise ValueError(f"schedule must be 'rows' (paper Eq. 4) or 'balanced', got "
                              f"{self.schedule!r}")
+        if not isinstance(self.fused_merge, bool):
+            raise ValueError(f"fused_merge must be True or False, got {self.fused_merge!r}")
+        if self.fused_merge and self.schedule != "rows":
+            raise ValueError("fused_merge folds Merge into the 'rows' schedule's Attend; the "
+                             "balanced schedule has its own Merge: use schedule='rows'")
         for name in ("chunk_pages", "min_chunks_per_row", "min_programs", "programs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -196,6 +196,8 @@ class DecodeWorkspace:
         self.page_counts = torch.empty(max_rows, dtype=i32, device=device)
         self.partial_out = torch.empty(slots * self.group * head_dim, dtype=f32, device=device)
         self.partial_lse = torch.empty(slots * self.group, dtype=f32, device=device)
+        # fused merge: chunks of each row counted in; the merging chunk resets its row to 0
+        self.row_arrivals = torch.zeros(max_rows, dtype=i32, device=device)
 
     @classmethod
     def for_step(cls, query, key_cache, block_table, config=None):
@@ -303,6 +305,10 @@ def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page
         split = dict(chunk_floor=config.chunk_pages,
                      chunks_per_row=config.chunks_per_row(query.shape[0] * num_kv_heads))
         attend_kernel, merge_kernel = _launch_attend, _launch_merge
+    if config.fused_merge:
+        return attend_kernel(*inputs, scale=scale, out=out, partial_out=partials[0],
+                             partial_lse=partials[1], arrivals=workspace.row_arrivals,
+                             page_stats=page_stats, **split)
     attend_kernel(*inputs, scale=scale, out=out, partial_out=partials[0],
                   partial_lse=partials[1], **split)
     merge_kernel(page_counts, *partials, out, num_kv_heads=num_kv_heads, **split, **stats)

@@ -109,3 +109,39 @@ def test_pages_past_seq_len_are_masked():
                        SMALL_SPLIT)
     dense = ref.dense_attention(*(t.cpu() for t in (query, keys, values, table, seq_lens)))
     assert (out.float().cpu() - dense).abs().max() < 2e-2
+
+
+FUSED = SMALL_SPLIT.replace(fused_merge=True)
+
+
+@pytest.mark.parametrize("group", [1, 7, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_merge_matches_reference(group, head_dim):
+    """Merge folded into Attend: the last chunk of each split row merges it. Three calls on one
+    workspace: the per-row counters must be back at zero after every call."""
+    num_kv_heads = 2
+    keys, values = make_cache(120, num_kv_heads, head_dim)
+    table, seq_lens = make_table([1, 64, 65, 64 * 7 + 3, 64 * 16, 64 * 11 + 63], 120)
+    query = make_query(len(seq_lens), num_kv_heads * group, head_dim)
+    workspace = moira.DecodeWorkspace(len(seq_lens), table.shape[1], num_kv_heads * group,
+                                      num_kv_heads, head_dim, device=DEVICE, config=FUSED)
+    for fraction in (0.5, 0.3, 1.0):
+        page_lists, page_counts = random_lists(seq_lens.cpu(), num_kv_heads, table.shape[1],
+                                               fraction=fraction, shuffle=True)
+        out = poisoned(*query.shape, dtype=query.dtype)
+        stats = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+        moira.attend(query, keys, values, table, seq_lens, page_lists, page_counts,
+                     workspace=workspace, out=out, page_stats=stats)
+        args = [t.cpu() for t in (query, keys, values, table, seq_lens, page_lists,
+                                  page_counts)]
+        assert_attention_close(out, ref.attend(*args), ref.attend(*args, dtype=query.dtype))
+        assert int(workspace.row_arrivals.abs().sum()) == 0
+        pages = [ref.num_pages(n, table.shape[1]) for n in seq_lens.tolist()]
+        assert stats.tolist() == [int(page_counts.sum()), sum(pages) * num_kv_heads]
+    # some rows did split (else the fused path was never taken)
+    assert int(page_counts.max()) > SMALL_SPLIT.chunk_pages
+
+
+def test_fused_merge_needs_the_rows_schedule():
+    with pytest.raises(ValueError, match="fused_merge folds Merge"):
+        MoiraConfig(schedule="balanced", fused_merge=True)

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.cuda
 
 @pytest.mark.parametrize("gamma, top_k, schedule", [(0.95, None, "rows"), (1.0, None, "rows"),
                                                     (0.98, 12, "rows"),
-                                                    (0.95, None, "balanced")])
+                                                    (0.95, None, "balanced"),
+                                                    (0.95, None, "rows, fused merge")])
 def test_graph_replay_matches_eager(gamma, top_k, schedule):
     batch, num_kv_heads, group, head_dim, width = 4, 8, 4, 128, 96
     ctx = synthetic_context(width * PAGE_SIZE, batch=batch, num_kv_heads=num_kv_heads,
@@ -28,7 +29,9 @@ def test_graph_replay_matches_eager(gamma, top_k, schedule):
     out = torch.empty_like(query)
     workspace = moira.DecodeWorkspace(batch, width, num_kv_heads * group, num_kv_heads,
                                       head_dim, device="cuda",
-                                      config=moira.MoiraConfig(schedule=schedule, programs=264))
+                                      config=moira.MoiraConfig(
+                                          schedule=schedule.split(",")[0], programs=264,
+                                          fused_merge=schedule.endswith("fused merge")))
 
     def step():
         moira.update_summaries(keys, slot_mapping, summaries)

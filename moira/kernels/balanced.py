@@ -25,7 +25,7 @@ import triton.language as tl
 from ..config import PAGE_SIZE
 from . import attend as attend_module
 from .attend import attend_segment
-from .merge import add_page_stats, merged
+from .combine import add_page_stats, merged
 
 
 @triton.jit

@@ -1,0 +1,45 @@
+"""Helpers shared by the kernels that combine split rows (Merge, the balanced Merge, and Attend
+with its merge folded in): the log-sum-exp combination and the page counters.
+
+    lse = log sum_j exp(lse_j)      out = sum_j exp(lse_j - lse) * out_j
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def merged(partial_out, partial_lse, first_slot, num_chunks, g, GROUP: tl.constexpr,
+           HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLITS_PER_LOAD: tl.constexpr):
+    """The LSE combination of query head ``g``'s partials in slots ``[first_slot, first_slot +
+    num_chunks)`` (``partial_lse[slot * GROUP + g]``, ``partial_out[(slot * GROUP + g) * D]``)."""
+    splits = tl.arange(0, SPLITS_PAD)
+    # .cg (L2, not L1): with the merge folded into Attend, other SMs wrote these in this kernel
+    lse = tl.load(partial_lse + (first_slot + splits) * GROUP + g, mask=splits < num_chunks,
+                  other=float("-inf"), cache_modifier=".cg")
+    peak = tl.max(lse, axis=0)
+    peak = tl.where(peak == float("-inf"), 0.0, peak)
+    total = tl.sum(tl.exp(lse - peak), axis=0)
+
+    # many splits at once: independent loads, one memory round trip per SPLITS_PER_LOAD
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for start in range(0, num_chunks, SPLITS_PER_LOAD):
+        split = start + tl.arange(0, SPLITS_PER_LOAD)
+        slot = (first_slot + split) * GROUP + g
+        weight = tl.exp(tl.load(partial_lse + slot, mask=split < num_chunks,
+                                other=float("-inf"), cache_modifier=".cg") - peak)
+        part = tl.load(partial_out + slot[:, None] * HEAD_DIM + dims[None, :],
+                       mask=(weight > 0.0)[:, None], other=0.0,  # empty chunks: never read
+                       cache_modifier=".cg")
+        acc += tl.sum(weight[:, None] * part, axis=0)
+    return acc / tl.where(total == 0.0, 1.0, total)
+
+
+@triton.jit
+def add_page_stats(page_stats, seq_lens, b, count, max_pages, PAGE: tl.constexpr):
+    """Add a row's listed pages and its pages present (``min(ceil(seq_len / 64), max_pages)``)
+    to the two int64 counters."""
+    row_pages = tl.minimum(tl.cdiv(tl.load(seq_lens + b), PAGE), max_pages)
+    tl.atomic_add(page_stats, count.to(tl.int64))
+    tl.atomic_add(page_stats + 1, row_pages.to(tl.int64))
