@@ -89,6 +89,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--schedule", default="rows", choices=["rows", "balanced"],
                         help="moira: how Attend splits its work (MoiraConfig.schedule)")
+    parser.add_argument("--fused-merge", action="store_true",
+                        help="moira: Merge folded into Attend (MoiraConfig.fused_merge)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tpot.json"))
     args = parser.parse_args()
 
@@ -106,7 +108,8 @@ def main():
         extra = dict(attention_backend="CUSTOM",
                      additional_config={"moira": {"imposed_fraction": knots,
                                                   "stats_interval": 0,
-                                                  "schedule": args.schedule}})
+                                                  "schedule": args.schedule,
+                                                  "fused_merge": args.fused_merge}})
     else:
         extra = dict(attention_backend="FLASH_ATTN")
     longest = max(context for _, context, _ in shapes)
@@ -146,6 +149,7 @@ def main():
         with open(args.out, "w") as f:
             json.dump(dict(backend=args.backend, model=args.model, gamma=args.gamma,
                            schedule=args.schedule if args.backend == "moira" else None,
+                           fused_merge=args.fused_merge if args.backend == "moira" else None,
                            fractions="imposed (paper's measured reads), not the coverage rule"
                            if args.backend == "moira" else None,
                            startup_s=round(startup, 1), gpu=torch.cuda.get_device_name(),

@@ -21,6 +21,8 @@ def test_settings_come_from_additional_config_then_environment():
     assert settings.config.gamma == 1.0 and settings.config.top_k == 16
     balanced = MoiraSettings.from_sources(None, {"MOIRA_SCHEDULE": "balanced"})
     assert balanced.config.schedule == "balanced"
+    fused = MoiraSettings.from_sources(None, {"MOIRA_FUSED_MERGE": "1"})
+    assert fused.config.fused_merge
     calibrated = MoiraSettings.from_sources({"moira": {"calibration": "cal.json"}}, {})
     assert calibrated.calibration == "cal.json"
 
@@ -38,6 +40,8 @@ def test_settings_come_from_additional_config_then_environment():
     (None, {"MOIRA_CHECK_DENSE": "yes"}, "use 0 or 1"),
     ({"moira": {"schedule": "even"}}, {}, "schedule must be 'rows'"),
     ({"moira": {"calibration": 3}}, {}, "calibration must be the path"),
+    ({"moira": {"fused_merge": "yes"}}, {}, "fused_merge must be True or False"),
+    ({"moira": {"fused_merge": True, "schedule": "balanced"}}, {}, "fused_merge folds"),
     ({"moira": {"calibration": "c.json", "top_k": 8}}, {}, "does not combine with top_k"),
 ])
 def test_bad_settings_name_the_setting(config, environ, match):

@@ -30,6 +30,7 @@ key                environment variable     meaning
 ``schedule``       ``MOIRA_SCHEDULE``       how Attend splits its work: ``rows`` (the paper's
                                             per-row chunks, Eq. 4; default) or ``balanced``
                                             (all rows' pages split evenly over a fixed grid)
+``fused_merge``    ``MOIRA_FUSED_MERGE``    fold Merge into Attend (``rows`` only; default off)
 =================  =======================  ==================================================
 """
 
@@ -53,12 +54,13 @@ class MoiraSettings:
     check_dense: bool = False
     imposed_fraction: float | dict | None = None
     schedule: str = "rows"
+    fused_merge: bool = False
     calibration: str | None = None
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
             "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE",
             "imposed_fraction": "MOIRA_IMPOSED_FRACTION", "schedule": "MOIRA_SCHEDULE",
-            "calibration": "MOIRA_CALIBRATION"}
+            "fused_merge": "MOIRA_FUSED_MERGE", "calibration": "MOIRA_CALIBRATION"}
 
     def __post_init__(self):
         self.config  # MoiraConfig's errors name the field and its range
@@ -103,7 +105,8 @@ class MoiraSettings:
 
     @property
     def config(self) -> MoiraConfig:
-        return MoiraConfig(gamma=self.gamma, top_k=self.top_k, schedule=self.schedule)
+        return MoiraConfig(gamma=self.gamma, top_k=self.top_k, schedule=self.schedule,
+                           fused_merge=self.fused_merge)
 
     @classmethod
     def from_sources(cls, additional_config: Mapping | None,
@@ -120,7 +123,7 @@ class MoiraSettings:
                 values[key] = given[key]
             elif environ.get(variable, "") != "":
                 text = environ[variable]
-                if key == "check_dense":
+                if key in ("check_dense", "fused_merge"):
                     if text not in ("0", "1"):
                         raise ValueError(f"{variable}={text!r}: use 0 or 1")
                     values[key] = text == "1"
