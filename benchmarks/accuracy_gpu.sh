@@ -9,7 +9,7 @@
 # MODEL: a Hugging Face folder or a .gguf file; TEXT: the essays (.json or .txt); a JOB is
 # "name:context:tasks[:extra args]", default the 16k and 32k KL and retrieval runs and a 32k
 # budget analysis on 10 documents. Returns when every job ended or after DEADLINE_S seconds
-# (default 540), leaving unfinished jobs' partial files in OUT.
+# (default 540); then it stops the unfinished jobs, whose rows so far stay in OUT/*.partial.
 set -u
 model=$1 text=$2 out=$3 deadline=${4:-540}
 shift $(( $# < 4 ? $# : 4 ))
@@ -29,4 +29,6 @@ for job in "${jobs[@]}"; do
       > "$out/$name.log" 2>&1 &
 done
 while [ -n "$(jobs -r)" ] && [ $(( $(date +%s) - start )) -lt "$deadline" ]; do sleep 5; done
+running=$(jobs -p)
+[ -z "$running" ] || { echo "deadline: stopping $(echo $running | wc -w) unfinished job(s)"; kill $running; }
 for log in "$out"/*.log; do echo "== $log"; tail -n 2 "$log"; done

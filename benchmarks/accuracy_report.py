@@ -45,7 +45,10 @@ def markdown(path, result):
     lines = [f"**{os.path.basename(result['model'].rstrip('/'))}**, {result['context']}-token "
              f"contexts, {result['documents']} samples per task, {result['device']}, "
              f"{result['date']} (`{os.path.basename(path)}`; {result['seconds'] / 60:.0f} min; "
-             f"command: `{result['command']}`).", ""]
+             f"command: `{result['command']}`)."
+             + (" The text was too short for disjoint samples: the windows overlap, so the "
+                "samples are not independent and the intervals are too narrow."
+                if result.get("overlapping_windows") else ""), ""]
     gammas = _gammas(table)
     if any(key in table[g] for g in gammas for key in ("kl", "retrieval", "repeat_ppl")):
         lines += ["| γ | token KL | pages read | pass-key acc. (dense) | Δ vs dense [95% CI] "
@@ -104,11 +107,15 @@ def plots(path, result):
     gammas = [g for g in _gammas(table) if "kl" in table[g]]
     if gammas:
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        reads = [table[g]["kl_read_fraction"] for g in gammas]
-        kls = [max(table[g]["kl"], 1e-9) for g in gammas]
-        ax.plot(reads, kls, "o-")
-        for g, x, y in zip(gammas, reads, kls):
-            ax.annotate(f"γ={g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        for style, series in (("o-", [g for g in gammas if "calibrated" not in g]),
+                              ("s--", [g for g in gammas if "calibrated" in g])):
+            reads = [table[g]["kl_read_fraction"] for g in series]
+            kls = [max(table[g]["kl"], 1e-9) for g in series]
+            if series:
+                ax.plot(reads, kls, style, label="per-head targets" if "s" in style else "γ")
+            for g, x, y in zip(series, reads, kls):
+                ax.annotate(f"γ={g}", (x, y), textcoords="offset points", xytext=(4, 4),
+                            fontsize=8)
         if "ablation" in table:
             for name, arm in table["ablation"].items():
                 ax.plot(arm["read_fraction"], max(arm["kl"], 1e-9), "x")

@@ -13,9 +13,9 @@ cheaply than raising gamma for every head. This study measures both on the same 
 
 calibrate: ``moira.evaluation.calibration`` (as ``moira calibrate``) on ``--documents``
 calibration documents from the text's first half: per (layer, KV head), the exact mass inside
-the gamma-lists along the dense greedy continuation, and the tail ratio r = (1 - mean covered)
-/ (1 - gamma) that sets the head's target gamma' = 1 - (1 - gamma) / r: a head which leaves
-out 2.3x the mass it estimates is asked to leave out 2.3x less.
+the gamma-lists along the greedy continuation decoded at gamma, and the tail ratio
+r = (1 - mean covered) / (1 - gamma) that sets the head's target gamma' = 1 - (1 - gamma) / r:
+a head which leaves out 2.3x the mass it estimates is asked to leave out 2.3x less.
 evaluate: token KL to dense (teacher-forced on the dense continuation, as ``moira eval``) and
 pages read on held-out documents for global gammas and calibrated targets.
 """

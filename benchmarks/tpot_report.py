@@ -42,7 +42,12 @@ def load(folder):
         if name.endswith(".json"):
             with open(os.path.join(folder, name)) as f:
                 run = json.load(f)
+            if run["backend"] == "moira" and (run.get("schedule", "rows") != "rows"
+                                              or run.get("fused_merge")):
+                continue  # the table compares the default kernels; variants: their own folder
             key = (run["model"], "dense" if run["backend"] == "dense" else run["gamma"])
+            if key in runs:
+                raise SystemExit(f"{folder}: two runs for {key} ({name})")
             runs[key] = run
     return runs
 

@@ -141,14 +141,14 @@ def main():
                        batch * KV_HEADS * pages * PAGE_KV_BYTES)
         attend_module.NUM_WARPS, attend_module.NUM_STAGES = 4, 3
         # several listed pages per inner-loop tile: more loads in flight per program
-        for pages, warps, stages in itertools.product(
+        for per_tile, warps, stages in itertools.product(
                 [1, 2, 4] if "tiles" in kinds else [], [4, 8], [2, 3]):
-            attend_module.PAGES_PER_ITER = pages
+            attend_module.PAGES_PER_ITER = per_tile
             attend_module.NUM_WARPS, attend_module.NUM_STAGES = warps, stages
             micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
                                                 sparse_lists, sparse_counts,
                                                 workspace=workspace, out=out))
-            record("attend22", shape, f"pages/tile={pages} warps={warps} stages={stages}",
+            record("attend22", shape, f"pages/tile={per_tile} warps={warps} stages={stages}",
                    micros, sparse_bytes)
         attend_module.PAGES_PER_ITER = 1
         attend_module.NUM_WARPS, attend_module.NUM_STAGES = 4, 3

@@ -13,7 +13,8 @@ Modes (Llama-3.1-8B geometry from ``benchmarks/models``, ``--layers`` to cut the
 - ``prefix``: prefix caching on; the prompts share a ``--prefix``-token prefix. The first
   prompt runs alone, then all of them (the others' prefix pages come from the cache, so
   Moira must find their summaries written by the first run), then all again after
-  ``reset_prefix_cache()`` (everything recomputed). The two full runs are compared; run it
+  ``reset_prefix_cache()`` (the first run's pages recomputed; within that run the prompts
+  may again share the prefix's pages). The two full runs are compared; run it
   with ``--backend FLASH_ATTN`` too for the yardstick (recomputation changes batch shapes).
 - ``preempt``: the same prompts with a KV cache of ``--blocks`` pages, too small for all of
   them, so vLLM preempts and recomputes requests; compare its tokens with a ``moira`` /

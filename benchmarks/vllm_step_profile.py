@@ -8,8 +8,9 @@ Per shape: the prompts fill the cache (one output token, prefix caching on), the
 of ``--steps`` tokens is traced with the PyTorch profiler (CUPTI reports the kernels inside
 replayed CUDA graphs one by one). GPU time per decode step is summed by kernel class (Attend,
 Estimate, Select, Merge, Summarize, FA3, GEMM, other) and divided by the number of decode
-steps. With prefix caching the traced run's first step recomputes only each prompt's last
-token (one query token per request), so every traced step has a decode's shape.
+steps. Prompts are one token longer than the shape's context, so the traced run's prefix-cache
+hit covers every full page and its first step recomputes one token per request: every traced
+step has a decode's shape.
 """
 
 import argparse
@@ -74,7 +75,10 @@ def main():
     rng = random.Random(0)
     results = []
     for name, context, batch in shapes:
-        prompts = cached_prompts(llm, rng, context, batch)
+        # one token past whole pages: a prefix-cache hit covers every full page (vLLM caps a
+        # hit at prompt_len - 1 tokens, in whole pages), so the traced run recomputes just
+        # that token per request and its first step is decode-shaped too
+        prompts = cached_prompts(llm, rng, context + 1, batch)
         timed = SamplingParams(max_tokens=args.steps, ignore_eos=True, detokenize=False)
         llm.generate(prompts, timed, use_tqdm=False)  # warm: graphs and caches in place
         with profile(activities=[ProfilerActivity.CUDA]) as trace:
@@ -87,8 +91,8 @@ def main():
         for event in kernels:
             label = kernel_class(event.name)
             by_class[label] = by_class.get(label, 0.0) + event.device_time_total
-        # the traced run is `steps` engine steps: the cached prompts' last token (one query
-        # token per request, so it takes the decode path too), then steps - 1 decode steps
+        # the traced run is `steps` engine steps: the prompts' last token (one query token per
+        # request, so it takes the decode path too), then steps - 1 decode steps
         decode_steps = args.steps
         per_step_ms = {k: v / decode_steps / 1e3 for k, v in sorted(by_class.items())}
         top = {}

@@ -67,7 +67,8 @@ def imposed_mean(knots, context):
 
 def cached_prompts(llm, rng, context, batch):
     """``batch`` prompts of ``context`` random token ids, run once with one output token: with
-    prefix caching on, every later run of them starts straight into decode steps."""
+    prefix caching on, a later run of them recomputes only the tokens past the last whole page
+    cached (vLLM caps a hit at ``context - 1`` tokens), then decodes."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -421,6 +421,9 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     gammas = None
     if torch.is_tensor(gamma):
         _check_row_values("gamma", gamma, batch, num_kv_heads, query)
+        _require(top_k is None and keep_fractions is None,
+                 "per-row gamma targets apply to the coverage rule: pass them without top_k or "
+                 "keep_fractions")
         gamma, gammas = None, gamma
     max_pages = block_table.shape[1]
     _require(1 <= max_pages <= MAX_PAGES_PER_SEQ,
@@ -434,6 +437,8 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     if gamma is not None or top_k is not None:  # validated by the config's own checks
         config = config.replace(gamma=config.gamma if gamma is None else gamma,
                                 top_k=config.top_k if top_k is None else top_k)
+    _require(gammas is None or config.top_k is None,
+             "per-row gamma targets apply to the coverage rule, and this config sets top_k")
     scale = _resolve_scale(scale, head_dim)
     out = torch.empty_like(query) if out is None else out
 

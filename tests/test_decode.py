@@ -120,6 +120,10 @@ def test_coverage_targets_per_kv_head():
     assert (counts[:, 0] < counts[:, 1]).all()
     with pytest.raises(ValueError, match="gamma must be a float32"):
         moira.sparse_decode(*inputs, gamma=targets[:1])
+    with pytest.raises(ValueError, match="apply to the coverage rule"):
+        moira.sparse_decode(*inputs, gamma=targets, top_k=4)
+    with pytest.raises(ValueError, match="apply to the coverage rule"):
+        moira.sparse_decode(*inputs, gamma=targets, config=SMALL_SPLIT.replace(top_k=4))
 
 
 def test_fixed_count_mode():

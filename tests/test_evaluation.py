@@ -125,6 +125,8 @@ def test_repeated_passage_and_windows():
     assert all(len(w) == 30 for w in overlapping)
     with pytest.raises(ValueError, match="fewer than one window"):
         tasks.windows(list(range(100)), 101, 1)
+    with pytest.raises(ValueError, match="too few for 72 distinct windows"):
+        tasks.windows(list(range(100)), 30, 72)
 
 
 def test_paired_bootstrap():

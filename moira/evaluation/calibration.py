@@ -2,8 +2,8 @@
 
 The mvar estimate can state a head's coverage too high: on SmolLM2 at 4k the coverage rule's
 lists at gamma = 0.98 hold 0.953 of the exact attention mass on average, some heads ~0.80. A
-head's *tail ratio* is the mass its lists leave out, measured with exact attention along dense
-greedy decoding, over the mass the rule meant to leave out:
+head's *tail ratio* is the mass its lists leave out, measured with exact attention along
+greedy decoding with Moira at gamma (as in serving), over the mass the rule meant to leave out:
 
     r = (1 - mean exact mass covered) / (1 - gamma)
 
@@ -27,6 +27,9 @@ MIN_RATIO, MAX_RATIO = 0.5, 20.0
 
 
 def tail_ratio(mean_covered: float, gamma: float) -> float:
+    if not 0 < gamma < 1:
+        raise ValueError(f"tail ratios are measured at a gamma in (0, 1), got {gamma!r} (at 1 "
+                         f"the rule leaves nothing out)")
     return min(MAX_RATIO, max(MIN_RATIO, (1 - mean_covered) / (1 - gamma)))
 
 
@@ -39,8 +42,10 @@ def targets(tail_ratios, gamma: float) -> torch.Tensor:
 
 def measure(lm, documents, *, gamma=0.98, new_tokens=32, progress=print):
     """Mean exact mass inside the coverage rule's lists per (layer, KV head), along each
-    document's dense greedy continuation (the lists are computed, the step itself stays
-    Moira's): ``[[mean covered per KV head] per layer]``."""
+    document's greedy continuation decoded by Moira at ``gamma`` (the lists it attends over
+    are the ones measured): ``[[mean covered per KV head] per layer]``."""
+    if not 0 < gamma < 1:
+        raise ValueError(f"calibrate at a gamma in (0, 1), got {gamma!r}")
     covered = {}
 
     def select_and_check(layer, query, key_cache, block_table, seq_lens, scale):

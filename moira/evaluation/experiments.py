@@ -391,7 +391,8 @@ def evaluate(model, tokenizer_encode, tokenizer_decode, text, *, context, docume
     ``tail_ratios`` (``[layers][kv_heads]``, from ``moira calibrate``) adds, for every gamma
     below 1, an arm with per-head targets (``"<gamma> calibrated"``) to KL, retrieval and the
     repeated passage. ``calibrate_documents`` > 0 measures them first, on documents from the
-    third of the text the KL and retrieval samples never use (the repeated passage's third).
+    third of the text the KL and retrieval samples never use (the repeated passage's third,
+    which then gets no calibrated arm).
     ``checkpoint(rows)``, if given, is called after every document with the rows so far (so a
     long GPU run that is cut short keeps what it measured).
     """
@@ -435,6 +436,8 @@ def evaluate(model, tokenizer_encode, tokenizer_decode, text, *, context, docume
         ablation(lm, docs[:documents], docs[documents:], new_tokens, progress=report,
                  rows=results.setdefault("ablation", []))
     if "repeat" in tasks:
+        if calibrate_documents:  # calibrated on this third of the text: not held out here
+            gammas = [g for g in gammas if not isinstance(g, Calibrated)]
         chunks = windows(parts[2], context, documents + 1, seed=seed)
         rng = random.Random(seed)
         pairs = []  # the passage from one chunk, the filler from the next
@@ -443,5 +446,8 @@ def evaluate(model, tokenizer_encode, tokenizer_decode, text, *, context, docume
             pairs.append((chunk[start_at : start_at + passage_tokens], filler))
         repeated_passage_nll(lm, pairs, context, gammas, report,
                              rows=results.setdefault("repeat", []))
-    return dict(rows=results, table=summarize_rows(results),
+    # too short a text for disjoint samples: say so (the samples overlap, the bootstrap
+    # intervals are then too narrow)
+    overlapping = len(parts[0]) // context < documents
+    return dict(rows=results, table=summarize_rows(results), overlapping_windows=overlapping,
                 seconds=round(time.perf_counter() - start, 1))

@@ -125,13 +125,19 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                          "(chunked prefill is not supported by this harness)")
     if query.shape[2] > 1:
         # Prefill of one unpadded sequence: plain causal SDPA, with no materialized mask, so
-        # PyTorch picks a memory-efficient kernel (a 32k-token float32 prefill through a 4-D
-        # mask takes the math path: 14 x 32k x 32k floats, > 100 GB)
+        # PyTorch can pick its memory-efficient kernel (a 32k-token float32 prefill on the math
+        # path holds 14 x 32k x 32k floats, > 100 GB)
         if query.shape[0] != 1:
             raise ValueError("moira attention: this harness runs one unpadded sequence at a "
                              f"time, got a batch of {query.shape[0]}")
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                             enable_gqa=True)
+        if getattr(module, "sliding_window", None) or kwargs.get("softcap"):
+            raise ValueError("moira attention: sliding-window or soft-capped attention is not "
+                             "supported (Moira's decode path has neither)")
+        # K/V expanded to every query head: PyTorch's memory-efficient kernel, the one that
+        # takes float32, refuses grouped-query inputs (enable_gqa) and would fall back to math
+        group = query.shape[1] // key.shape[1]
+        key, value = (x.repeat_interleave(group, dim=1) for x in (key, value))
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
     if _active is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,

@@ -21,6 +21,9 @@ def windows(text_ids, length, count, *, seed=0):
         raise ValueError(f"the text holds {len(text_ids)} tokens, fewer than one window of "
                          f"{length}")
     if available < count:
+        if count > len(text_ids) - length + 1:
+            raise ValueError(f"the text holds {len(text_ids)} tokens: too few for {count} "
+                             f"distinct windows of {length}")
         stride = (len(text_ids) - length) / max(count - 1, 1)
         starts = [round(i * stride) for i in range(count)]
         random.Random(seed).shuffle(starts)

@@ -246,8 +246,12 @@ class MoiraAttentionImpl(FlashAttentionImpl):
         if self.settings.calibration is not None:
             from ...evaluation import calibration
 
+            total_kv_heads = config.model_config.get_total_num_kv_heads()
+            if total_kv_heads != self.num_kv_heads:  # this GPU holds a slice of the heads
+                raise ValueError("moira calibration with tensor parallelism is not supported "
+                                 "yet: run without it, or drop `calibration`")
             ratios = calibration.load(self.settings.calibration, self.num_layers,
-                                      self.num_kv_heads)
+                                      total_kv_heads)
             self.gamma_table = calibration.targets(ratios, self.settings.gamma).cuda()
         self.state = None  # LayerState, created when the layer's name is known
         self.layer_index = None
