@@ -144,7 +144,12 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
         tl.store(partial_out + slot[:, None] * HEAD_DIM + dims[None, :], result, mask=head_mask)
         tl.store(partial_lse + slot, lse, mask=groups < GROUP)
         if FUSED_MERGE:
+            # every thread's partial stores are issued before the count (the atomic is one
+            # thread's; its release then covers them), and every thread's loads below come
+            # after the acquire: the split-K / stream-K handshake
+            tl.debug_barrier()
             arrived = tl.atomic_add(arrivals + row, 1, sem="acq_rel", scope="gpu")
+            tl.debug_barrier()
             if arrived == num_chunks - 1:  # the row's last chunk: merge it
                 for g in tl.static_range(GROUP):
                     merged_head = merged(partial_out, partial_lse,

@@ -246,6 +246,9 @@ class MoiraAttentionImpl(FlashAttentionImpl):
         if self.settings.calibration is not None:
             from ...evaluation import calibration
 
+            if config is None:
+                raise RuntimeError("moira calibration: no vLLM config in scope to check the "
+                                   "model's layers and KV heads against")
             total_kv_heads = config.model_config.get_total_num_kv_heads()
             if total_kv_heads != self.num_kv_heads:  # this GPU holds a slice of the heads
                 raise ValueError("moira calibration with tensor parallelism is not supported "
