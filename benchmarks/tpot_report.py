@@ -43,7 +43,8 @@ def load(folder):
             with open(os.path.join(folder, name)) as f:
                 run = json.load(f)
             if run["backend"] == "moira" and (run.get("schedule", "rows") != "rows"
-                                              or run.get("fused_merge")):
+                                              or run.get("fused_merge")
+                                              or run.get("dense_below_tokens")):
                 continue  # the table compares the default kernels; variants: their own folder
             key = (run["model"], "dense" if run["backend"] == "dense" else run["gamma"])
             if key in runs:

@@ -90,6 +90,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--schedule", default="rows", choices=["rows", "balanced"],
                         help="moira: how Attend splits its work (MoiraConfig.schedule)")
+    parser.add_argument("--dense-below-tokens", type=int, default=0,
+                        help="moira: requests this short read every page (0: off)")
     parser.add_argument("--fused-merge", action="store_true",
                         help="moira: Merge folded into Attend (MoiraConfig.fused_merge)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tpot.json"))
@@ -110,7 +112,9 @@ def main():
                      additional_config={"moira": {"imposed_fraction": knots,
                                                   "stats_interval": 0,
                                                   "schedule": args.schedule,
-                                                  "fused_merge": args.fused_merge}})
+                                                  "fused_merge": args.fused_merge,
+                                                  "dense_below_tokens":
+                                                      args.dense_below_tokens}})
     else:
         extra = dict(attention_backend="FLASH_ATTN")
     longest = max(context for _, context, _ in shapes)
@@ -151,6 +155,8 @@ def main():
             json.dump(dict(backend=args.backend, model=args.model, gamma=args.gamma,
                            schedule=args.schedule if args.backend == "moira" else None,
                            fused_merge=args.fused_merge if args.backend == "moira" else None,
+                           dense_below_tokens=args.dense_below_tokens
+                           if args.backend == "moira" else None,
                            fractions="imposed (paper's measured reads), not the coverage rule"
                            if args.backend == "moira" else None,
                            startup_s=round(startup, 1), gpu=torch.cuda.get_device_name(),

@@ -40,6 +40,10 @@ class MoiraConfig:
         planning its chunk from its row's length. ``"balanced"``: ``programs`` programs split
         the concatenation of all rows' lists evenly (each at least C pages), planning from all
         rows' lengths (``moira/kernels/balanced.py``).
+    dense_below_pages:
+        Rows of at most this many pages read every page in every mode, and Estimate skips them:
+        below some length, estimating and selecting costs more than reading everything
+        (0 = off).
     fused_merge:
         ``"rows"`` only: fold Merge into Attend (the last chunk of a split row to finish merges
         the row, counted by one atomic per chunk): one kernel per layer instead of two.
@@ -60,6 +64,7 @@ class MoiraConfig:
     chunk_pages: int = 24
     schedule: str = "rows"
     fused_merge: bool = False
+    dense_below_pages: int = 0
     min_chunks_per_row: int = 32
     min_programs: int = 4096
     programs: int = 1056
@@ -88,6 +93,10 @@ class MoiraConfig:
         if self.fused_merge and self.schedule != "rows":
             raise ValueError("fused_merge folds Merge into the 'rows' schedule's Attend; the "
                              "balanced schedule has its own Merge: use schedule='rows'")
+        if (isinstance(self.dense_below_pages, bool) or not isinstance(self.dense_below_pages, int)
+                or self.dense_below_pages < 0):
+            raise ValueError(f"dense_below_pages must be an int >= 0 (0 turns it off), got "
+                             f"{self.dense_below_pages!r}")
         for name in ("chunk_pages", "min_chunks_per_row", "min_programs", "programs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

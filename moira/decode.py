@@ -443,12 +443,13 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     out = torch.empty_like(query) if out is None else out
 
     log_masses, page_lists, page_counts = workspace.selection_buffers(batch, max_pages)
-    _launch_estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses)
+    _launch_estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
+                     dense_below_pages=config.dense_below_pages)
     _launch_select(log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
                    max_pages=max_pages, gamma=config.gamma,
                    top_k=None if keep_fractions is not None else config.top_k,
                    ways=config.bisection_ways_for(max_pages), keep_fractions=keep_fractions,
-                   gammas=gammas)
+                   gammas=gammas, dense_below_pages=config.dense_below_pages)
     _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
                       page_counts, scale, workspace, out, page_stats)
     return (out, page_lists, page_counts) if return_pages else out

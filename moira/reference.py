@@ -202,13 +202,15 @@ def fraction_counts(keep_fractions, seq_lens, max_pages):
     return counts.clamp(min=2).to(torch.int32)
 
 
-def select(log_masses, seq_lens, *, gamma=0.98, top_k=None, keep_fractions=None):
+def select(log_masses, seq_lens, *, gamma=0.98, top_k=None, keep_fractions=None,
+           dense_below_pages=0):
     """The pages each row keeps: coverage rule (default; ``gamma`` a number, or per-row
     targets ``[num_kv_heads]`` or ``[batch, num_kv_heads]``) or, with ``top_k``, the ``top_k``
     largest (sink and current page included; rows of at most ``top_k`` pages keep all; ties
     broken by lower page index). ``top_k`` is an int or a ``[batch, num_kv_heads]`` tensor of
     per-row counts; ``keep_fractions`` (``[num_kv_heads]`` or ``[batch, num_kv_heads]``) sets
-    them from each row's length (``fraction_counts``).
+    them from each row's length (``fraction_counts``). Rows of at most ``dense_below_pages``
+    pages keep every page, in every mode.
 
     Returns ``(page_lists, page_counts)``: ``[batch, num_kv_heads, max_pages]`` int32 logical
     pages, sink first, current page last, the middle in increasing order, ``-1`` past the count;
@@ -217,7 +219,7 @@ def select(log_masses, seq_lens, *, gamma=0.98, top_k=None, keep_fractions=None)
 
     def choose(row, b, h):
         pages = len(row)
-        if pages <= 2:
+        if pages <= max(2, dense_below_pages):
             return list(range(pages))
         if top_k is not None:
             count = int(top_k[b, h]) if torch.is_tensor(top_k) else top_k

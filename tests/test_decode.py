@@ -126,6 +126,26 @@ def test_coverage_targets_per_kv_head():
         moira.sparse_decode(*inputs, gamma=targets, config=SMALL_SPLIT.replace(top_k=4))
 
 
+def test_short_rows_read_every_page():
+    ctx, summaries = structured_step()
+    inputs = (ctx.query, ctx.key_cache, ctx.value_cache, summaries, ctx.block_table,
+              ctx.seq_lens)
+    pages = [-(-int(n) // 64) for n in ctx.seq_lens]
+    threshold = sorted(pages)[len(pages) // 2]  # about half the rows are short
+    config = SMALL_SPLIT.replace(dense_below_pages=threshold)
+    out, _, counts = moira.sparse_decode(*inputs, gamma=0.5, config=config, return_pages=True)
+    _, _, sparse = moira.sparse_decode(*inputs, gamma=0.5, config=SMALL_SPLIT,
+                                       return_pages=True)
+    for row, n in enumerate(pages):
+        if n <= threshold:
+            assert counts[row].tolist() == [n] * counts.shape[1]
+        else:  # long rows: selected exactly as without the threshold
+            assert torch.equal(counts[row].cpu(), sparse[row].cpu())
+    assert any(n > threshold for n in pages) and any(n <= threshold for n in pages)
+    with pytest.raises(ValueError, match="dense_below_pages must be an int >= 0"):
+        moira.MoiraConfig(dense_below_pages=-1)
+
+
 def test_fixed_count_mode():
     ctx, summaries = structured_step()
     out, page_lists, page_counts = moira.sparse_decode(

@@ -12,7 +12,7 @@ NEAR = 1e-6  # pages this close to the threshold may differ from the reference's
 
 
 def run_select(log_masses, seq_lens, *, gamma=0.98, top_k=None, max_pages=None,
-               keep_fractions=None, gammas=None):
+               keep_fractions=None, gammas=None, dense_below_pages=0):
     batch, num_kv_heads, group, width = log_masses.shape
     max_pages = max_pages or width
     page_lists = torch.full((batch, num_kv_heads, width), -7, dtype=torch.int32, device=DEVICE)
@@ -21,7 +21,8 @@ def run_select(log_masses, seq_lens, *, gamma=0.98, top_k=None, max_pages=None,
            page_lists, page_counts, num_kv_heads=num_kv_heads, max_pages=max_pages,
            gamma=gamma, top_k=top_k, ways=MoiraConfig().bisection_ways_for(max_pages),
            keep_fractions=None if keep_fractions is None else keep_fractions.to(DEVICE),
-           gammas=None if gammas is None else gammas.to(DEVICE))
+           gammas=None if gammas is None else gammas.to(DEVICE),
+           dense_below_pages=dense_below_pages)
     return page_lists.cpu(), page_counts.cpu()
 
 
@@ -141,6 +142,25 @@ def test_coverage_with_a_target_per_row(per_request):
     check_coverage(log_masses, seq_lens, page_lists, page_counts, gammas)
     if not per_request:  # the targets differ, so do the lists: 0.6 keeps fewer than 0.98
         assert (page_counts[3, 0] < page_counts[3, 1] < page_counts[3, 2]).item()
+
+
+@pytest.mark.parametrize("mode", [dict(gamma=0.5), dict(top_k=3),
+                                  dict(keep_fractions=torch.tensor([0.1, 0.1]))])
+def test_short_rows_keep_every_page(mode):
+    """Rows of at most dense_below_pages pages keep all of them, in every mode, without
+    reading their log-masses (Estimate skips those rows: poisoned here)."""
+    seq_lens = [1, 64 * 5, 64 * 6 + 1, 64 * 40, 0]
+    log_masses, seq_lens = random_log_masses(seq_lens, 2, 4, 2.0)
+    log_masses[:3] = float("nan")  # the short rows' masses, never written by Estimate
+    page_lists, page_counts = run_select(log_masses, seq_lens, dense_below_pages=7, **mode)
+    check_lists(page_lists, page_counts, seq_lens)
+    assert page_counts[:3].tolist() == [[1, 1], [5, 5], [7, 7]]  # 7 pages: still short
+    assert page_lists[2, 1, :7].tolist() == list(range(7))
+    assert (page_counts[3] < 40).all()  # the long row is selected as usual
+    reference = dict(mode, dense_below_pages=7)
+    _, expected_counts = ref.select(torch.nan_to_num(log_masses, nan=0.0), seq_lens,
+                                    **reference)
+    assert torch.equal(page_counts[:3], expected_counts[:3])
 
 
 def test_fraction_mode_keeps_each_heads_share_of_every_row():

@@ -37,7 +37,7 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
                      stride_kp, stride_kt, stride_kh, stride_kd,
                      stride_sp, stride_sh, stride_ss, stride_sd,
                      stride_bt, stride_lr, stride_lg,
-                     num_kv_heads, max_pages, scale,
+                     num_kv_heads, max_pages, scale, dense_below_pages,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                      BLOCK_P: tl.constexpr):
     row = tl.program_id(0)
@@ -46,6 +46,8 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
     head = row % num_kv_heads
     seq_len = tl.load(seq_lens + b)
     pages_in_row = tl.minimum(tl.cdiv(seq_len, PAGE), max_pages)
+    if pages_in_row <= dense_below_pages:  # Select keeps the whole row: nothing to estimate
+        return
     last = pages_in_row - 1
     row_table = block_table + b.to(tl.int64) * stride_bt
     query_row = query + b.to(tl.int64) * stride_qb + head * GROUP * stride_qh
@@ -89,9 +91,10 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
         tl.store(dst + g * stride_lg + pages, est, mask=middle)
 
 
-def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses):
+def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
+             dense_below_pages=0):
     """Fill ``log_masses`` ``[batch * num_kv_heads, G, >= max_pages]`` float32 (pages past a
-    row's end are not written)."""
+    row's end, and rows of at most ``dense_below_pages`` pages, are not written)."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -102,7 +105,7 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         query, key_cache, summaries, block_table, seq_lens, log_masses,
         *query.stride(), *key_cache.stride(), *summaries.stride(),
         block_table.stride(0), log_masses.stride(0), log_masses.stride(1),
-        num_kv_heads, max_pages, scale,
+        num_kv_heads, max_pages, scale, dense_below_pages,
         GROUP=group, HEAD_DIM=head_dim, PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM,
         num_warps=NUM_WARPS,
     )

@@ -24,6 +24,9 @@ The coverage target is one ``gamma`` for every row, or one per row (``gammas``, 
 per request and KV head: targets calibrated per head, where the estimate is known to state a
 head's coverage too high or too low).
 
+Rows of at most ``dense_below_pages`` pages keep every page in every mode (short rows, where
+estimating and selecting would cost more than reading everything; Estimate skips them).
+
 Output: ``page_lists[b, h, :count]`` logical pages (sink, kept middle pages in increasing order,
 current page) and ``page_counts[b, h] = count``. Entries past the count are not written.
 """
@@ -43,6 +46,7 @@ def num_warps(block):
 def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
                    stride_lr, stride_lg, stride_pb, stride_ph, stride_cb, stride_ch,
                    stride_vb, stride_vh, num_kv_heads, max_pages, gamma, top_k,
+                   dense_below_pages,
                    GROUP: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr,
                    PASSES: tl.constexpr, FIXED_COUNT: tl.constexpr, FRACTIONS: tl.constexpr,
                    ROW_GAMMAS: tl.constexpr, PAGE: tl.constexpr):
@@ -57,9 +61,14 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
         tl.store(counts, 0)
         return
 
-    # group-mean attention share of every page
     pages = tl.arange(0, BLOCK)
     in_row = pages < pages_in_row
+    if pages_in_row <= dense_below_pages:  # short row: every page (Estimate skipped it)
+        tl.store(lists + pages, pages, mask=in_row)
+        tl.store(counts, pages_in_row)
+        return
+
+    # group-mean attention share of every page
     shares = tl.zeros([BLOCK], dtype=tl.float32)
     for g in range(GROUP):
         ell = tl.load(log_masses + row.to(tl.int64) * stride_lr + g * stride_lg + pages,
@@ -122,11 +131,12 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
 
 
 def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
-           top_k, ways, keep_fractions=None, gammas=None):
+           top_k, ways, keep_fractions=None, gammas=None, dense_below_pages=0):
     """Fill ``page_lists`` ``[batch, num_kv_heads, >= max_pages]`` and ``page_counts``
     ``[batch, num_kv_heads]`` (int32) from ``log_masses`` ``[rows, G, >= max_pages]``.
     ``keep_fractions`` (float32 ``[num_kv_heads]`` or ``[batch, num_kv_heads]``) selects
-    fraction mode; ``gammas`` (same shapes) gives each row its own coverage target."""
+    fraction mode; ``gammas`` (same shapes) gives each row its own coverage target. Rows of at
+    most ``dense_below_pages`` pages keep every page, in any mode."""
     rows, group = log_masses.shape[0], log_masses.shape[1]
     block = max(16, triton.next_power_of_2(max_pages))
     row_values = keep_fractions if keep_fractions is not None else gammas
@@ -137,7 +147,7 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
         log_masses, seq_lens, seq_lens if row_values is None else row_values, page_lists,
         page_counts, log_masses.stride(0), log_masses.stride(1), *page_lists.stride()[:2],
         *page_counts.stride(), *(row_values.stride() if row_values is not None else (0, 0)),
-        num_kv_heads, max_pages, float(gamma), int(top_k or 0),
+        num_kv_heads, max_pages, float(gamma), int(top_k or 0), int(dense_below_pages),
         GROUP=group, BLOCK=block, WAYS=ways, PASSES=BISECTION_BITS // (ways.bit_length() - 1),
         FIXED_COUNT=top_k is not None or fractions, FRACTIONS=fractions,
         ROW_GAMMAS=gammas is not None and not fractions, PAGE=PAGE_SIZE,

@@ -31,6 +31,9 @@ key                environment variable     meaning
                                             per-row chunks, Eq. 4; default) or ``balanced``
                                             (all rows' pages split evenly over a fixed grid)
 ``fused_merge``    ``MOIRA_FUSED_MERGE``    fold Merge into Attend (``rows`` only; default off)
+``dense_below_tokens``  ``MOIRA_DENSE_BELOW_TOKENS``  requests of at most this many tokens
+                                            read every page, skipping Estimate and Select's
+                                            work (short contexts; default 0 = off)
 =================  =======================  ==================================================
 """
 
@@ -40,7 +43,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from ...config import MoiraConfig
+from ...config import PAGE_SIZE, MoiraConfig
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_KV_CACHE_DTYPES = (None, "auto", "bfloat16", "float16")
@@ -55,12 +58,14 @@ class MoiraSettings:
     imposed_fraction: float | dict | None = None
     schedule: str = "rows"
     fused_merge: bool = False
+    dense_below_tokens: int = 0
     calibration: str | None = None
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
             "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE",
             "imposed_fraction": "MOIRA_IMPOSED_FRACTION", "schedule": "MOIRA_SCHEDULE",
-            "fused_merge": "MOIRA_FUSED_MERGE", "calibration": "MOIRA_CALIBRATION"}
+            "fused_merge": "MOIRA_FUSED_MERGE", "dense_below_tokens": "MOIRA_DENSE_BELOW_TOKENS",
+            "calibration": "MOIRA_CALIBRATION"}
 
     def __post_init__(self):
         self.config  # MoiraConfig's errors name the field and its range
@@ -106,7 +111,9 @@ class MoiraSettings:
     @property
     def config(self) -> MoiraConfig:
         return MoiraConfig(gamma=self.gamma, top_k=self.top_k, schedule=self.schedule,
-                           fused_merge=self.fused_merge)
+                           fused_merge=self.fused_merge,
+                           dense_below_pages=self.dense_below_tokens // PAGE_SIZE
+                           if isinstance(self.dense_below_tokens, int) else -1)
 
     @classmethod
     def from_sources(cls, additional_config: Mapping | None,
@@ -140,7 +147,8 @@ class MoiraSettings:
                                          f"tokens:fraction,tokens:fraction") from None
                     continue
                 try:
-                    values[key] = int(text) if key == "top_k" else float(text)
+                    values[key] = (int(text) if key in ("top_k", "dense_below_tokens")
+                                   else float(text))
                 except ValueError:
                     raise ValueError(f"{variable}={text!r} is not a number") from None
         if isinstance(values.get("gamma"), int) and not isinstance(values["gamma"], bool):
