@@ -23,6 +23,7 @@ pages read on held-out documents for global gammas and calibrated targets.
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -51,18 +52,13 @@ def load(args):
     return experiments.CausalLM(model), ids[:half], ids[half:]
 
 
-def per_head_gamma(table):
-    """A ``SparseDecoding`` selector: the coverage rule with the targets ``[layers, heads]``."""
-    return lambda layer, *inputs: hf.moira_pages(*inputs, gamma=table[layer])
-
-
 def calibrate(args):
     lm, calibration_ids, _ = load(args)
     start = time.time()
     covered = calibration.measure(lm, windows(calibration_ids, args.context, args.documents,
                                               seed=7),
                                   gamma=args.gamma, new_tokens=args.new_tokens)
-    ratios = [[calibration.tail_ratio(m, args.gamma) for m in row] for row in covered]
+    ratios = calibration.tail_ratios(covered, args.gamma)
     with open(args.out, "w") as f:
         json.dump(dict(gamma=args.gamma, mean_covered=covered, tail_ratios=ratios,
                        targets=calibration.targets(ratios, args.gamma).tolist(),
@@ -79,27 +75,25 @@ def evaluate(args):
     part, parts = map(int, args.part.split("/"))
     docs = windows(evaluation_ids, args.context, args.documents, seed=11)[part::parts]
     # the tail ratios measured at the calibration's gamma serve every target
-    ratios = [[calibration.tail_ratio(m, measured["gamma"]) for m in row]
-              for row in measured["mean_covered"]]
-    arms = {f"global gamma={g}": dict(gamma=g) for g in args.gammas}
-    for target in args.calibrated:
-        table = calibration.targets(ratios, target)
-        arms[f"calibrated target={target}"] = dict(select=per_head_gamma(table))
+    ratios = calibration.tail_ratios(measured["mean_covered"], measured["gamma"])
+    arms = list(args.gammas) + [experiments.Calibrated(target, calibration.targets(ratios, target))
+                                for target in args.calibrated]
+    names = {experiments.label(arm): (f"calibrated target={arm.gamma}"
+                                      if isinstance(arm, experiments.Calibrated)
+                                      else f"global gamma={arm}") for arm in arms}
     rows = []
     start = time.time()
-    for index, doc in zip(range(part, len(docs) * parts, parts), docs):
-        cache, logprobs = lm.prefill(doc)
-        tokens, dense_steps = lm.greedy(cache, logprobs, args.new_tokens)
-        for name, arm_args in arms.items():
-            arm = hf.SparseDecoding(**arm_args)
-            steps = lm.teacher_forced(cache, tokens[:-1], arm)
-            kls = [experiments.kl(p, q) for p, q in zip(dense_steps, steps)]
-            rows.append(dict(doc=index, arm=name, kl=sum(kls) / len(kls),
-                             read_fraction=arm.read_fraction))
-        print(f"document {index} done ({time.time() - start:.0f} s)", flush=True)
+
+    def save(message):  # after every document: a run cut short keeps what it measured
+        print(f"{message} ({time.time() - start:.0f} s)", flush=True)
         with open(args.out, "w") as f:
-            json.dump(dict(rows=rows, calibration=args.calibration, command=" ".join(sys.argv),
+            json.dump(dict(rows=[dict(doc=part + r["doc"] * parts, arm=names[r["gamma"]],
+                                      kl=r["kl"], read_fraction=r["read_fraction"])
+                                 for r in rows],
+                           calibration=args.calibration, command=" ".join(sys.argv),
                            seconds=round(time.time() - start)), f)
+
+    experiments.token_kl(lm, docs, arms, args.new_tokens, progress=save, rows=rows)
 
 
 def report(args):
@@ -122,12 +116,10 @@ def report(args):
                   date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    medians = {name: sorted(r["kl"] for r in rows if r["arm"] == name) for name in table}
     lines = ["| arm | token KL (mean) | token KL (median) | pages read | documents |",
              "|---|---|---|---|---|"]
     for name, row in table.items():
-        values = medians[name]
-        median = (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
+        median = statistics.median(r["kl"] for r in rows if r["arm"] == name)
         lines.append(f"| {name} | {row['kl']:.4f} | {median:.4f} | {row['read_fraction']:.1%} "
                      f"| {row['documents']} |")
     text = "\n".join(lines)

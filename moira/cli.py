@@ -190,7 +190,7 @@ def calibrate(args, command):
                                   windows(ids, args.context, args.documents, seed=args.seed),
                                   gamma=args.gamma, new_tokens=args.new_tokens,
                                   progress=_Progress(None))
-    ratios = [[calibration.tail_ratio(m, args.gamma) for m in row] for row in covered]
+    ratios = calibration.tail_ratios(covered, args.gamma)
     result = dict(command=command, model=args.model, text=args.text, context=args.context,
                   documents=args.documents, new_tokens=args.new_tokens, gamma=args.gamma,
                   mean_covered=covered, tail_ratios=ratios, device=str(device),
@@ -199,10 +199,10 @@ def calibrate(args, command):
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     flat = [m for row in covered for m in row]
+    targets = calibration.targets(ratios, args.gamma)
     print(f"exact mass inside the gamma={args.gamma} lists: mean {sum(flat) / len(flat):.3f}, "
           f"lowest head {min(flat):.3f}; targets for gamma={args.gamma}: "
-          f"{calibration.targets(ratios, args.gamma).min():.4f} to "
-          f"{calibration.targets(ratios, args.gamma).max():.4f}; wrote {args.out}")
+          f"{targets.min():.4f} to {targets.max():.4f}; wrote {args.out}")
 
 
 def evaluate(args, command):
@@ -298,7 +298,8 @@ def main(argv=None):
     cal.add_argument("--context", type=int, default=4096, help="tokens per document")
     cal.add_argument("--documents", type=int, default=5)
     cal.add_argument("--new-tokens", type=int, default=32, help="decode steps per document")
-    cal.add_argument("--gamma", type=float, default=0.98, help="the target measured at")
+    cal.add_argument("--gamma", type=float, default=0.98,
+                     help="the target measured at (0 < gamma < 1)")
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--device", default="cpu", choices=("auto", "cuda", "cpu"))
     cal.add_argument("--out", default="calibration.json")

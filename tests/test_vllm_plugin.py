@@ -43,8 +43,8 @@ def test_settings_come_from_additional_config_then_environment():
     ({"moira": {"schedule": "even"}}, {}, "schedule must be 'rows'"),
     ({"moira": {"calibration": 3}}, {}, "calibration must be the path"),
     ({"moira": {"fused_merge": "yes"}}, {}, "fused_merge must be True or False"),
-    ({"moira": {"dense_below_tokens": -64}}, {}, "dense_below_pages must be an int >= 0"),
-    ({"moira": {"dense_below_tokens": 1.5}}, {}, "dense_below_pages must be an int >= 0"),
+    ({"moira": {"dense_below_tokens": -64}}, {}, "dense_below_tokens must be an int >= 0"),
+    ({"moira": {"dense_below_tokens": 1.5}}, {}, "dense_below_tokens must be an int >= 0"),
     ({"moira": {"fused_merge": True, "schedule": "balanced"}}, {}, "fused_merge folds"),
     ({"moira": {"calibration": "c.json", "top_k": 8}}, {}, "does not combine with top_k"),
 ])

@@ -24,6 +24,7 @@ from .hf import SparseDecoding, moira_pages
 
 # a few calibration steps cannot pin down a head that (nearly) always keeps everything
 MIN_RATIO, MAX_RATIO = 0.5, 20.0
+GAMMA = 0.98  # the target the tail ratios are measured at, by default
 
 
 def tail_ratio(mean_covered: float, gamma: float) -> float:
@@ -33,6 +34,11 @@ def tail_ratio(mean_covered: float, gamma: float) -> float:
     return min(MAX_RATIO, max(MIN_RATIO, (1 - mean_covered) / (1 - gamma)))
 
 
+def tail_ratios(mean_covered, gamma: float):
+    """``tail_ratio`` of every (layer, KV head) of ``measure``'s result."""
+    return [[tail_ratio(m, gamma) for m in row] for row in mean_covered]
+
+
 def targets(tail_ratios, gamma: float) -> torch.Tensor:
     """Coverage targets ``[layers, kv_heads]`` (float32) for ``gamma`` from tail ratios;
     gamma = 1 stays 1 for every head."""
@@ -40,26 +46,34 @@ def targets(tail_ratios, gamma: float) -> torch.Tensor:
     return (1 - (1 - gamma) / ratios).float()
 
 
-def measure(lm, documents, *, gamma=0.98, new_tokens=32, progress=print):
+def checked_pages(gamma, record):
+    """A ``SparseDecoding`` selector: the coverage rule at ``gamma`` (batch 1) that also
+    reports the exact group-mean mass inside each row's list, ``record(layer, head, mass)``."""
+
+    def select(layer, query, key_cache, block_table, seq_lens, scale):
+        lists, counts = moira_pages(query, key_cache, block_table, seq_lens, scale, gamma=gamma)
+        shares = reference.group_shares(reference.exact_log_masses(
+            query, key_cache, block_table, seq_lens, scale))
+        for head in range(counts.shape[1]):
+            kept = lists[0, head, : counts[0, head]].long()
+            record(layer, head, float(shares[0, head, kept].sum()))
+        return lists, counts
+
+    return select
+
+
+def measure(lm, documents, *, gamma=GAMMA, new_tokens=32, progress=print):
     """Mean exact mass inside the coverage rule's lists per (layer, KV head), along each
     document's greedy continuation decoded by Moira at ``gamma`` (the lists it attends over
     are the ones measured): ``[[mean covered per KV head] per layer]``."""
     if not 0 < gamma < 1:
         raise ValueError(f"calibrate at a gamma in (0, 1), got {gamma!r}")
     covered = {}
-
-    def select_and_check(layer, query, key_cache, block_table, seq_lens, scale):
-        lists, counts = moira_pages(query, key_cache, block_table, seq_lens, scale, gamma=gamma)
-        shares = reference.group_shares(reference.exact_log_masses(
-            query, key_cache, block_table, seq_lens, scale))
-        for head in range(counts.shape[1]):
-            kept = lists[0, head, : counts[0, head]].long()
-            covered.setdefault((layer, head), []).append(float(shares[0, head, kept].sum()))
-        return lists, counts
-
+    select = checked_pages(
+        gamma, lambda layer, head, mass: covered.setdefault((layer, head), []).append(mass))
     for index, doc in enumerate(documents):
         cache, logprobs = lm.prefill(doc)
-        lm.greedy(cache, logprobs, new_tokens, SparseDecoding(select=select_and_check))
+        lm.greedy(cache, logprobs, new_tokens, SparseDecoding(select=select))
         progress(f"calibration: document {index + 1}/{len(documents)}")
     layers = 1 + max(layer for layer, _ in covered)
     heads = 1 + max(head for _, head in covered)

@@ -20,6 +20,7 @@ import time
 import torch
 
 from .. import reference, selectors
+from . import calibration as head_targets  # (`calibration` names a document count here)
 from .hf import SparseDecoding, moira_pages
 from .tasks import passkey, repeated_passage, windows
 
@@ -73,13 +74,14 @@ class CausalLM:
             return [self.step(token, cache) for token in tokens]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Calibrated:
     """An arm with per-(layer, KV head) coverage targets (``moira calibrate``) instead of one
-    gamma; ``targets`` ``[layers][kv_heads]``. Its rows carry the label ``"<gamma> calibrated"``."""
+    gamma; ``targets`` ``[layers, kv_heads]`` (a tensor or nested sequences). Its rows carry
+    the label ``"<gamma> calibrated"``."""
 
     gamma: float
-    targets: tuple
+    targets: object
 
     def __str__(self):
         return f"{self.gamma} calibrated"
@@ -88,7 +90,7 @@ class Calibrated:
 def sparse_arm(key):
     """The ``SparseDecoding`` of an arm: a gamma, or a ``Calibrated``."""
     if isinstance(key, Calibrated):
-        table = torch.tensor(key.targets, dtype=torch.float32)
+        table = torch.as_tensor(key.targets, dtype=torch.float32)
         return SparseDecoding(select=lambda layer, *inputs: moira_pages(*inputs,
                                                                         gamma=table[layer]))
     return SparseDecoding(gamma=key)
@@ -285,18 +287,8 @@ def ablation(lm, documents, calibration, new_tokens, gamma=0.98, progress=print,
             return arm
 
         covered = []  # exact group-mean mass inside each row's list: the estimator's error
-
-        def select_and_check(layer, query, key_cache, block_table, seq_lens, scale):
-            page_lists, page_counts = moira_pages(query, key_cache, block_table, seq_lens,
-                                                  scale, gamma=gamma)
-            shares = reference.group_shares(reference.exact_log_masses(
-                query, key_cache, block_table, seq_lens, scale))
-            for head in range(page_counts.shape[1]):
-                kept = page_lists[0, head, : page_counts[0, head]].long()
-                covered.append((layer, head, float(shares[0, head, kept].sum())))
-            return page_lists, page_counts
-
-        coverage = run(f"coverage gamma={gamma}", SparseDecoding(select=select_and_check))
+        coverage = run(f"coverage gamma={gamma}", SparseDecoding(select=head_targets.checked_pages(
+            gamma, lambda *measured: covered.append(measured))))
         rows[-1].update(exact_mass_covered=covered, gamma=gamma)
         run(f"oracle coverage gamma={gamma} (exact masses)", SparseDecoding(
             select=lambda layer, query, key_cache, block_table, seq_lens, scale:
@@ -403,16 +395,13 @@ def evaluate(model, tokenizer_encode, tokenizer_decode, text, *, context, docume
     parts = windows(text_ids, len(text_ids) // 3, 3, seed=seed)
     results = {}
     if calibrate_documents:
-        from .calibration import measure, tail_ratio
-
-        covered = measure(lm, windows(parts[2], context, calibrate_documents, seed=seed + 3),
-                          new_tokens=new_tokens, progress=progress)
+        covered = head_targets.measure(
+            lm, windows(parts[2], context, calibrate_documents, seed=seed + 3),
+            new_tokens=new_tokens, progress=progress)
         results["calibration"] = covered
-        tail_ratios = [[tail_ratio(m, 0.98) for m in row] for row in covered]
+        tail_ratios = head_targets.tail_ratios(covered, head_targets.GAMMA)
     if tail_ratios is not None:
-        from .calibration import targets
-
-        gammas = list(gammas) + [Calibrated(g, tuple(map(tuple, targets(tail_ratios, g).tolist())))
+        gammas = list(gammas) + [Calibrated(g, head_targets.targets(tail_ratios, g))
                                  for g in gammas if g < 1]
 
     def report(message):

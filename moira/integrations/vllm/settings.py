@@ -68,6 +68,10 @@ class MoiraSettings:
             "calibration": "MOIRA_CALIBRATION"}
 
     def __post_init__(self):
+        tokens = self.dense_below_tokens
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"moira dense_below_tokens must be an int >= 0 (0 turns it off), "
+                             f"got {self.dense_below_tokens!r}")
         self.config  # MoiraConfig's errors name the field and its range
         if not (isinstance(self.stats_interval, (int, float)) and self.stats_interval >= 0
                 and math.isfinite(self.stats_interval)):
@@ -112,8 +116,7 @@ class MoiraSettings:
     def config(self) -> MoiraConfig:
         return MoiraConfig(gamma=self.gamma, top_k=self.top_k, schedule=self.schedule,
                            fused_merge=self.fused_merge,
-                           dense_below_pages=self.dense_below_tokens // PAGE_SIZE
-                           if isinstance(self.dense_below_tokens, int) else -1)
+                           dense_below_pages=self.dense_below_tokens // PAGE_SIZE)
 
     @classmethod
     def from_sources(cls, additional_config: Mapping | None,
