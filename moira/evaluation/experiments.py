@@ -139,23 +139,36 @@ def token_kl(lm, documents, gammas, new_tokens, progress=print, rows=None):
     return rows
 
 
+RETRIEVAL_DEPTHS = [0.1, 0.3, 0.5, 0.7, 0.9]  # needle depths, swept over the haystacks
+
+
+def text_parts(text_ids, seed=0):
+    """Three disjoint thirds of the text: KL (and budget, ablation) documents, retrieval
+    haystacks, repeated passages."""
+    return windows(text_ids, len(text_ids) // 3, 3, seed=seed)
+
+
+def passkey_samples(haystack, index, encode, context):
+    """Haystack number ``index``'s pass-key samples, single- and 4-key."""
+    depth = RETRIEVAL_DEPTHS[index % len(RETRIEVAL_DEPTHS)]
+    return [passkey(haystack, encode, context, kind=kind, depth=depth, seed=index)
+            for kind in ("single", "multi")]
+
+
 def retrieval(lm, haystacks, encode, decode, context, gammas, answer_tokens=8,
               progress=print, rows=None):
     """Pass-key retrieval, single- and multi-key, needle depth swept over samples: exact match
     of the greedy answer's leading digits, dense and sparse, per sample."""
-    depths = [0.1, 0.3, 0.5, 0.7, 0.9]
     rows = [] if rows is None else rows  # the caller's list: rows land as they are made
     for index, haystack in enumerate(haystacks):
-        for kind in ("single", "multi"):
-            sample = passkey(haystack, encode, context, kind=kind,
-                             depth=depths[index % len(depths)], seed=index)
+        for sample in passkey_samples(haystack, index, encode, context):
             cache, logprobs = lm.prefill(sample.prompt)
             for gamma in [None] + list(gammas):
                 arm = None if gamma is None else sparse_arm(gamma)
                 tokens, _ = lm.greedy(cache, logprobs, answer_tokens, arm)
                 text = decode(tokens).strip()
                 digits = text[: len(sample.answer)]
-                rows.append(dict(sample=index, kind=kind, depth=sample.depth,
+                rows.append(dict(sample=index, kind=sample.kind, depth=sample.depth,
                                  gamma=label(gamma), correct=digits == sample.answer,
                                  output=text,
                                  read_fraction=None if arm is None else arm.read_fraction))
@@ -391,8 +404,7 @@ def evaluate(model, tokenizer_encode, tokenizer_decode, text, *, context, docume
     start = time.perf_counter()
     lm = CausalLM(model)
     text_ids = tokenizer_encode(text)
-    # disjoint slices of the text for the three tasks
-    parts = windows(text_ids, len(text_ids) // 3, 3, seed=seed)
+    parts = text_parts(text_ids, seed)
     results = {}
     if calibrate_documents:
         covered = head_targets.measure(

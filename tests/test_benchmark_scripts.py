@@ -1,0 +1,52 @@
+"""The arithmetic inside the benchmark scripts that turns raw GPU output into reported numbers."""
+
+import importlib.util
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS, name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def top(logprobs, k):
+    order = torch.argsort(logprobs, descending=True)[:k]
+    return order.numpy().astype(np.int32), logprobs[order].numpy().astype(np.float32)
+
+
+@pytest.mark.parametrize("k", [5, 50, 1000])
+def test_coarse_kl_is_a_tight_lower_bound(k):
+    accuracy = load("accuracy_vllm")
+    generator = torch.Generator().manual_seed(k)
+    vocab = 1000
+    p = torch.log_softmax(3 * torch.randn(vocab, generator=generator, dtype=torch.float64), -1)
+    q = torch.log_softmax(p + 0.3 * torch.randn(vocab, generator=generator,
+                                                dtype=torch.float64), -1)
+    exact = float((p.exp() * (p - q)).sum())
+    value, lumped = accuracy.coarse_kl(*top(p, k), *top(q, k))
+    assert value <= exact + 1e-6  # coarsening never raises KL
+    # only tokens in both lists count as seen: at least p's mass outside its own top k
+    assert lumped >= 1 - float(p[torch.from_numpy(top(p, k)[0]).long()].exp().sum()) - 1e-6
+    if k == vocab:
+        assert value == pytest.approx(exact, rel=1e-3)
+        assert lumped < 1e-4
+    same, _ = accuracy.coarse_kl(*top(p, k), *top(p, k))
+    assert abs(same) < 1e-5
+
+
+def test_coarse_kl_of_disjoint_lists_lumps_everything():
+    accuracy = load("accuracy_vllm")
+    ids_p, ids_q = np.array([1, 2], np.int32), np.array([3, 4], np.int32)
+    half = np.array([math.log(0.5)] * 2, np.float32)
+    value, lumped = accuracy.coarse_kl(ids_p, half, ids_q, half)
+    assert lumped == pytest.approx(1.0)
+    assert value == pytest.approx(0.0, abs=1e-6)  # both lumped outcomes hold (numerically) 1
