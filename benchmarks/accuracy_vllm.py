@@ -5,6 +5,7 @@ samples `moira eval` uses; one engine per arm, several arms may share the GPU.
     PYTHONPATH=/tmp/site:. python3 benchmarks/accuracy_vllm.py run --model HF_DIR \\
         --text essays.json --arm dense|GAMMA --out DIR/ARM.json
     python3 benchmarks/accuracy_vllm.py report DIR [--out summary.json] [--readme README.md]
+    python3 benchmarks/accuracy_vllm.py report DIR/summary.json [--readme README.md]  # redraw
 
 Per context (``--contexts``, the longest first):
 
@@ -190,6 +191,9 @@ def coarse_kl(p_ids, p_logprobs, q_ids, q_logprobs):
 
 
 def report(args):
+    if args.folder.endswith(".json"):  # a summary written before: tables and plot again
+        with open(args.folder) as f:
+            return render(json.load(f), args.folder, args.readme)
     import numpy as np
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -202,7 +206,10 @@ def report(args):
                 result = json.load(f)
             if "arm" in result:
                 npz = os.path.join(args.folder, name[:-5] + ".npz")
-                result["arrays"] = dict(np.load(npz)) if os.path.exists(npz) else {}
+                if not os.path.exists(npz):
+                    raise SystemExit(f"{npz} is missing: KL needs every arm's top lists (to "
+                                     f"redraw from a summary, pass its .json)")
+                result["arrays"] = dict(np.load(npz))
                 arms[result["arm"]] = result
     if "dense" not in arms:
         raise SystemExit(f"{args.folder}: no dense arm")
@@ -251,17 +258,62 @@ def report(args):
     out = args.out or os.path.join(args.folder, "summary.json")
     with open(out, "w") as f:
         json.dump(summary, f, indent=1, default=float)
+    render(summary, out, args.readme)
+
+
+def render(summary, path, readme=None):
+    """Print the markdown table, draw ``<summary>.png``, and optionally fill the README's
+    ``accuracy-vllm`` section."""
     text = markdown(summary)
     print(text)
-    if args.readme:
+    plot(summary, os.path.splitext(path)[0] + ".png")
+    if readme:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from readme_section import write_section
 
-        write_section(args.readme, "accuracy-vllm", text)
+        write_section(readme, "accuracy-vllm", text)
+
+
+def plot(summary, path):
+    """Token KL and pass-key accuracy against the fraction of pages read, one line per
+    context; dense accuracy as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (kl_axis, acc_axis) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for (context, table), color in zip(summary["contexts"].items(), ("tab:blue", "tab:orange")):
+        arms = [(arm, row) for arm, row in table.items() if arm != "dense"]
+        kl = [(row["kl_read"], row["kl"], arm) for arm, row in arms if "kl" in row]
+        acc = [(row["retrieval_read"], row["retrieval"], arm) for arm, row in arms
+               if "retrieval" in row]
+        for axis, points in ((kl_axis, kl), (acc_axis, acc)):
+            axis.plot([x for x, _, _ in points], [y for _, y, _ in points], "o-", color=color,
+                      label=f"{context} tokens")
+            for x, y, arm in points:
+                axis.annotate(f"γ={arm}", (x, y), fontsize=7, textcoords="offset points",
+                              xytext=(3, 3))
+        if "dense" in table:
+            acc_axis.axhline(table["dense"]["retrieval"], color=color, ls="--", lw=1,
+                             label=f"dense, {context}")
+    kl_axis.set(xlabel="fraction of KV pages read", ylabel="token KL to dense (lower bound)",
+                yscale="log", title="KL of the decode step's next-token distribution")
+    acc_axis.set(xlabel="fraction of KV pages read", ylabel="pass-key exact match",
+                 title="pass-key retrieval (40 samples per context)")
+    for axis in (kl_axis, acc_axis):
+        axis.legend(fontsize=7)
+    name = summary.get("model_name") or os.path.basename(summary["model"].rstrip("/"))
+    fig.suptitle(f"{name}: Moira in vLLM "
+                 f"{summary['vllm']} vs dense FA3, {summary['gpu']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def markdown(summary):
-    lines = [f"**{os.path.basename(summary['model'].rstrip('/'))}** through vLLM {summary['vllm']} "
+    name = summary.get("model_name") or os.path.basename(summary["model"].rstrip("/"))
+    lines = [f"**{name}** through vLLM {summary['vllm']} "
              f"on one {summary['gpu']}, {summary['date']}: dense FA3 against the Moira plugin "
              f"(prefill by FA3, decode steps by Moira's kernels in full CUDA graphs); "
              f"{summary['documents']} documents per context, pass-key samples single and 4-key "
@@ -301,7 +353,7 @@ def main():
     one.add_argument("--dummy", action="store_true", help="random weights, byte tokenizer")
     one.add_argument("--out", required=True)
     both = commands.add_parser("report", help="combine the arms' files in one folder")
-    both.add_argument("folder")
+    both.add_argument("folder", help="the arms' folder (with their .npz), or a summary .json")
     both.add_argument("--out", default=None)
     both.add_argument("--readme", default=None)
     args = parser.parse_args()

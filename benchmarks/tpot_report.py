@@ -43,10 +43,11 @@ def load(folder):
             with open(os.path.join(folder, name)) as f:
                 run = json.load(f)
             if run["backend"] == "moira" and (run.get("schedule", "rows") != "rows"
-                                              or run.get("fused_merge")
-                                              or run.get("dense_below_tokens")):
+                                              or run.get("fused_merge")):
                 continue  # the table compares the default kernels; variants: their own folder
             key = (run["model"], "dense" if run["backend"] == "dense" else run["gamma"])
+            if run.get("dense_below_tokens"):  # the short-context fallback: its own column
+                key = (run["model"], "fallback")
             if key in runs:
                 raise SystemExit(f"{folder}: two runs for {key} ({name})")
             runs[key] = run
@@ -85,6 +86,35 @@ def table(runs):
             lines.append("| " + " | ".join(cells) + " |")
             rows.append(row)
     return "\n".join(lines), rows
+
+
+def single_table(runs):
+    """Batch-1 shapes (issue 5, item 4): Moira's TPOT relative to dense, without and with the
+    short-context fallback (``dense_below_tokens``)."""
+    lines = ["| model | shape | dense FA3 (ms) | Moira γ=0.98 reads (ms) | reads | vs dense | "
+             "Moira, dense below N tokens (ms) | vs dense |", "|---|---|---|---|---|---|---|---|"]
+    for model in sorted({model for model, _ in runs}):
+        dense = runs.get((model, "dense"))
+        if dense is None:
+            continue
+        dense_ms = tpot_by_shape(dense)
+        moira, fallback = runs.get((model, 0.98)), runs.get((model, "fallback"))
+        for shape in SHAPES:
+            if shape not in dense_ms or not shape.endswith("k1"):
+                continue
+            cells = [model, shape, f"{dense_ms[shape]:.2f}"]
+            for run, with_reads in ((moira, True), (fallback, False)):
+                ms = tpot_by_shape(run).get(shape) if run else None
+                cells.append(f"{ms:.2f}" if ms else "–")
+                if with_reads:
+                    reads = next((r["imposed_read_fraction"] for r in run["results"]
+                                  if r["shape"] == shape), None) if run else None
+                    cells.append(f"{reads:.2f}" if reads else "–")
+                elif run:
+                    cells[-1] += f" (N = {run['dense_below_tokens']})"
+                cells.append(f"{ms / dense_ms[shape] - 1:+.1%}" if ms else "–")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def plot(rows, path):
@@ -127,11 +157,16 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("folder")
     parser.add_argument("--readme")
+    parser.add_argument("--section", default="tpot", help="the README section to replace")
     args = parser.parse_args()
     runs = load(args.folder)
     text, rows = table(runs)
-    png = args.folder.rstrip("/") + ".png"
-    plot(rows, png)
+    rows = [row for row in rows if not row["shape"].endswith("k1")]
+    if not rows:  # batch-1 shapes only: their own table, no plot
+        text, png = single_table(runs), None
+    else:
+        png = args.folder.rstrip("/") + ".png"
+        plot(rows, png)
     print(text)
     if args.readme:
         any_run = next(iter(runs.values()))
@@ -144,9 +179,10 @@ def main():
                 "time) / 255 from vLLM's request metrics, median of two repeats in one engine "
                 "per backend; random weights, so Moira's read fractions are imposed (the "
                 "paper's measured reads, spread per (layer, KV head) with CV ≈ 0.7), not chosen "
-                "by the coverage rule. Plot: "
-                f"`{os.path.relpath(png, os.path.dirname(os.path.abspath(args.readme)))}`.")
-        write_section(args.readme, "tpot", text + "\n\n" + note)
+                "by the coverage rule."
+                + (f" Plot: `{os.path.relpath(png, os.path.dirname(os.path.abspath(args.readme)))}`."
+                   if png else ""))
+        write_section(args.readme, args.section, text + "\n\n" + note)
 
 
 if __name__ == "__main__":

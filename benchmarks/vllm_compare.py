@@ -36,7 +36,11 @@ def main():
              ("moira_graph", "full", "moira_check", "full",
               "Moira FULL graphs vs Moira eager attention (+dense check)"),
              ("dense", "full", "preempt_dense", "full", "dense vs dense with preemption"),
-             ("moira_graph", "full", "preempt_moira", "full", "Moira vs Moira with preemption")]
+             ("moira_graph", "full", "preempt_moira", "full", "Moira vs Moira with preemption"),
+             # session 4's names: Moira at gamma 0.9 (summaries matter), checks apart
+             ("dense", "full", "preempt-dense", "full", "dense vs dense with preemption"),
+             ("moira-g09", "full", "preempt-moira", "full",
+              "Moira gamma=0.9 vs the same with preemption")]
     # prefix mode: prefix-cache hits against the same prompts recomputed, in one engine
     pairs += [(name, "full", name, "recomputed", f"{name}: prefix-cache hits vs recomputed")
               for name, run in runs.items() if "recomputed" in run]
@@ -71,7 +75,7 @@ def main():
                       f"{int(totals[1])} of {int(totals[2])} elements beyond 1 ulp "
                       f"({totals[1] / max(totals[2], 1):.2e}); other rows: {int(totals[3])} of "
                       f"{int(totals[4])} elements not bit-identical")
-        if run.get("pages"):
+        if run.get("pages") and run["pages"]["fraction"] is not None:
             print(f"{name}: pages read {run['pages']['fraction']:.3f} of present, "
                   f"all finished: {run['all_finished']}, prompts {len(run['lengths'])} x "
                   f"{run['lengths'][0]}.., startup {run['startup_s']} s, generate "
