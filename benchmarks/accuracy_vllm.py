@@ -22,6 +22,15 @@ Per context (``--contexts``, the longest first):
   distribution, a lower bound on the full KL (data processing), tight when the lumped mass is
   small (reported).
 
+- repeat: `moira eval`'s repeated-passage pairs (passage, filler, passage); for each token of
+  the second copy, a prompt ending just before it, its first generated token forced to the
+  text's (``logit_bias``; vLLM returns log-probabilities of the raw logits, before the bias)
+  and the second token's log-probability of the text's next token read from one decode step
+  (``logprob_token_ids``): the NLL of the copy, teacher-forced, as in `moira eval`.
+
+Arms: ``dense`` (FA3), a gamma (Moira's coverage rule) or ``top_k=N`` (Moira, N pages per row:
+the fixed-budget ablation at the reads a gamma arm reported).
+
 Prefix caching is on: each document's first prompt runs alone and its pages serve the others
 (so Moira also reads the summaries of cached pages). Every arm gets the same KV-cache size
 (``kv_cache_memory_bytes``), so every engine schedules the same batches. ``--dummy`` runs the
@@ -42,15 +51,38 @@ ANSWER_TOKENS = 8  # as `moira eval`'s retrieval
 
 
 def samples(encode, text, context, documents, seed=0):
-    """(KL documents, pass-key samples) exactly as ``moira eval`` draws them."""
-    from moira.evaluation.experiments import passkey_samples, text_parts
-    from moira.evaluation.tasks import windows
+    """(KL documents, pass-key samples, repeated-passage prompts with the index where the
+    second copy starts) exactly as ``moira eval`` draws them."""
+    from moira.evaluation.experiments import passkey_samples, repeat_pairs, text_parts
+    from moira.evaluation.tasks import repeated_passage, windows
 
     parts = text_parts(encode(text), seed)
     docs = windows(parts[0], context, documents, seed=seed)
     haystacks = windows(parts[1], context, documents, seed=seed)
-    return docs, [sample for index, haystack in enumerate(haystacks)
-                  for sample in passkey_samples(haystack, index, encode, context)]
+    passkeys = [sample for index, haystack in enumerate(haystacks)
+                for sample in passkey_samples(haystack, index, encode, context)]
+    repeats = [repeated_passage(passage, filler, context)
+               for passage, filler in repeat_pairs(parts[2], context, documents, seed=seed)]
+    return docs, passkeys, repeats
+
+
+def arm_settings(arm):
+    """The plugin settings of an arm: ``None`` for dense, else Moira's ``{"moira": {...}}``."""
+    if arm == "dense":
+        return None
+    if arm.startswith("top_k="):
+        return {"top_k": int(arm[len("top_k="):])}
+    gamma = float(arm)
+    if not 0.0 < gamma <= 1.0:
+        raise SystemExit(f"--arm: a gamma must lie in (0, 1], got {arm}")
+    return {"gamma": gamma}
+
+
+def arm_order(arm):
+    """Table order: gammas ascending, then fixed budgets ascending."""
+    if arm.startswith("top_k="):
+        return (1, int(arm[len("top_k="):]))
+    return (0, float(arm))
 
 
 def run(args):
@@ -85,9 +117,10 @@ def run(args):
         text = json.loads(text)["text"]
     contexts = sorted((int(c) for c in args.contexts.split(",")), reverse=True)
 
-    dense = args.arm == "dense"
-    extra = {} if dense else dict(additional_config={"moira": {
-        "gamma": float(args.arm), "stats_interval": 3600.0}})  # counters on, few log lines
+    settings = arm_settings(args.arm)
+    dense = settings is None
+    extra = {} if dense else dict(additional_config={"moira": dict(
+        settings, stats_interval=3600.0)})  # counters on, few log lines
     start = time.time()
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
               load_format="dummy" if args.dummy else "auto", block_size=64,
@@ -125,8 +158,9 @@ def run(args):
     two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False,
                          logprobs=args.logprobs)
     arrays = {}
+    tasks = args.tasks.split(",")
     for context in contexts:
-        docs, passkeys = samples(encode, text, context, args.documents)
+        docs, passkeys, repeats = samples(encode, text, context, args.documents)
 
         def retrieval():
             outputs = llm.generate([TokensPrompt(prompt_token_ids=s.prompt) for s in passkeys],
@@ -160,8 +194,31 @@ def run(args):
             np.savez_compressed(os.path.splitext(args.out)[0] + ".npz", **arrays)
             return rows
 
-        phase(f"retrieval_{context}", retrieval)
-        phase(f"kl_{context}", kl_steps)
+        def repeat_nll():
+            rows = []
+            for index, (ids, second) in enumerate(repeats):
+                ends = range(second + 1, len(ids) - 1)  # prompt ends; fed token, then target
+                prompts = [TokensPrompt(prompt_token_ids=ids[:end]) for end in ends]
+                forced = [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
+                                         detokenize=False, logit_bias={ids[end]: 100.0},
+                                         logprob_token_ids=[ids[end + 1]]) for end in ends]
+                outputs = (llm.generate(prompts[:1], forced[:1], use_tqdm=False)
+                           + llm.generate(prompts[1:], forced[1:], use_tqdm=False))
+                nll, missing = [], 0
+                for end, out in zip(ends, outputs):
+                    completion = out.outputs[0]
+                    entry = completion.logprobs[1].get(ids[end + 1])
+                    if completion.token_ids[0] != ids[end] or entry is None:
+                        missing += 1  # not forced, or no log-probability returned
+                        continue
+                    nll.append(-entry.logprob)
+                rows.append(dict(doc=index, nll=sum(nll) / max(len(nll), 1), tokens=len(nll),
+                                 missing=missing))
+            return rows
+
+        for name, body in (("retrieval", retrieval), ("kl", kl_steps), ("repeat", repeat_nll)):
+            if name in tasks:
+                phase(f"{name}_{context}", body)
     result["seconds"] = round(time.time() - start, 1)
     with open(args.out, "w") as f:
         json.dump(result, f)
@@ -170,6 +227,14 @@ def run(args):
 # --------------------------------------------------------------------------------------------
 # report: combine the arms' files (CPU; numpy and torch)
 # --------------------------------------------------------------------------------------------
+
+
+def _perplexity(rows):
+    """exp of the token-weighted mean NLL over documents."""
+    import math
+
+    tokens = sum(r["tokens"] for r in rows)
+    return math.exp(sum(r["nll"] * r["tokens"] for r in rows) / tokens) if tokens else None
 
 
 def coarse_kl(p_ids, p_logprobs, q_ids, q_logprobs):
@@ -226,7 +291,10 @@ def report(args):
         if retrieval:
             table["dense"] = dict(retrieval=np.mean([r["correct"] for r in retrieval["rows"]]),
                                   samples=len(retrieval["rows"]))
-        for arm in sorted(arms, key=float):
+        repeat = dense["phases"].get(f"repeat_{context}")
+        if repeat:
+            table.setdefault("dense", {})["repeat_ppl"] = _perplexity(repeat["rows"])
+        for arm in sorted(arms, key=arm_order):
             phases, entry = arms[arm]["phases"], {}
             sparse = phases.get(f"retrieval_{context}")
             if retrieval and sparse:
@@ -237,7 +305,8 @@ def report(args):
             sparse = phases.get(f"kl_{context}")
             ids = arms[arm]["arrays"].get(f"ids_{context}")
             if kl_rows and sparse and ids is not None and f"ids_{context}" in dense["arrays"]:
-                p_ids, p_lp = dense["arrays"][f"ids_{context}"], dense["arrays"][f"logprobs_{context}"]
+                p_ids = dense["arrays"][f"ids_{context}"]
+                p_lp = dense["arrays"][f"logprobs_{context}"]
                 q_lp = arms[arm]["arrays"][f"logprobs_{context}"]
                 per_doc, lumped, mismatched = {}, [], 0
                 for row, (a, b) in enumerate(zip(kl_rows["rows"], sparse["rows"])):
@@ -253,6 +322,11 @@ def report(args):
                              kl_lumped_mass=float(np.mean(lumped)),
                              kl_first_token_mismatches=mismatched,
                              kl_doc_means=[round(v, 6) for v in doc_means])
+            sparse = phases.get(f"repeat_{context}")
+            if sparse:
+                entry.update(repeat_ppl=_perplexity(sparse["rows"]),
+                             repeat_read=sparse["read_fraction"],
+                             repeat_missing=sum(r["missing"] for r in sparse["rows"]))
             table[arm] = entry
         summary["contexts"][str(context)] = table
     out = args.out or os.path.join(args.folder, "summary.json")
@@ -292,7 +366,8 @@ def plot(summary, path):
             axis.plot([x for x, _, _ in points], [y for _, y, _ in points], "o-", color=color,
                       label=f"{context} tokens")
             for x, y, arm in points:
-                axis.annotate(f"γ={arm}", (x, y), fontsize=7, textcoords="offset points",
+                axis.annotate(arm if arm.startswith("top_k") else f"γ={arm}", (x, y), fontsize=7,
+                              textcoords="offset points",
                               xytext=(3, 3))
         if "dense" in table:
             acc_axis.axhline(table["dense"]["retrieval"], color=color, ls="--", lw=1,
@@ -319,8 +394,13 @@ def markdown(summary):
              f"{summary['documents']} documents per context, pass-key samples single and 4-key "
              f"(2 per document), KL over {summary['positions']} decode steps per document "
              f"(top-{summary['logprobs']} lists, the rest lumped: a lower bound).", "",
-             "| context | γ | pass-key acc. (dense) | Δ vs dense [95% CI] | pages read | "
+             "| context | arm | pass-key acc. (dense) | Δ vs dense [95% CI] | pages read | "
              "token KL | pages read | lumped mass |", "|---|---|---|---|---|---|---|---|"]
+    with_repeat = any("repeat_ppl" in row for table in summary["contexts"].values()
+                      for row in table.values())
+    if with_repeat:
+        lines[-2] += " repeated-passage ppl (dense) | pages read |"
+        lines[-1] += "---|---|"
     for context, table in summary["contexts"].items():
         dense = table.get("dense", {})
         for arm, row in table.items():
@@ -328,13 +408,16 @@ def markdown(summary):
                 continue
             delta = row.get("retrieval_minus_dense")
             lines.append(
-                f"| {context} | {arm} | "
+                f"| {context} | {'γ = ' + arm if arm[0].isdigit() else arm} | "
                 + (f"{row['retrieval']:.3f} ({dense['retrieval']:.3f})" if "retrieval" in row
                    else "—")
                 + (f" | {delta['mean']:+.3f} [{delta['low']:+.3f}, {delta['high']:+.3f}] | "
                    f"{row['retrieval_read']:.1%}" if delta else " | — | —")
                 + (f" | {row['kl']:.4f} | {row['kl_read']:.1%} | {row['kl_lumped_mass']:.4f} |"
-                   if "kl" in row else " | — | — | — |"))
+                   if "kl" in row else " | — | — | — |")
+                + ((f" {row['repeat_ppl']:.3f} ({dense.get('repeat_ppl', float('nan')):.3f}) | "
+                    f"{row['repeat_read']:.1%} |" if "repeat_ppl" in row else " — | — |")
+                   if with_repeat else ""))
     return "\n".join(lines)
 
 
@@ -344,7 +427,9 @@ def main():
     one = commands.add_parser("run", help="one arm: an engine, every context's measurements")
     one.add_argument("--model", required=True, help="a Hugging Face folder (config, weights)")
     one.add_argument("--text", required=True, help="a .txt or {'text': ...} .json file")
-    one.add_argument("--arm", required=True, help="dense, or a gamma for Moira")
+    one.add_argument("--arm", required=True,
+                     help="dense, a gamma (Moira's coverage rule) or top_k=N (Moira, N pages)")
+    one.add_argument("--tasks", default="retrieval,kl,repeat")
     one.add_argument("--contexts", default="32000,16384")
     one.add_argument("--documents", type=int, default=20)
     one.add_argument("--positions", type=int, default=32, help="KL decode steps per document")

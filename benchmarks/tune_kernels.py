@@ -29,6 +29,8 @@ from moira.kernels import select as select_module
 KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
 SHAPES = [(8192, 32), (32768, 16), (65536, 8), (131072, 4)]
 PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
+# the package's Attend tile (pages per tile, warps, stages): restored after each sweep
+DEFAULT_TILE = (attend_module.PAGES_PER_ITER, attend_module.NUM_WARPS, attend_module.NUM_STAGES)
 
 
 def bench(fn):
@@ -139,7 +141,7 @@ def main():
                                                     out=out))
                 record("attend100", shape, name, micros,
                        batch * KV_HEADS * pages * PAGE_KV_BYTES)
-        attend_module.NUM_WARPS, attend_module.NUM_STAGES = 4, 3
+        attend_module.NUM_WARPS, attend_module.NUM_STAGES = DEFAULT_TILE[1:]
         # several listed pages per inner-loop tile: more loads in flight per program
         for per_tile, warps, stages in itertools.product(
                 [1, 2, 4] if "tiles" in kinds else [], [4, 8], [2, 3]):
@@ -150,8 +152,8 @@ def main():
                                                 workspace=workspace, out=out))
             record("attend22", shape, f"pages/tile={per_tile} warps={warps} stages={stages}",
                    micros, sparse_bytes)
-        attend_module.PAGES_PER_ITER = 1
-        attend_module.NUM_WARPS, attend_module.NUM_STAGES = 4, 3
+        attend_module.PAGES_PER_ITER, attend_module.NUM_WARPS, attend_module.NUM_STAGES = \
+            DEFAULT_TILE
         # the balanced global split: programs P and minimum pages per program C
         for programs, floor in itertools.product(
                 [264, 528, 792, 1056, 1584, 2112] if "balanced" in kinds else [], [4, 8, 16]):

@@ -34,7 +34,12 @@ class MoiraConfig:
         pages, the sink and current page included, and rows of at most ``top_k`` pages are read
         in full. ``gamma`` is then ignored.
     chunk_pages:
-        C, the fewest pages one Attend program processes (so a short row needs one program).
+        C, the fewest pages one Attend program processes (so a short row needs one program),
+        at steps of at least ``floor_rows`` rows.
+    floor_rows:
+        Rows (requests x KV heads) from which C applies in full. A step with fewer rows (a small
+        batch) scales C down in proportion, to no fewer than 2 pages, so that one request's
+        few rows still spread over many programs instead of a few long serial chunks.
     schedule:
         How Attend splits the work. ``"rows"``: the paper's Eq. (4), J programs per row, each
         planning its chunk from its row's length. ``"balanced"``: ``programs`` programs split
@@ -62,6 +67,7 @@ class MoiraConfig:
     gamma: float = 0.98
     top_k: int | None = None
     chunk_pages: int = 24
+    floor_rows: int = 32
     schedule: str = "rows"
     fused_merge: bool = False
     dense_below_pages: int = 0
@@ -97,7 +103,8 @@ class MoiraConfig:
                 or self.dense_below_pages < 0):
             raise ValueError(f"dense_below_pages must be an int >= 0 (0 turns it off), got "
                              f"{self.dense_below_pages!r}")
-        for name in ("chunk_pages", "min_chunks_per_row", "min_programs", "programs"):
+        for name in ("chunk_pages", "floor_rows", "min_chunks_per_row", "min_programs",
+                     "programs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -130,6 +137,13 @@ class MoiraConfig:
             if max_pages < bound:
                 return k_b
         return self.bisection_ways[-1][1]
+
+    def chunk_floor(self, num_rows: int) -> int:
+        """C of Eq. (4) for a step of ``num_rows`` rows: ``chunk_pages``, scaled down below
+        ``floor_rows`` rows (at least 2, never above ``chunk_pages``)."""
+        if num_rows >= self.floor_rows:
+            return self.chunk_pages
+        return min(self.chunk_pages, max(2, self.chunk_pages * num_rows // self.floor_rows))
 
     def chunks_per_row(self, num_rows: int) -> int:
         """J of Eq. (4): programs Attend launches per row for a step of ``num_rows`` rows."""

@@ -302,8 +302,9 @@ def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page
         split = dict(min_pages=config.chunk_pages, programs=config.programs)
         attend_kernel, merge_kernel = _launch_attend_balanced, _launch_merge_balanced
     else:
-        split = dict(chunk_floor=config.chunk_pages,
-                     chunks_per_row=config.chunks_per_row(query.shape[0] * num_kv_heads))
+        rows = query.shape[0] * num_kv_heads
+        split = dict(chunk_floor=config.chunk_floor(rows),
+                     chunks_per_row=config.chunks_per_row(rows))
         attend_kernel, merge_kernel = _launch_attend, _launch_merge
     if config.fused_merge:
         return attend_kernel(*inputs, scale=scale, out=out, partial_out=partials[0],

@@ -262,14 +262,15 @@ def work_split(page_counts, num_rows, config=MoiraConfig()):
     """Eq. (4) as a pure function of the row lengths.
 
     Attend launches J = max(N_J, ceil(N_T / num_rows)) programs per row; program j of a row of
-    n pages processes pages ``[j c, min((j + 1) c, n))`` with c = max(C, ceil(n / J)), and
+    n pages processes pages ``[j c, min((j + 1) c, n))`` with c = max(C, ceil(n / J)) (C from
+    ``config.chunk_floor(num_rows)``), and
     exits if ``j >= m = ceil(n / c)``. Program 0 always runs (it writes the output of an
     empty row). Returns ``(J, chunk_pages, num_chunks)``, the last two shaped like
     ``page_counts``.
     """
     chunks_per_row = config.chunks_per_row(num_rows)
     counts = page_counts.long()
-    chunk_pages = torch.clamp(-(-counts // chunks_per_row), min=config.chunk_pages)
+    chunk_pages = torch.clamp(-(-counts // chunks_per_row), min=config.chunk_floor(num_rows))
     num_chunks = torch.clamp(-(-counts // chunk_pages), min=1)
     return chunks_per_row, chunk_pages, num_chunks
 

@@ -43,6 +43,19 @@ def check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, 
     return out
 
 
+def test_small_batch_scales_the_chunk_floor():
+    """One request's rows, the floor scaled below chunk_pages (C = 8 from 16 rows, 2 here: 7
+    chunks of 2 pages where C = 8 would make 2): Attend and Merge agree with the reference."""
+    config = MoiraConfig(chunk_pages=8, floor_rows=16, min_chunks_per_row=16, min_programs=8)
+    assert config.chunk_floor(2) == 2
+    num_kv_heads, group, head_dim = 2, 4, 64
+    keys, values = make_cache(40, num_kv_heads, head_dim)
+    table, seq_lens = make_table([64 * 13 + 5], 40)
+    query = make_query(1, num_kv_heads * group, head_dim)
+    page_lists, page_counts = random_lists(seq_lens.cpu(), num_kv_heads, table.shape[1])
+    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
+
+
 @pytest.mark.parametrize("group", [1, 4, 7, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "packed", "hnd"])
@@ -57,7 +70,7 @@ def test_attend_matches_reference(group, head_dim, layout):
     check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, SMALL_SPLIT)
 
 
-@pytest.mark.parametrize("pages_per_iter", [2, 4])
+@pytest.mark.parametrize("pages_per_iter", [1, 2, 4])
 def test_several_pages_per_tile(monkeypatch, pages_per_iter):
     """The tuning knob that loads several listed pages per inner-loop tile: chunks whose length
     is not a multiple of it, partial last pages, empty and full rows."""

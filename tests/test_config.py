@@ -21,9 +21,15 @@ def test_chunks_per_row_is_eq4():
     assert config.chunks_per_row(100) == 41
 
 
+def test_chunk_floor_shrinks_for_small_batches():
+    config = MoiraConfig()  # C = 24 from 32 rows (4 requests x 8 KV heads) up
+    assert [config.chunk_floor(rows) for rows in (256, 32, 16, 8, 2, 1)] == [24, 24, 12, 6, 2, 2]
+    assert MoiraConfig(chunk_pages=1).chunk_floor(1) == 1  # never above chunk_pages
+
+
 @pytest.mark.parametrize("field, value", [
     ("gamma", 0.0), ("gamma", -0.1), ("gamma", 1.01), ("gamma", float("nan")), ("gamma", "0.9"),
-    ("top_k", 1), ("top_k", 2.5), ("chunk_pages", 0), ("min_chunks_per_row", -1),
+    ("top_k", 1), ("top_k", 2.5), ("chunk_pages", 0), ("floor_rows", 0), ("min_chunks_per_row", -1),
     ("min_programs", 1.5), ("bisection_ways", ((256, 3),)), ("bisection_ways", ((256, 32),)),
     ("bisection_ways", ((1024, 8), (256, 4))), ("bisection_ways", ()),
 ])

@@ -155,6 +155,18 @@ def passkey_samples(haystack, index, encode, context):
             for kind in ("single", "multi")]
 
 
+def repeat_pairs(text_ids, context, documents, passage_tokens=96, seed=0):
+    """``documents`` (passage, filler) pairs for the repeated-passage task: the passage from
+    one window of ``text_ids``, the filler from the next."""
+    chunks = windows(text_ids, context, documents + 1, seed=seed)
+    rng = random.Random(seed)
+    pairs = []
+    for chunk, filler in zip(chunks, chunks[1:]):
+        start_at = rng.randrange(0, len(chunk) - passage_tokens)
+        pairs.append((chunk[start_at : start_at + passage_tokens], filler))
+    return pairs
+
+
 def retrieval(lm, haystacks, encode, decode, context, gammas, answer_tokens=8,
               progress=print, rows=None):
     """Pass-key retrieval, single- and multi-key, needle depth swept over samples: exact match
@@ -439,12 +451,7 @@ def evaluate(model, tokenizer_encode, tokenizer_decode, text, *, context, docume
     if "repeat" in tasks:
         if calibrate_documents:  # calibrated on this third of the text: not held out here
             gammas = [g for g in gammas if not isinstance(g, Calibrated)]
-        chunks = windows(parts[2], context, documents + 1, seed=seed)
-        rng = random.Random(seed)
-        pairs = []  # the passage from one chunk, the filler from the next
-        for chunk, filler in zip(chunks, chunks[1:]):
-            start_at = rng.randrange(0, len(chunk) - passage_tokens)
-            pairs.append((chunk[start_at : start_at + passage_tokens], filler))
+        pairs = repeat_pairs(parts[2], context, documents, passage_tokens, seed)
         repeated_passage_nll(lm, pairs, context, gammas, report,
                              rows=results.setdefault("repeat", []))
     # too short a text for disjoint samples: say so (the samples overlap, the bootstrap
