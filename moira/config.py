@@ -145,6 +145,13 @@ class MoiraConfig:
             return self.chunk_pages
         return min(self.chunk_pages, max(2, self.chunk_pages * num_rows // self.floor_rows))
 
-    def chunks_per_row(self, num_rows: int) -> int:
-        """J of Eq. (4): programs Attend launches per row for a step of ``num_rows`` rows."""
-        return max(self.min_chunks_per_row, -(-self.min_programs // max(num_rows, 1)))
+    def chunks_per_row(self, num_rows: int, max_pages: int | None = None) -> int:
+        """J of Eq. (4): programs Attend launches per row for a step of ``num_rows`` rows. With
+        ``max_pages`` (the block table's width), J is capped at the most chunks a row of that
+        many pages can have, ceil(max_pages / C): the cap only removes programs that would
+        exit at once (a row of n <= max_pages pages has c = max(C, ceil(n / J)) and
+        ceil(n / c) <= ceil(max_pages / C) chunks either way)."""
+        chunks = max(self.min_chunks_per_row, -(-self.min_programs // max(num_rows, 1)))
+        if max_pages is not None:
+            chunks = min(chunks, max(1, -(-max_pages // self.chunk_floor(num_rows))))
+        return chunks

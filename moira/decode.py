@@ -304,7 +304,7 @@ def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page
     else:
         rows = query.shape[0] * num_kv_heads
         split = dict(chunk_floor=config.chunk_floor(rows),
-                     chunks_per_row=config.chunks_per_row(rows))
+                     chunks_per_row=config.chunks_per_row(rows, block_table.shape[1]))
         attend_kernel, merge_kernel = _launch_attend, _launch_merge
     if config.fused_merge:
         return attend_kernel(*inputs, scale=scale, out=out, partial_out=partials[0],

@@ -258,7 +258,7 @@ def oracle_coverage(query, key_cache, block_table, seq_lens, gamma, scale=None):
 # --------------------------------------------------------------------------------------------
 
 
-def work_split(page_counts, num_rows, config=MoiraConfig()):
+def work_split(page_counts, num_rows, config=MoiraConfig(), max_pages=None):
     """Eq. (4) as a pure function of the row lengths.
 
     Attend launches J = max(N_J, ceil(N_T / num_rows)) programs per row; program j of a row of
@@ -268,7 +268,7 @@ def work_split(page_counts, num_rows, config=MoiraConfig()):
     empty row). Returns ``(J, chunk_pages, num_chunks)``, the last two shaped like
     ``page_counts``.
     """
-    chunks_per_row = config.chunks_per_row(num_rows)
+    chunks_per_row = config.chunks_per_row(num_rows, max_pages)
     counts = page_counts.long()
     chunk_pages = torch.clamp(-(-counts // chunks_per_row), min=config.chunk_floor(num_rows))
     num_chunks = torch.clamp(-(-counts // chunk_pages), min=1)

@@ -21,6 +21,13 @@ def test_chunks_per_row_is_eq4():
     assert config.chunks_per_row(100) == 41
 
 
+def test_chunks_per_row_capped_by_the_block_table():
+    config = MoiraConfig()
+    assert config.chunks_per_row(32, max_pages=2048) == 86  # ceil(2048 / 24) < 128
+    assert config.chunks_per_row(8, max_pages=517) == 87  # one request: C = 6, not 512
+    assert config.chunks_per_row(256, max_pages=10_000) == 32  # no cap when it does not bind
+
+
 def test_chunk_floor_shrinks_for_small_batches():
     config = MoiraConfig()  # C = 24 from 32 rows (4 requests x 8 KV heads) up
     assert [config.chunk_floor(rows) for rows in (256, 32, 16, 8, 2, 1)] == [24, 24, 12, 6, 2, 2]

@@ -54,6 +54,15 @@ def test_work_split_paper_example():
     assert chunk_pages.tolist() == [2, 2, 2, 2, 2]
 
 
+def test_capping_j_at_the_block_table_changes_no_chunk():
+    config = MoiraConfig(chunk_pages=3, min_chunks_per_row=40, min_programs=1)
+    counts = torch.arange(0, 61)
+    uncapped = ref.work_split(counts, 61, config)
+    capped = ref.work_split(counts, 61, config, max_pages=60)
+    assert capped[0] == 20 < uncapped[0]
+    assert torch.equal(capped[1], uncapped[1]) and torch.equal(capped[2], uncapped[2])
+
+
 def test_work_split_covers_every_page_once():
     config = MoiraConfig(chunk_pages=3, min_chunks_per_row=5, min_programs=1)
     counts = torch.arange(0, 200)
