@@ -348,6 +348,10 @@ def render(summary, path, readme=None):
         write_section(readme, "accuracy-vllm", text)
 
 
+def _model_name(summary):
+    return summary.get("model_name") or os.path.basename(summary["model"].rstrip("/"))
+
+
 def plot(summary, path):
     """Token KL and pass-key accuracy against the fraction of pages read, one line per
     context; dense accuracy as a dashed line."""
@@ -378,8 +382,7 @@ def plot(summary, path):
                  title="pass-key retrieval (40 samples per context)")
     for axis in (kl_axis, acc_axis):
         axis.legend(fontsize=7)
-    name = summary.get("model_name") or os.path.basename(summary["model"].rstrip("/"))
-    fig.suptitle(f"{name}: Moira in vLLM "
+    fig.suptitle(f"{_model_name(summary)}: Moira in vLLM "
                  f"{summary['vllm']} vs dense FA3, {summary['gpu']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -387,8 +390,7 @@ def plot(summary, path):
 
 
 def markdown(summary):
-    name = summary.get("model_name") or os.path.basename(summary["model"].rstrip("/"))
-    lines = [f"**{name}** through vLLM {summary['vllm']} "
+    lines = [f"**{_model_name(summary)}** through vLLM {summary['vllm']} "
              f"on one {summary['gpu']}, {summary['date']}: dense FA3 against the Moira plugin "
              f"(prefill by FA3, decode steps by Moira's kernels in full CUDA graphs); "
              f"{summary['documents']} documents per context, pass-key samples single and 4-key "
