@@ -80,9 +80,8 @@ def arm_settings(arm):
 
 def arm_order(arm):
     """Table order: gammas ascending, then fixed budgets ascending."""
-    if arm.startswith("top_k="):
-        return (1, int(arm[len("top_k="):]))
-    return (0, float(arm))
+    settings = arm_settings(arm)
+    return (1, settings["top_k"]) if "top_k" in settings else (0, settings["gamma"])
 
 
 def run(args):
@@ -94,6 +93,7 @@ def run(args):
     import moira.integrations.vllm as plugin
 
     plugin.register()
+    from moira.evaluation.tasks import read_text
     from moira.integrations.vllm.state import PageStatsLog
 
     if args.dummy:
@@ -111,10 +111,7 @@ def run(args):
             return tokenizer(text, add_special_tokens=False)["input_ids"]
 
         decode = tokenizer.decode
-    with open(args.text) as f:
-        text = f.read()
-    if args.text.endswith(".json"):
-        text = json.loads(text)["text"]
+    text = read_text(args.text)
     contexts = sorted((int(c) for c in args.contexts.split(",")), reverse=True)
 
     settings = arm_settings(args.arm)
@@ -157,6 +154,12 @@ def run(args):
                             detokenize=False)
     two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False,
                          logprobs=args.logprobs)
+    def shared_prefix_generate(prompts, params):
+        """``params``: one SamplingParams per prompt. The first prompt runs alone: its pages
+        (and Moira's summaries) then serve the rest from the prefix cache."""
+        return (llm.generate(prompts[:1], params[:1], use_tqdm=False)
+                + llm.generate(prompts[1:], params[1:], use_tqdm=False))
+
     arrays = {}
     tasks = args.tasks.split(",")
     for context in contexts:
@@ -178,9 +181,7 @@ def run(args):
             for index, doc in enumerate(docs):
                 prompts = [TokensPrompt(prompt_token_ids=doc[: context - back])
                            for back in range(args.positions, 0, -1)]
-                # the first alone: its pages (and Moira's summaries) serve the rest from cache
-                outputs = (llm.generate(prompts[:1], two, use_tqdm=False)
-                           + llm.generate(prompts[1:], two, use_tqdm=False))
+                outputs = shared_prefix_generate(prompts, [two] * len(prompts))
                 for position, out in enumerate(outputs):
                     completion = out.outputs[0]
                     step = sorted(completion.logprobs[1].items(), key=lambda kv: -kv[1].logprob)
@@ -202,8 +203,7 @@ def run(args):
                 forced = [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
                                          detokenize=False, logit_bias={ids[end]: 100.0},
                                          logprob_token_ids=[ids[end + 1]]) for end in ends]
-                outputs = (llm.generate(prompts[:1], forced[:1], use_tqdm=False)
-                           + llm.generate(prompts[1:], forced[1:], use_tqdm=False))
+                outputs = shared_prefix_generate(prompts, forced)
                 nll, missing = [], 0
                 for end, out in zip(ends, outputs):
                     completion = out.outputs[0]

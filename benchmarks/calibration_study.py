@@ -30,7 +30,7 @@ import time
 import torch
 
 from moira.evaluation import calibration, experiments, hf
-from moira.evaluation.tasks import windows
+from moira.evaluation.tasks import read_text, windows
 
 DEFAULT_MODEL = os.path.expanduser("~/.cache/moira-models/smollm2-135m-hf")
 DEFAULT_TEXT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
@@ -44,9 +44,7 @@ def load(args):
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,
                                                  attn_implementation=hf.ATTENTION_NAME)
-    with open(args.text) as f:
-        text = json.load(f)["text"] if args.text.endswith(".json") else f.read()
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(read_text(args.text), add_special_tokens=False)["input_ids"]
     # calibration documents from the first half of the text, evaluation from the second
     half = len(ids) // 2
     return experiments.CausalLM(model), ids[:half], ids[half:]

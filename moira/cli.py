@@ -151,12 +151,11 @@ def _plot(masks, args, path):
 def _model_and_text(args):
     """``(model, tokenizer, device, text)`` for ``eval`` and ``calibrate``: the model in float32
     with Moira's attention function registered, the text from a .txt or {"text": ...} .json."""
-    import json
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from moira.evaluation import hf
+    from moira.evaluation.tasks import read_text
 
     torch.manual_seed(args.seed)
     hf.register()
@@ -168,11 +167,7 @@ def _model_and_text(args):
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32,
                                                  attn_implementation=hf.ATTENTION_NAME)
     model.to(device)
-    with open(args.text) as f:
-        text = f.read()
-    if args.text.endswith(".json"):
-        text = json.loads(text)["text"]
-    return model, tokenizer, device, text
+    return model, tokenizer, device, read_text(args.text)
 
 
 def calibrate(args, command):

@@ -7,9 +7,16 @@ with any tokenizer (and, in the tests, with a byte-level one).
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 NAMES = ["Alice", "Bruno", "Chen", "Dara", "Emeka", "Farah", "Goran", "Hana"]
+
+
+def read_text(path):
+    """The long text to sample from: a plain text file, or ``{"text": ...}`` in a .json."""
+    with open(path) as f:
+        return json.load(f)["text"] if path.endswith(".json") else f.read()
 
 
 def windows(text_ids, length, count, *, seed=0):
