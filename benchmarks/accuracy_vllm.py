@@ -70,12 +70,13 @@ def arm_settings(arm):
     """The plugin settings of an arm: ``None`` for dense, else Moira's ``{"moira": {...}}``."""
     if arm == "dense":
         return None
+    # the rule on every row: no full reads of short rows at small batches (dense_below_tokens)
     if arm.startswith("top_k="):
-        return {"top_k": int(arm[len("top_k="):])}
+        return {"top_k": int(arm[len("top_k="):]), "dense_below_tokens": 0}
     gamma = float(arm)
     if not 0.0 < gamma <= 1.0:
         raise SystemExit(f"--arm: a gamma must lie in (0, 1], got {arm}")
-    return {"gamma": gamma}
+    return {"gamma": gamma, "dense_below_tokens": 0}
 
 
 def arm_order(arm):
@@ -140,15 +141,21 @@ def run(args):
 
     def phase(name, body):
         before, t0 = pages(), time.time()
-        rows = body()
-        after = pages()
-        read, present = after[0] - before[0], after[1] - before[1]
-        result["phases"][name] = dict(rows=rows, seconds=round(time.time() - t0, 1),
-                                      read_fraction=read / present if present else None)
+        try:
+            rows = body()
+        except Exception as error:  # noqa: BLE001 -- the other phases still run; report says
+            result["phases"][name] = dict(error=f"{type(error).__name__}: {error}"[:500],
+                                          seconds=round(time.time() - t0, 1))
+            print(f"{args.arm} {name}: failed: {result['phases'][name]['error']}", flush=True)
+        else:
+            after = pages()
+            read, present = after[0] - before[0], after[1] - before[1]
+            result["phases"][name] = dict(rows=rows, seconds=round(time.time() - t0, 1),
+                                          read_fraction=read / present if present else None)
+            print(f"{args.arm} {name}: {result['phases'][name]['seconds']} s, pages read "
+                  f"{result['phases'][name]['read_fraction']}", flush=True)
         with open(args.out, "w") as f:  # after every phase: a run cut short keeps its phases
             json.dump(result, f)
-        print(f"{args.arm} {name}: {result['phases'][name]['seconds']} s, pages read "
-              f"{result['phases'][name]['read_fraction']}", flush=True)
 
     greedy = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0, ignore_eos=True,
                             detokenize=False)
@@ -284,6 +291,9 @@ def report(args):
                    positions=dense["positions"], logprobs=dense["logprobs"],
                    commands={arm: r["command"] for arm, r in [("dense", dense), *arms.items()]},
                    contexts={})
+    for result in (dense, *arms.values()):  # a failed phase (its error is in the arm's file)
+        result["phases"] = {name: phase for name, phase in result["phases"].items()
+                            if "rows" in phase}
     for context in dense["contexts"]:
         table = {}
         retrieval = dense["phases"].get(f"retrieval_{context}")
@@ -327,7 +337,8 @@ def report(args):
                 entry.update(repeat_ppl=_perplexity(sparse["rows"]),
                              repeat_read=sparse["read_fraction"],
                              repeat_missing=sum(r["missing"] for r in sparse["rows"]))
-            table[arm] = entry
+            if entry:  # an arm run at other contexts only (a top_k budget is per context)
+                table[arm] = entry
         summary["contexts"][str(context)] = table
     out = args.out or os.path.join(args.folder, "summary.json")
     with open(out, "w") as f:
@@ -361,14 +372,20 @@ def plot(summary, path):
     import matplotlib.pyplot as plt
 
     fig, (kl_axis, acc_axis) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for (context, table), color in zip(summary["contexts"].items(), ("tab:blue", "tab:orange")):
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red")
+    for (context, table), color in zip(summary["contexts"].items(), colors):
         arms = [(arm, row) for arm, row in table.items() if arm != "dense"]
         kl = [(row["kl_read"], row["kl"], arm) for arm, row in arms if "kl" in row]
         acc = [(row["retrieval_read"], row["retrieval"], arm) for arm, row in arms
                if "retrieval" in row]
         for axis, points in ((kl_axis, kl), (acc_axis, acc)):
-            axis.plot([x for x, _, _ in points], [y for _, y, _ in points], "o-", color=color,
-                      label=f"{context} tokens")
+            rule = [(x, y) for x, y, arm in points if not arm.startswith("top_k")]
+            fixed = [(x, y) for x, y, arm in points if arm.startswith("top_k")]
+            axis.plot([x for x, _ in rule], [y for _, y in rule], "o-", color=color,
+                      label=f"{context} tokens, coverage rule")
+            if fixed:
+                axis.plot([x for x, _ in fixed], [y for _, y in fixed], "s", color=color,
+                          mfc="none", label=f"{context} tokens, fixed K")
             for x, y, arm in points:
                 axis.annotate(arm if arm.startswith("top_k") else f"γ={arm}", (x, y), fontsize=7,
                               textcoords="offset points",
@@ -378,8 +395,11 @@ def plot(summary, path):
                              label=f"dense, {context}")
     kl_axis.set(xlabel="fraction of KV pages read", ylabel="token KL to dense (lower bound)",
                 yscale="log", title="KL of the decode step's next-token distribution")
+    samples = {row["dense"].get("samples") for row in summary["contexts"].values()
+               if "dense" in row}
     acc_axis.set(xlabel="fraction of KV pages read", ylabel="pass-key exact match",
-                 title="pass-key retrieval (40 samples per context)")
+                 title=f"pass-key retrieval ({'/'.join(map(str, sorted(samples - {None})))} "
+                       f"samples per context)")
     for axis in (kl_axis, acc_axis):
         axis.legend(fontsize=7)
     fig.suptitle(f"{_model_name(summary)}: Moira in vLLM "

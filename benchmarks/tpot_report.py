@@ -89,10 +89,11 @@ def table(runs):
 
 
 def single_table(runs):
-    """Batch-1 shapes (issue 5, item 4): Moira's TPOT relative to dense, without and with the
-    short-context fallback (``dense_below_tokens``)."""
+    """Batch-1 shapes (issue 5, item 4): Moira's TPOT relative to dense, with every row
+    selecting (``dense_below_tokens`` 0) and with short rows read in full (N > 0)."""
     lines = ["| model | shape | dense FA3 (ms) | Moira γ=0.98 reads (ms) | reads | vs dense | "
-             "Moira, dense below N tokens (ms) | vs dense |", "|---|---|---|---|---|---|---|---|"]
+             "Moira, rows of ≤ N tokens read in full (ms) | vs dense |",
+             "|---|---|---|---|---|---|---|---|"]
     for model in sorted({model for model, _ in runs}):
         dense = runs.get((model, "dense"))
         if dense is None:

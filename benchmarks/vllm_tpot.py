@@ -90,8 +90,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--schedule", default="rows", choices=["rows", "balanced"],
                         help="moira: how Attend splits its work (MoiraConfig.schedule)")
-    parser.add_argument("--dense-below-tokens", type=int, default=0,
-                        help="moira: requests this short read every page (0: off)")
+    parser.add_argument("--dense-below-tokens", type=int, default=None,
+                        help="moira: a step of B requests reads rows of at most this / B "
+                             "tokens in full (0: off; default: the plugin's)")
     parser.add_argument("--fused-merge", action="store_true",
                         help="moira: Merge folded into Attend (MoiraConfig.fused_merge)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tpot.json"))
@@ -102,6 +103,7 @@ def main():
     from vllm import LLM, SamplingParams
 
     import moira.integrations.vllm as plugin
+    from moira.integrations.vllm.settings import MoiraSettings
 
     plugin.register()
     shapes = [(name, *SHAPES[name]) for name in args.shapes.split(",")]
@@ -112,9 +114,9 @@ def main():
                      additional_config={"moira": {"imposed_fraction": knots,
                                                   "stats_interval": 0,
                                                   "schedule": args.schedule,
-                                                  "fused_merge": args.fused_merge,
-                                                  "dense_below_tokens":
-                                                      args.dense_below_tokens}})
+                                                  "fused_merge": args.fused_merge}})
+        if args.dense_below_tokens is not None:
+            extra["additional_config"]["moira"]["dense_below_tokens"] = args.dense_below_tokens
     else:
         extra = dict(attention_backend="FLASH_ATTN")
     longest = max(context for _, context, _ in shapes)
@@ -155,7 +157,8 @@ def main():
             json.dump(dict(backend=args.backend, model=args.model, gamma=args.gamma,
                            schedule=args.schedule if args.backend == "moira" else None,
                            fused_merge=args.fused_merge if args.backend == "moira" else None,
-                           dense_below_tokens=args.dense_below_tokens
+                           dense_below_tokens=MoiraSettings.from_sources(
+                               extra["additional_config"], os.environ).dense_below_tokens
                            if args.backend == "moira" else None,
                            fractions="imposed (paper's measured reads), not the coverage rule"
                            if args.backend == "moira" else None,

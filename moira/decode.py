@@ -372,8 +372,9 @@ def _check_row_values(name, values, batch, num_kv_heads, query):
 
 
 def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_lens, *,
-                  gamma=None, top_k=None, keep_fractions=None, scale=None, return_pages=False,
-                  config=None, workspace=None, out=None, page_stats=None):
+                  gamma=None, top_k=None, keep_fractions=None, dense_below_pages=None,
+                  scale=None, return_pages=False, config=None, workspace=None, out=None,
+                  page_stats=None):
     """One sparse decode step: Estimate -> Select -> Attend -> Merge.
 
     Parameters
@@ -394,6 +395,8 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
         each row keeps ``max(2, floor(f * pages + 0.5))`` of its pages, the highest-share ones
         (budgets imposed for timing studies; the count is derived on the GPU from
         ``seq_lens``).
+    dense_below_pages : rows of at most this many pages read every page and skip Estimate's
+        and Select's work; default ``config.dense_below_pages`` (0 = off).
     scale : softmax scale, default ``1 / sqrt(head_dim)``.
     return_pages : also return the page lists and counts.
     config : a ``MoiraConfig`` (default: the paper's); ignored if ``workspace`` is given.
@@ -435,9 +438,11 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
                                     device=query.device, config=config)
     workspace.check_fits(batch, num_heads, num_kv_heads, head_dim, max_pages, query.device)
     config = workspace.config
-    if gamma is not None or top_k is not None:  # validated by the config's own checks
-        config = config.replace(gamma=config.gamma if gamma is None else gamma,
-                                top_k=config.top_k if top_k is None else top_k)
+    overrides = {name: value for name, value in (("gamma", gamma), ("top_k", top_k),
+                                                 ("dense_below_pages", dense_below_pages))
+                 if value is not None}
+    if overrides:  # validated by the config's own checks
+        config = config.replace(**overrides)
     _require(gammas is None or config.top_k is None,
              "per-row gamma targets apply to the coverage rule, and this config sets top_k")
     scale = _resolve_scale(scale, head_dim)

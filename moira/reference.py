@@ -134,10 +134,15 @@ def exact_log_masses(query, key_cache, block_table, seq_lens, scale=None):
         device=query.device,
     )
     for b in range(batch):
+        pages = num_pages(seq_lens[b], max_pages)
+        if pages == 0:
+            continue
         q = _grouped_query(query, b, num_kv_heads, scale)
-        for page in range(num_pages(seq_lens[b], max_pages)):
-            keys = _page_keys(key_cache, block_table, seq_lens[b], b, page)
-            log_masses[b, :, :, page] = _exact_page_log_mass(q, keys)
+        keys = key_cache[block_table[b, :pages].long()].float()  # [pages, 64, Hkv, D]
+        logits = torch.einsum("hgd,pthd->hgpt", q, keys)
+        position = torch.arange(pages * PAGE_SIZE, device=query.device).view(pages, PAGE_SIZE)
+        logits = logits.masked_fill(position >= int(seq_lens[b]), -math.inf)
+        log_masses[b, :, :, :pages] = torch.logsumexp(logits, dim=-1)
     return log_masses
 
 

@@ -50,3 +50,20 @@ def test_coarse_kl_of_disjoint_lists_lumps_everything():
     value, lumped = accuracy.coarse_kl(ids_p, half, ids_q, half)
     assert lumped == pytest.approx(1.0)
     assert value == pytest.approx(0.0, abs=1e-6)  # both lumped outcomes hold (numerically) 1
+
+
+def test_accuracy_arms_apply_the_rule_to_every_row():
+    """Accuracy arms measure the selection rule: the plugin's full reads of short rows at small
+    batches (its default ``dense_below_tokens``) are off in every Moira arm."""
+    from moira.integrations.vllm.settings import MoiraSettings
+
+    accuracy = load("accuracy_vllm")
+    assert accuracy.arm_settings("dense") is None
+    for arm, expected in (("0.98", {"gamma": 0.98}), ("top_k=193", {"top_k": 193})):
+        settings = accuracy.arm_settings(arm)
+        assert settings == dict(expected, dense_below_tokens=0)
+        assert MoiraSettings.from_sources({"moira": settings}, {}).dense_below_tokens == 0
+    assert sorted(["top_k=9", "1.0", "0.95", "top_k=10"], key=accuracy.arm_order) == [
+        "0.95", "1.0", "top_k=9", "top_k=10"]
+    with pytest.raises(SystemExit, match="gamma must lie in"):
+        accuracy.arm_settings("1.5")

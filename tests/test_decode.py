@@ -126,14 +126,20 @@ def test_coverage_targets_per_kv_head():
         moira.sparse_decode(*inputs, gamma=targets, config=SMALL_SPLIT.replace(top_k=4))
 
 
-def test_short_rows_read_every_page():
+@pytest.mark.parametrize("how", ["config", "argument"])
+def test_short_rows_read_every_page(how):
     ctx, summaries = structured_step()
     inputs = (ctx.query, ctx.key_cache, ctx.value_cache, summaries, ctx.block_table,
               ctx.seq_lens)
     pages = [-(-int(n) // 64) for n in ctx.seq_lens]
     threshold = sorted(pages)[len(pages) // 2]  # about half the rows are short
-    config = SMALL_SPLIT.replace(dense_below_pages=threshold)
-    out, _, counts = moira.sparse_decode(*inputs, gamma=0.5, config=config, return_pages=True)
+    if how == "config":
+        options = dict(config=SMALL_SPLIT.replace(dense_below_pages=threshold))
+    else:  # the per-step override the vLLM plugin passes (the workspace's config says 0)
+        options = dict(workspace=moira.DecodeWorkspace.for_step(
+            ctx.query, ctx.key_cache, ctx.block_table, config=SMALL_SPLIT),
+            dense_below_pages=threshold)
+    out, _, counts = moira.sparse_decode(*inputs, gamma=0.5, return_pages=True, **options)
     _, _, sparse = moira.sparse_decode(*inputs, gamma=0.5, config=SMALL_SPLIT,
                                        return_pages=True)
     for row, n in enumerate(pages):

@@ -123,6 +123,22 @@ def test_estimate_is_exact_on_constant_pages_and_on_forced_pages():
     assert (est[..., 6:] == -math.inf).all()
 
 
+def test_exact_log_masses_are_each_pages_log_sum_exp():
+    query, keys, values, table, seq_lens = _random_step([PAGE_SIZE * 3 + 17, 1, PAGE_SIZE * 2])
+    exact = ref.exact_log_masses(query, keys, table, seq_lens)
+    scale = ref.default_scale(query.shape[-1])
+    group = query.shape[1] // keys.shape[2]
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        for page in range(-(-seq_len // PAGE_SIZE)):
+            tokens = min(PAGE_SIZE, seq_len - page * PAGE_SIZE)
+            page_keys = keys[table[b, page], :tokens].float()  # [tokens, Hkv, D]
+            for head in range(query.shape[1]):
+                logits = page_keys[:, head // group] @ query[b, head].float() * scale
+                torch.testing.assert_close(exact[b, head // group, head % group, page],
+                                           torch.logsumexp(logits, 0))
+        assert (exact[b, ..., -(-seq_len // PAGE_SIZE):] == -math.inf).all()
+
+
 def test_oracle_coverage_is_minimal():
     query, keys, values, table, seq_lens = _random_step([8 * PAGE_SIZE])
     query *= 4  # peaked attention

@@ -6,8 +6,8 @@ import torch
 from helpers import DEVICE, make_cache
 
 import moira
-from moira.integrations.vllm.settings import (MoiraSettings, explain, split_decodes,
-                                              summary_bytes)
+from moira.integrations.vllm.settings import (MoiraSettings, explain, full_read_pages,
+                                              split_decodes, summary_bytes)
 from moira.integrations.vllm.state import (DenseCheck, ImposedFractions, LayerState,
                                            PageStatsLog, bf16_ulps)
 
@@ -21,8 +21,10 @@ def test_settings_come_from_additional_config_then_environment():
     assert settings.config.gamma == 1.0 and settings.config.top_k == 16
     balanced = MoiraSettings.from_sources(None, {"MOIRA_SCHEDULE": "balanced"})
     assert balanced.config.schedule == "balanced"
-    short = MoiraSettings.from_sources(None, {"MOIRA_DENSE_BELOW_TOKENS": "16384"})
-    assert short.config.dense_below_pages == 256
+    assert MoiraSettings().dense_below_tokens == 16384  # chosen at batch 1 on the H200
+    short = MoiraSettings.from_sources(None, {"MOIRA_DENSE_BELOW_TOKENS": "4096"})
+    assert short.dense_below_tokens == 4096
+    assert short.config.dense_below_pages == 0  # set per step: full_read_pages
     fused = MoiraSettings.from_sources(None, {"MOIRA_FUSED_MERGE": "1"})
     assert fused.config.fused_merge
     calibrated = MoiraSettings.from_sources({"moira": {"calibration": "cal.json"}}, {})
@@ -165,3 +167,12 @@ def test_bf16_ulps_and_dense_check_counters():
         fa3_split_max_ulps=8.0, fa3_split_over_1_ulp=1.0, fa3_split_over_4_ulps=1.0,
         other_rows_differing=1.0, other_elements=3.0)}
     DenseCheck.layers.clear()
+
+
+
+def test_full_read_threshold_is_on_the_steps_work():
+    assert full_read_pages(0, 1) == 0  # off
+    assert full_read_pages(16384, 1) == 256  # one request: rows of up to 16k tokens
+    assert full_read_pages(16384, 4) == 64
+    assert full_read_pages(16384, 32) == 8  # a full batch keeps selecting
+    assert full_read_pages(16384, 0) == 256  # no decode rows: unused, but defined

@@ -26,7 +26,7 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
 from ...config import PAGE_SIZE
 from ...decode import DecodeWorkspace, sparse_decode, update_summaries
 from .settings import (SUPPORTED_HEAD_DIMS, SUPPORTED_KV_CACHE_DTYPES, MoiraSettings, explain,
-                       split_decodes)
+                       full_read_pages, split_decodes)
 from .state import DenseCheck, ImposedFractions, LayerState, PageStatsLog
 
 logger = init_logger("vllm.moira")  # under "vllm", so vLLM's log handler prints it
@@ -105,6 +105,7 @@ class MoiraMetadata:
     Decode rows ``[0, num_decodes)`` are query tokens ``[0, num_decodes)``; ``seq_lens`` and
     ``block_table`` are views of vLLM's persistent tensors for those rows. ``prefill`` is FA3's
     metadata for the remaining rows, rebased to start at token ``num_decode_tokens``.
+    ``dense_below_pages``: decode rows this short read every page (``dense_below_tokens``).
     """
 
     num_actual_tokens: int
@@ -116,6 +117,7 @@ class MoiraMetadata:
     prefill: FlashAttentionMetadata | None = None
     dense: FlashAttentionMetadata | None = None  # check_dense: FA3 over the whole batch
     keep_fractions: torch.Tensor | None = None  # imposed_fraction: [layers, decodes, heads]
+    dense_below_pages: int = 0
 
 
 def _rows_from(cam: CommonAttentionMetadata, first_row: int,
@@ -209,7 +211,8 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
             num_actual_tokens=cam.num_actual_tokens, num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens, seq_lens=cam.seq_lens[:num_decodes],
             block_table=cam.block_table_tensor[:num_decodes], workspace=self.workspace,
-            prefill=prefill, dense=dense, keep_fractions=keep_fractions)
+            prefill=prefill, dense=dense, keep_fractions=keep_fractions,
+            dense_below_pages=full_read_pages(self.settings.dense_below_tokens, num_decodes))
 
     def use_cascade_attention(self, *args, **kwargs) -> bool:
         return False
@@ -314,7 +317,9 @@ class MoiraAttentionImpl(FlashAttentionImpl):
             sparse_decode(query[:rows], key_cache, value_cache,
                           state.summaries_for(kv_cache, self.num_kv_heads, self.head_size),
                           metadata.block_table, metadata.seq_lens, gamma=gamma, scale=self.scale,
-                          keep_fractions=fractions, workspace=metadata.workspace,
+                          keep_fractions=fractions,
+                          dense_below_pages=metadata.dense_below_pages or None,
+                          workspace=metadata.workspace,
                           out=output[:rows], page_stats=state.page_stats)
         if metadata.dense is not None:
             start, end = metadata.num_decode_tokens, metadata.num_actual_tokens

@@ -31,9 +31,12 @@ key                environment variable     meaning
                                             per-row chunks, Eq. 4; default) or ``balanced``
                                             (all rows' pages split evenly over a fixed grid)
 ``fused_merge``    ``MOIRA_FUSED_MERGE``    fold Merge into Attend (``rows`` only; default off)
-``dense_below_tokens``  ``MOIRA_DENSE_BELOW_TOKENS``  requests of at most this many tokens
-                                            read every page, skipping Estimate and Select's
-                                            work (short contexts; default 0 = off)
+``dense_below_tokens``  ``MOIRA_DENSE_BELOW_TOKENS``  a decode step of B requests reads
+                                            every page of its rows of at most this / B
+                                            tokens, skipping Estimate's and Select's work:
+                                            small batches of short contexts, where selecting
+                                            costs more than it saves (default 16384, chosen
+                                            on the H200 at batch 1; 0 = off)
 =================  =======================  ==================================================
 """
 
@@ -58,7 +61,7 @@ class MoiraSettings:
     imposed_fraction: float | dict | None = None
     schedule: str = "rows"
     fused_merge: bool = False
-    dense_below_tokens: int = 0
+    dense_below_tokens: int = 16384
     calibration: str | None = None
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
@@ -115,8 +118,7 @@ class MoiraSettings:
     @property
     def config(self) -> MoiraConfig:
         return MoiraConfig(gamma=self.gamma, top_k=self.top_k, schedule=self.schedule,
-                           fused_merge=self.fused_merge,
-                           dense_below_pages=self.dense_below_tokens // PAGE_SIZE)
+                           fused_merge=self.fused_merge)
 
     @classmethod
     def from_sources(cls, additional_config: Mapping | None,
@@ -213,3 +215,11 @@ def summary_bytes(num_blocks: int, num_kv_heads: int, head_dim: int, element_siz
     i.e. 2 / 64 of the K cache (1/64 of the K+V cache) in the cache's dtype."""
     return num_blocks * num_kv_heads * 2 * head_dim * element_size
 
+
+def full_read_pages(dense_below_tokens: int, num_decodes: int) -> int:
+    """``MoiraConfig.dense_below_pages`` for a decode step of ``num_decodes`` requests: rows of
+    at most ``dense_below_tokens / num_decodes`` tokens read every page (so the threshold is
+    on the step's work, and a full batch of short requests keeps selecting). A host value from
+    the batch size alone: vLLM captures one graph per padded batch size, and each replay of it
+    gets the value it was captured with."""
+    return dense_below_tokens // PAGE_SIZE // max(num_decodes, 1)

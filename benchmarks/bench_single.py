@@ -1,0 +1,206 @@
+"""Where a single request's decode step goes (issue 5, item 4): Moira's kernels one by one
+against dense FA3, batch 1, Llama-3.1-8B geometry (8 KV heads, G = 4, head_dim 128, bf16).
+
+A decode step of one request runs 32 layers back to back, each on its own KV cache, so a
+layer's K/V come from HBM, not from L2 (a 2k-token layer is 8 MB; 32 of them are 256 MB). Every
+arm is therefore timed over 32 layers captured in one CUDA graph
+(``triton.testing.do_bench_cudagraph``, median) and reported per layer:
+
+- ``fa3_dense``: vLLM's FA3 call in its CUDA graphs (``num_splits`` 32, scheduler metadata
+  built beforehand), every page.
+- ``summarize``: ``update_summaries`` for the one slot a decode step writes.
+- ``estimate``, ``select`` (fraction mode at the paper's read fraction for the context),
+  ``attend_merge`` (those lists), ``step`` (the four, ``sparse_decode``).
+- ``step_full_rows``: ``sparse_decode`` with ``dense_below_pages`` covering the row (what the
+  plugin's ``dense_below_tokens`` does to a short request: every page read, Estimate and
+  Select skip their work).
+- ``*_c2``: the same with the chunk floor at 2 pages for one request (``floor_rows=96``)
+  instead of 6 (the default ``floor_rows=32``); ``step_floor_off``: C = 24 (session 4).
+
+    PYTHONPATH=/tmp/site:. python3 benchmarks/bench_single.py [--contexts 2048,8192,32768]
+    python3 benchmarks/bench_single.py --plot benchmarks/results/single-<date>.json  # PNG
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import triton
+
+import moira
+
+KV_HEADS, GROUP, HEAD_DIM, PAGE, LAYERS = 8, 4, 128, 64, 32
+WIDTH = 1030  # block-table pages of a 66k-token engine (vllm_tpot.py's single-request shapes)
+# the paper's mean read fraction at gamma 0.98 (Llama-3.1-8B, Table 3), clamped below 8k
+READS = {2048: 0.42, 8192: 0.42, 16384: 0.37, 32768: 0.31, 65536: 0.16, 131072: 0.15}
+
+
+def bench(fn):
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+
+
+class Layers:
+    """``LAYERS`` layers of one request: own caches, summaries, queries; a shared workspace."""
+
+    def __init__(self, context):
+        pages = context // PAGE
+        self.width = max(WIDTH, pages + 2)
+        self.context = context
+        dt = torch.bfloat16
+        self.caches = []
+        for _ in range(LAYERS):
+            keys = torch.randn(pages + 2, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=dt)
+            values = torch.randn_like(keys)
+            self.caches.append((keys, values))
+        table = torch.zeros(1, self.width, dtype=torch.int32, device="cuda")
+        table[0, :pages] = torch.randperm(pages, device="cuda").int()
+        self.table = table
+        self.seq_lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
+        self.queries = [torch.randn(1, KV_HEADS * GROUP, HEAD_DIM, device="cuda", dtype=dt)
+                        for _ in range(LAYERS)]
+        self.summaries = [moira.summarize(k, table, self.seq_lens) for k, _ in self.caches]
+        self.out = torch.empty_like(self.queries[0])
+        fraction = READS[min(READS, key=lambda c: abs(math.log(c / context)))]
+        self.fractions = torch.full((KV_HEADS,), fraction, device="cuda")
+        self.fraction = fraction
+        self.scale = 1 / math.sqrt(HEAD_DIM)
+
+    def workspace(self, config=None):
+        return moira.DecodeWorkspace(1, self.width, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
+                                     device="cuda", config=config)
+
+    def each(self, layer_fn):
+        def run():
+            for layer in range(LAYERS):
+                layer_fn(layer)
+        return run
+
+
+def plot(path):
+    """Per-layer time against context: FA3, Moira's step (summarize + its four kernels, stacked)
+    and the step with the row read in full; ``<path>.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        report = json.load(f)
+    rows = [r for r in report["results"] if "fa3_dense" in r["us_per_layer"]]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar([i - 0.27 for i in x], [r["us_per_layer"]["fa3_dense"] for r in rows], 0.27,
+           color="0.6", label="dense FA3")
+    bottom = [0.0] * len(rows)
+    for part, color in (("summarize", "tab:gray"), ("estimate", "tab:green"),
+                        ("select", "tab:orange"), ("attend_merge", "tab:blue")):
+        values = [r["us_per_layer"].get(part, 0.0) for r in rows]
+        ax.bar(x, values, 0.27, bottom=bottom, color=color, label=f"Moira: {part}")
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.bar([i + 0.27 for i in x], [r["us_per_layer"]["summarize"]
+                                   + r["us_per_layer"].get("step_full_rows", 0.0) for r in rows],
+           0.27, color="tab:purple", label="Moira, row read in full (summarize + step)")
+    ax.set_xticks(list(x), [f"{r['context'] // 1024}k\n(reads {r['read_fraction']:.2f})"
+                            for r in rows])
+    ax.set_ylabel("µs per layer (32 layers per graph)")
+    ax.set_title(f"one request, Llama-3.1-8B geometry, {report['gpu']}, {report['date']}",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.splitext(path)[0] + ".png", dpi=110)
+    plt.close(fig)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--contexts", default="2048,8192,32768,65536,131072")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
+                                                      "single.json"))
+    parser.add_argument("--plot", metavar="JSON", help="only draw the PNG of a result file")
+    args = parser.parse_args()
+    if args.plot:
+        return plot(args.plot)
+    try:
+        import vllm
+        from vllm.vllm_flash_attn import flash_attn_interface as fa
+        vllm_version = vllm.__version__
+    except Exception as error:  # noqa: BLE001 -- FA3 arms are skipped, the rest still run
+        fa, vllm_version = None, f"unavailable: {error}"
+    from moira.decode import _launch_estimate, _launch_select
+    from moira.kernels.summarize import summarize_filled_slots
+
+    results = []
+    for context in map(int, args.contexts.split(",")):
+        s = Layers(context)
+        row = dict(context=context, batch=1, read_fraction=s.fraction, width=s.width,
+                   us_per_layer={})
+        times = row["us_per_layer"]
+
+        def timed(name, layer_fn):
+            try:
+                times[name] = round(bench(s.each(layer_fn)) / LAYERS, 2)
+            except Exception as error:  # noqa: BLE001 -- one failed arm must not lose the rest
+                row.setdefault("errors", {})[name] = f"{type(error).__name__}: {error}"[:300]
+                print(f"{context:>7} {name:<24} failed: {row['errors'][name]}", flush=True)
+                return
+            print(f"{context:>7} {name:<24} {times[name]:8.2f} us/layer", flush=True)
+
+        if fa is not None:
+            cu_q = torch.arange(2, device="cuda", dtype=torch.int32)
+            for name, lens in (("fa3_dense", s.seq_lens),):
+                metadata = fa.get_scheduler_metadata(
+                    1, 1, context, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, lens,
+                    qkv_dtype=torch.bfloat16, cu_seqlens_q=cu_q, page_size=PAGE, causal=True,
+                    num_splits=32)
+                timed(name, lambda layer, lens=lens, metadata=metadata: fa.flash_attn_varlen_func(
+                    s.queries[layer], *s.caches[layer], 1, cu_q, context, seqused_k=lens,
+                    softmax_scale=s.scale, causal=True, block_table=s.table,
+                    scheduler_metadata=metadata, num_splits=32, fa_version=3, out=s.out))
+        slot = (s.table[0, (context - 1) // PAGE].long() * PAGE + (context - 1) % PAGE).view(1)
+        timed("summarize", lambda layer: summarize_filled_slots(
+            s.caches[layer][0], slot, s.summaries[layer]))
+
+        workspace = s.workspace()
+        log_masses, lists, counts = workspace.selection_buffers(1, s.width)
+        timed("estimate", lambda layer: _launch_estimate(
+            s.queries[layer], s.caches[layer][0], s.summaries[layer], s.table, s.seq_lens,
+            s.scale, log_masses))
+        ways = workspace.config.bisection_ways_for(s.width)
+        timed("select", lambda layer: _launch_select(
+            log_masses, s.seq_lens, lists, counts, num_kv_heads=KV_HEADS, max_pages=s.width,
+            gamma=0.98, top_k=None, ways=ways, keep_fractions=s.fractions))
+        row["pages_listed_per_row"] = float(counts.float().mean())
+        timed("attend_merge", lambda layer: moira.attend(
+            s.queries[layer], *s.caches[layer], s.table, s.seq_lens, lists, counts,
+            workspace=workspace, out=s.out))
+        c2 = s.workspace(moira.MoiraConfig(floor_rows=96))
+        arms = {"step": (workspace, 0), "step_c2": (c2, 0),
+                "step_floor_off": (s.workspace(moira.MoiraConfig(floor_rows=1)), 0),
+                "step_full_rows": (workspace, s.width), "step_full_rows_c2": (c2, s.width)}
+        for name, (ws, full) in arms.items():
+            timed(name, lambda layer, ws=ws, full=full: moira.sparse_decode(
+                s.queries[layer], *s.caches[layer], s.summaries[layer], s.table, s.seq_lens,
+                keep_fractions=s.fractions, dense_below_pages=full, workspace=ws, out=s.out))
+        if "fa3_dense" in times:
+            row["minus_dense"] = {name: round(times["summarize"] + times[name]
+                                              - times["fa3_dense"], 2)
+                                  for name in arms if name in times}
+        results.append(row)
+        with open(args.out, "w") as f:
+            json.dump(dict(command="python3 " + " ".join(sys.argv),
+                           gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M"),
+                           versions=dict(torch=torch.__version__, triton=triton.__version__,
+                                         vllm=vllm_version),
+                           note="per-layer µs, 32 layers (own caches) per CUDA graph replay; "
+                                "read fractions imposed (fraction mode), not chosen by the rule",
+                           results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
