@@ -100,6 +100,19 @@ def test_gamma_one_keeps_every_page_even_underflowing_ones():
     check_lists(page_lists, page_counts, seq_lens)
 
 
+def test_one_page_holding_the_mass_is_kept_alone():
+    """The others' shares underflow to 0: no share lies inside (0, top), so the bisection stops
+    before its first pass, and must still keep the top page only, not every page at share 0."""
+    log_masses, seq_lens = random_log_masses([64 * 50], 2, 4, 1.0)
+    log_masses[0, :, :, 7] = 300.0
+    page_lists, page_counts = run_select(log_masses, seq_lens, gamma=0.98)
+    assert page_lists[0, :, :3].tolist() == [[0, 7, 49]] * 2
+    assert page_counts.tolist() == [[3, 3]]
+    page_lists, page_counts = run_select(log_masses, seq_lens, top_k=4)
+    assert page_counts.tolist() == [[4, 4]]  # page 7, then the first of the tied zeros
+    assert page_lists[0, :, :4].tolist() == [[0, 1, 7, 49]] * 2
+
+
 def test_target_met_by_forced_pages_keeps_only_them():
     log_masses, seq_lens = random_log_masses([64 * 20], 1, 2, 0.5)
     log_masses[..., 0] = 40.0  # the sink holds all the mass
