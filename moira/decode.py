@@ -377,12 +377,17 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
                   page_stats=None):
     """One sparse decode step: Estimate -> Select -> Attend -> Merge.
 
+    The step also summarizes each row's current page if it is full (``seq_lens`` a multiple of
+    64: this step's token filled it), so decode steps need no ``update_summaries`` call; steps
+    that write several tokens per row (prefill) do.
+
     Parameters
     ----------
     query : ``[batch, num_heads, head_dim]`` bf16/fp16, one token per request.
     key_cache, value_cache : ``[num_pages, 64, num_kv_heads, head_dim]``, any strides.
     summaries : ``[num_pages, num_kv_heads, 2, head_dim]`` from ``summarize`` /
-        ``update_summaries``; every full page of every row must be summarized.
+        ``update_summaries``; every full page of every row but the current one must be
+        summarized (the step writes the current page's summary when it is full).
     block_table : ``[batch, max_pages_per_seq]`` int32.
     seq_lens : ``[batch]`` int32, the current token included (0 = padded row, output zeros).
     gamma : coverage target in (0, 1]; default ``config.gamma`` (0.98). 1.0 keeps every page.

@@ -25,7 +25,6 @@ def test_graph_replay_matches_eager(gamma, top_k, schedule):
     summaries = moira.summarize(keys, table, seq_lens,
                                 torch.zeros(keys.shape[0], num_kv_heads, 2, head_dim,
                                             dtype=keys.dtype, device="cuda"))
-    slot_mapping = torch.full((batch,), -1, dtype=torch.int64, device="cuda")
     out = torch.empty_like(query)
     workspace = moira.DecodeWorkspace(batch, width, num_kv_heads * group, num_kv_heads,
                                       head_dim, device="cuda",
@@ -33,8 +32,7 @@ def test_graph_replay_matches_eager(gamma, top_k, schedule):
                                           schedule=schedule.split(",")[0], programs=264,
                                           fused_merge=schedule.endswith("fused merge")))
 
-    def step():
-        moira.update_summaries(keys, slot_mapping, summaries)
+    def step():  # a decode step: its Estimate summarizes each row's page once full
         return moira.sparse_decode(query, keys, values, summaries, table, seq_lens,
                                    gamma=gamma, top_k=top_k, workspace=workspace, out=out,
                                    return_pages=True)
@@ -47,8 +45,8 @@ def test_graph_replay_matches_eager(gamma, top_k, schedule):
 
     generator = torch.Generator().manual_seed(0)
     for trial in range(4):
-        # new contents, in place; new lengths including a padded row; keys of a page filled
-        # by "this step" so the graph's update_summaries has work
+        # new contents, in place; new lengths including a padded row, and a row whose current
+        # page "this step" filled, so the graph's Estimate has a summary to write
         fresh = synthetic_context(width * PAGE_SIZE, batch=batch, num_kv_heads=num_kv_heads,
                                   group=group, head_dim=head_dim, device="cuda", seed=10 + trial)
         query.copy_(fresh.query)
@@ -61,12 +59,12 @@ def test_graph_replay_matches_eager(gamma, top_k, schedule):
         moira.summarize(keys, table, seq_lens, summaries)
         b = (trial + 1) % batch
         last_page = table[b, int(lengths[b]) // PAGE_SIZE - 1]
-        slot_mapping.copy_(torch.tensor([-1, -1, -1, int(last_page) * PAGE_SIZE + 63]))
-        summaries[last_page] = float("nan")  # only the captured update can repair it
+        summaries[last_page] = float("nan")  # only the captured Estimate can repair it
 
         graph.replay()
         torch.cuda.synchronize()
         replayed = (out.clone(), graph_lists.clone(), graph_counts.clone(), summaries.clone())
+        assert not torch.isnan(summaries[last_page]).any()
 
         summaries[last_page] = float("nan")
         eager_out, eager_lists, eager_counts = step()

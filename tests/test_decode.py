@@ -66,6 +66,33 @@ def test_gamma_one_is_dense(layout):
     assert (out[4] == 0).all()  # the padded row
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_step_summarizes_the_page_its_token_filled(head_dim):
+    """A decode step writes the summary of each row's current page once it is full (the
+    plugin runs no summarize launch in decode steps), also for rows read in full; partial pages
+    and every other page stay as they were."""
+    num_kv_heads, group = 2, 4
+    keys, values = make_cache(40, num_kv_heads, head_dim)
+    lengths = [64 * 5, 64 * 5 + 3, 64 * 3, 0]
+    table, seq_lens = make_table(lengths, 40)
+    query = make_query(4, num_kv_heads * group, head_dim)
+    expected = ref.summarize(keys.cpu(), table.cpu(), seq_lens.cpu())
+    summaries = moira.summarize(keys, table, seq_lens, expected.clone().to(DEVICE))
+    filled = [int(table[0, 4]), int(table[2, 2])]  # the current pages this step filled
+    partial = int(table[1, 5])
+    summaries[filled] = float("nan")
+    summaries[partial] = float("nan")
+    before = summaries.clone()
+    out = moira.sparse_decode(query, keys, values, summaries, table, seq_lens, gamma=0.9,
+                              dense_below_pages=3, config=SMALL_SPLIT)
+    torch.testing.assert_close(summaries[filled].cpu(), expected[filled])
+    assert torch.isnan(summaries[partial]).all()
+    others = torch.ones(summaries.shape[0], dtype=torch.bool)
+    others[filled] = False
+    torch.testing.assert_close(summaries[others], before[others], equal_nan=True)
+    assert not torch.isnan(out[:3].float()).any()  # the poisoned pages were never read
+
+
 def test_page_stats_count_pages_read_and_pages_present():
     ctx, summaries = structured_step()
     stats = torch.tensor([5, 7], dtype=torch.int64, device=DEVICE)  # accumulates onto these

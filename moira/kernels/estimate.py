@@ -9,6 +9,10 @@ Grid: (rows = batch * KV heads, 2 + page blocks of ``PAGES_PER_PROGRAM``): progr
 a row compute the sink and the current page from their keys; the others apply mvar to the middle
 pages of their block and exit if the block is past the row's end.
 
+Program 1 also summarizes the current page when this step's token has just filled it (the
+row's length a multiple of 64): the page is a middle page from the next step on, and a decode
+step then needs no separate summarize launch (``summarize.summarize_page``, the same math).
+
 Bytes: every page's summary (2 * D values) once, two pages of keys per row, and G floats written
 per page.
 """
@@ -19,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..config import PAGE_SIZE
+from .summarize import summarize_page
 
 # tuned on the H200 (benchmarks/NOTES.md)
 PAGES_PER_PROGRAM = 32
@@ -46,10 +51,15 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
     head = row % num_kv_heads
     seq_len = tl.load(seq_lens + b)
     pages_in_row = tl.minimum(tl.cdiv(seq_len, PAGE), max_pages)
-    if pages_in_row <= dense_below_pages:  # Select keeps the whole row: nothing to estimate
-        return
     last = pages_in_row - 1
     row_table = block_table + b.to(tl.int64) * stride_bt
+    if block == 1:
+        if (pages_in_row > 0) & (seq_len == pages_in_row * PAGE):  # the step filled it
+            summarize_page(key_cache, summaries, tl.load(row_table + last), head,
+                            stride_kp, stride_kt, stride_kh, stride_kd,
+                            stride_sp, stride_sh, stride_ss, stride_sd, HEAD_DIM, PAGE)
+    if pages_in_row <= dense_below_pages:  # Select keeps the whole row: nothing to estimate
+        return
     query_row = query + b.to(tl.int64) * stride_qb + head * GROUP * stride_qh
     dst = log_masses + row.to(tl.int64) * stride_lr
     dims = tl.arange(0, HEAD_DIM)
@@ -94,7 +104,8 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
              dense_below_pages=0):
     """Fill ``log_masses`` ``[batch * num_kv_heads, G, >= max_pages]`` float32 (pages past a
-    row's end, and rows of at most ``dense_below_pages`` pages, are not written)."""
+    row's end, and rows of at most ``dense_below_pages`` pages, are not written), and write
+    ``summaries`` of every row's current page that is full."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -14,7 +14,7 @@ from ..config import PAGE_SIZE
 
 
 @triton.jit
-def _summarize_page(key_cache, summaries, page, head,
+def summarize_page(key_cache, summaries, page, head,
                     stride_kp, stride_kt, stride_kh, stride_kd,
                     stride_sp, stride_sh, stride_ss, stride_sd,
                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
@@ -43,7 +43,7 @@ def _summarize_pages_kernel(key_cache, summaries, block_table, seq_lens,
     if logical >= tl.load(seq_lens + b) // PAGE:  # partial or absent page: untouched
         return
     page = tl.load(block_table + b.to(tl.int64) * stride_bt + logical)
-    _summarize_page(key_cache, summaries, page, head,
+    summarize_page(key_cache, summaries, page, head,
                     stride_kp, stride_kt, stride_kh, stride_kd,
                     stride_sp, stride_sh, stride_ss, stride_sd, HEAD_DIM, PAGE)
 
@@ -57,7 +57,7 @@ def _summarize_filled_slots_kernel(key_cache, summaries, slot_mapping,
     head = tl.program_id(1)
     if (slot < 0) | (slot % PAGE != PAGE - 1):  # padding, or the page is not full yet
         return
-    _summarize_page(key_cache, summaries, slot // PAGE, head,
+    summarize_page(key_cache, summaries, slot // PAGE, head,
                     stride_kp, stride_kt, stride_kh, stride_kd,
                     stride_sp, stride_sh, stride_ss, stride_sd, HEAD_DIM, PAGE)
 

@@ -6,9 +6,10 @@
   ``UNIFORM_SINGLE_TOKEN_DECODE`` CUDA-graph support: pure decode steps replay vLLM's FULL
   graphs with Moira's kernels inside, mixed steps run attention eagerly (vLLM's piecewise
   graphs). Owns the ``DecodeWorkspace`` all its layers share (they run one after another).
-- ``MoiraAttentionImpl``: ``do_kv_cache_update`` writes K/V (FA's kernel), then summarizes the
-  pages those slots completed; ``forward`` runs FA3 on the non-decode rows exactly as dense
-  vLLM does and Moira's sparse decode on the decode rows.
+- ``MoiraAttentionImpl``: K/V are written by FA's ``do_kv_cache_update``; ``forward`` runs FA3 on
+  the non-decode rows exactly as dense vLLM does and summarizes the pages their slots completed,
+  and runs Moira's sparse decode on the decode rows (whose Estimate summarizes the page each
+  row's new token completed: no summarize launch in a pure decode step).
 """
 
 from __future__ import annotations
@@ -279,14 +280,6 @@ class MoiraAttentionImpl(FlashAttentionImpl):
         # (blocks, Hkv, 64, 2D) logical -> (blocks, 64, Hkv, D) views of K and V
         return kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
 
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        if kv_cache.numel() == 0:  # memory profiling: no cache yet
-            return
-        summaries = self._state(layer).summaries_for(kv_cache, self.num_kv_heads,
-                                                     self.head_size)
-        update_summaries(self._key_value_caches(kv_cache)[0], slot_mapping, summaries)
-
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         if output_scale is not None or output_block_scale is not None:
@@ -301,21 +294,24 @@ class MoiraAttentionImpl(FlashAttentionImpl):
             super().forward(layer, query, key, value, kv_cache,
                             dataclasses.replace(metadata.dense, max_num_splits=1),
                             dense_one_split)
+        state = self._state(layer)
+        summaries = state.summaries_for(kv_cache, self.num_kv_heads, self.head_size)
+        key_cache, value_cache = self._key_value_caches(kv_cache)
         if metadata.prefill is not None:  # FA3 on every row after the decode rows
             start = metadata.num_decode_tokens
             super().forward(layer, query[start:], None if key is None else key[start:],
                             None if value is None else value[start:], kv_cache,
                             metadata.prefill, output[start:])
+            # K/V are in the cache (vLLM writes them before forward): summarize the pages
+            # these rows' slots completed
+            update_summaries(key_cache, metadata.prefill.slot_mapping, summaries)
         rows = metadata.num_decodes
         if rows:
-            state = self._state(layer)
-            key_cache, value_cache = self._key_value_caches(kv_cache)
             fractions = (None if metadata.keep_fractions is None
                          else metadata.keep_fractions[self._layer_index(layer)])
             gamma = (None if self.gamma_table is None
                      else self.gamma_table[self._layer_index(layer)])  # a view: graph-safe
-            sparse_decode(query[:rows], key_cache, value_cache,
-                          state.summaries_for(kv_cache, self.num_kv_heads, self.head_size),
+            sparse_decode(query[:rows], key_cache, value_cache, summaries,
                           metadata.block_table, metadata.seq_lens, gamma=gamma, scale=self.scale,
                           keep_fractions=fractions,
                           dense_below_pages=metadata.dense_below_pages or None,
@@ -323,6 +319,6 @@ class MoiraAttentionImpl(FlashAttentionImpl):
                           out=output[:rows], page_stats=state.page_stats)
         if metadata.dense is not None:
             start, end = metadata.num_decode_tokens, metadata.num_actual_tokens
-            DenseCheck.add(self._state(layer).layer_name, output[:rows], dense[:rows],
+            DenseCheck.add(state.layer_name, output[:rows], dense[:rows],
                            dense_one_split[:rows], output[start:end], dense[start:end])
         return output
