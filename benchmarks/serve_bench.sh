@@ -5,6 +5,9 @@
 #   PYTHONPATH=/tmp/site:. bash benchmarks/serve_bench.sh BACKEND [SETS...]
 #   BACKEND: dense | flashinfer | moira (imposed reads of the paper at gamma 0.98)
 #   SETS:    e.g. A:1 A:16 B:1 B:8 (default: all four)
+#   SERVE_BENCH_ARGS: more client arguments, e.g. "--limit 64 --output-tokens 256" (the full
+#   protocol, 256 prompts x 1,024 tokens per set A run, takes ~10 min per backend at
+#   concurrency 16 and far longer at 1: more than one device session holds)
 # Results: $OUT/serve-BACKEND-SET-CONCURRENCY.json; server log: $OUT/server-BACKEND.log
 set -euo pipefail
 backend=$1; shift
@@ -32,5 +35,6 @@ done
 for run in $runs; do
   set_name=${run%:*}; concurrency=${run#*:}
   python3 benchmarks/serve_bench.py --set "$set_name" --concurrency "$concurrency" \
-    --label "$backend" --out "$out/serve-$backend-$set_name-$concurrency.json"
+    --label "$backend" --out "$out/serve-$backend-$set_name-$concurrency.json" \
+    ${SERVE_BENCH_ARGS:-}
 done
