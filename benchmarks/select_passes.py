@@ -22,7 +22,7 @@ from moira.synthetic import synthetic_context
 def passes(candidate, ways, max_passes, enough):
     """Passes until at most one share lies strictly inside (lo, hi); ``enough(tau)`` is the
     mode's test of a threshold."""
-    lo, hi = 0.0, float(candidate.max())
+    lo, hi = 0.0, float(candidate.max()) * (1 + 1e-6) + 1e-30  # strictly above every share
     count = 0
     while count < max_passes and int(((candidate > lo) & (candidate < hi)).sum()) > 1:
         taus = [lo + (hi - lo) * k / ways for k in range(ways)]

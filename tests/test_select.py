@@ -1,5 +1,7 @@
 """Select against the sorting reference, on the same log-masses."""
 
+import math
+
 import pytest
 import torch
 from helpers import DEVICE
@@ -111,6 +113,37 @@ def test_one_page_holding_the_mass_is_kept_alone():
     page_lists, page_counts = run_select(log_masses, seq_lens, top_k=4)
     assert page_counts.tolist() == [[4, 4]]  # page 7, then the first of the tied zeros
     assert page_lists[0, :, :4].tolist() == [[0, 1, 7, 49]] * 2
+
+
+def _one_row(middle_log_masses, edge=0.0):
+    """One row (one KV head, G = 1): sink and current page at ``edge``, the middle as given."""
+    logs = [edge] + middle_log_masses + [edge]
+    return (torch.tensor(logs).view(1, 1, 1, -1),
+            torch.tensor([PAGE_SIZE * len(logs)], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("middle, edge, gamma", [
+    ([5.0, 0.0], 0.0, 0.5),  # 4 pages: the top middle page alone reaches the target
+    ([math.log(0.5), math.log(0.45)] + [math.log(0.001)] * 20, -10.0, 0.98),
+])
+def test_top_page_alone_reaching_the_target_is_kept_alone(middle, edge, gamma):
+    """The bisection's early exit must test the top share too: no second page is kept when the
+    largest one reaches the target (found in review: hi started at the top share)."""
+    log_masses, seq_lens = _one_row(middle, edge)
+    page_lists, page_counts = run_select(log_masses, seq_lens, gamma=gamma)
+    want_lists, want_counts = ref.select(log_masses, seq_lens, gamma=gamma)
+    assert (page_lists[0, 0, : page_counts[0, 0]].tolist()
+            == want_lists[0, 0, : want_counts[0, 0]].tolist())
+
+
+@pytest.mark.parametrize("gamma", [0.5, 0.9, 0.98])
+def test_short_peaked_rows_match_reference(gamma):
+    """Many rows of 3-12 pages with one or two dominant pages: where the bisection stops after a
+    pass or two, each list must still be the reference's."""
+    lengths = [PAGE_SIZE * n for n in range(3, 13)] * 4
+    log_masses, seq_lens = random_log_masses(lengths, 2, 1, 6.0)
+    page_lists, page_counts = run_select(log_masses, seq_lens, gamma=gamma)
+    check_coverage(log_masses, seq_lens, page_lists, page_counts, gamma)
 
 
 def test_target_met_by_forced_pages_keeps_only_them():

@@ -127,7 +127,8 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
         # reaches gamma even where rounding makes it ambiguous, at the cost of a page there
         target = gamma - forced + 2e-6
         lo = top * 0.0
-        hi = top
+        hi = top * (1.0 + 1e-6) + 1e-30  # strictly above every share, as in fixed-count mode:
+        # the top share must be tested too (alone it may reach the target)
         passes = tl.full([], 0, tl.int32)
         inside, probe = _strictly_between(candidate, lo, hi)
         while (passes < PASSES) & (inside > 1):
@@ -139,8 +140,7 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
                 tl.min(tl.where(enough, hi, tau), axis=0)
             passes += 1
             inside, probe = _strictly_between(candidate, lo, hi)
-        # at most one share left inside: test it as the threshold (none: test hi, which fell
-        # short or is still the top share, e.g. one page holding the mass, the rest at 0)
+        # at most one share left inside: test it as the threshold (none: hi, which fell short)
         probe = tl.where(inside == 0, hi, probe)
         lo = tl.where(tl.sum(tl.where(candidate >= probe, candidate, 0.0), axis=0) >= target,
                       probe, lo)

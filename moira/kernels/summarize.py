@@ -2,7 +2,8 @@
 
 Two launchers over one device function: ``summarize_pages`` for every full page a block table
 references (after prefill), and ``summarize_filled_slots`` for the pages whose last slot a step
-has just written (decode and chunked prefill; graph-safe, its grid is the slot count).
+has just written (prefill chunks; graph-safe, its grid is the slot count). A decode step needs
+neither: Estimate calls ``summarize_page`` for the page the step's token filled.
 
 Bytes: each summarized page reads 64 keys (64 * D elements) and writes 2 * D values.
 """
