@@ -8,7 +8,9 @@ arm is therefore timed over 32 layers captured in one CUDA graph
 
 - ``fa3_dense``: vLLM's FA3 call in its CUDA graphs (``num_splits`` 32, scheduler metadata
   built beforehand), every page.
-- ``summarize``: ``update_summaries`` for the one slot a decode step writes.
+- The request holds ``context - 1`` tokens, so its current page is partial: the common step.
+  (Files before commit 880c8a2 also timed ``summarize``, the launch that then followed each
+  step's K/V write; Estimate now summarizes a page the step fills, once in 64 steps.)
 - ``estimate``, ``select`` (fraction mode at the paper's read fraction for the context),
   ``attend_merge`` (those lists), ``step`` (the four, ``sparse_decode``).
 - ``step_full_rows``: ``sparse_decode`` with ``dense_below_pages`` covering the row (what the
@@ -61,7 +63,7 @@ class Layers:
         table = torch.zeros(1, self.width, dtype=torch.int32, device="cuda")
         table[0, :pages] = torch.randperm(pages, device="cuda").int()
         self.table = table
-        self.seq_lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
+        self.seq_lens = torch.full((1,), context - 1, dtype=torch.int32, device="cuda")
         self.queries = [torch.randn(1, KV_HEADS * GROUP, HEAD_DIM, device="cuda", dtype=dt)
                         for _ in range(LAYERS)]
         self.summaries = [moira.summarize(k, table, self.seq_lens) for k, _ in self.caches]
@@ -83,8 +85,9 @@ class Layers:
 
 
 def plot(path):
-    """Per-layer time against context: FA3, Moira's step (summarize + its four kernels, stacked)
-    and the step with the row read in full; ``<path>.png``."""
+    """Per-layer time against context: FA3, Moira's step (its kernels stacked, with the
+    summarize launch of files that timed one) and the step with the row read in full;
+    ``<path>.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,9 +106,9 @@ def plot(path):
         values = [r["us_per_layer"].get(part, 0.0) for r in rows]
         ax.bar(x, values, 0.27, bottom=bottom, color=color, label=f"Moira: {part}")
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.bar([i + 0.27 for i in x], [r["us_per_layer"]["summarize"]
+    ax.bar([i + 0.27 for i in x], [r["us_per_layer"].get("summarize", 0.0)
                                    + r["us_per_layer"].get("step_full_rows", 0.0) for r in rows],
-           0.27, color="tab:purple", label="Moira, row read in full (summarize + step)")
+           0.27, color="tab:purple", label="Moira, row read in full")
     ax.set_xticks(list(x), [f"{r['context'] // 1024}k\n(reads {r['read_fraction']:.2f})"
                             for r in rows])
     ax.set_ylabel("µs per layer (32 layers per graph)")
@@ -133,7 +136,6 @@ def main():
     except Exception as error:  # noqa: BLE001 -- FA3 arms are skipped, the rest still run
         fa, vllm_version = None, f"unavailable: {error}"
     from moira.decode import _launch_estimate, _launch_select
-    from moira.kernels.summarize import summarize_filled_slots
 
     results = []
     for context in map(int, args.contexts.split(",")):
@@ -153,18 +155,14 @@ def main():
 
         if fa is not None:
             cu_q = torch.arange(2, device="cuda", dtype=torch.int32)
-            for name, lens in (("fa3_dense", s.seq_lens),):
-                metadata = fa.get_scheduler_metadata(
-                    1, 1, context, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, lens,
-                    qkv_dtype=torch.bfloat16, cu_seqlens_q=cu_q, page_size=PAGE, causal=True,
-                    num_splits=32)
-                timed(name, lambda layer, lens=lens, metadata=metadata: fa.flash_attn_varlen_func(
-                    s.queries[layer], *s.caches[layer], 1, cu_q, context, seqused_k=lens,
-                    softmax_scale=s.scale, causal=True, block_table=s.table,
-                    scheduler_metadata=metadata, num_splits=32, fa_version=3, out=s.out))
-        slot = (s.table[0, (context - 1) // PAGE].long() * PAGE + (context - 1) % PAGE).view(1)
-        timed("summarize", lambda layer: summarize_filled_slots(
-            s.caches[layer][0], slot, s.summaries[layer]))
+            metadata = fa.get_scheduler_metadata(
+                1, 1, context, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, s.seq_lens,
+                qkv_dtype=torch.bfloat16, cu_seqlens_q=cu_q, page_size=PAGE, causal=True,
+                num_splits=32)
+            timed("fa3_dense", lambda layer: fa.flash_attn_varlen_func(
+                s.queries[layer], *s.caches[layer], 1, cu_q, context, seqused_k=s.seq_lens,
+                softmax_scale=s.scale, causal=True, block_table=s.table,
+                scheduler_metadata=metadata, num_splits=32, fa_version=3, out=s.out))
 
         workspace = s.workspace()
         log_masses, lists, counts = workspace.selection_buffers(1, s.width)
@@ -188,8 +186,7 @@ def main():
                 s.queries[layer], *s.caches[layer], s.summaries[layer], s.table, s.seq_lens,
                 keep_fractions=s.fractions, dense_below_pages=full, workspace=ws, out=s.out))
         if "fa3_dense" in times:
-            row["minus_dense"] = {name: round(times["summarize"] + times[name]
-                                              - times["fa3_dense"], 2)
+            row["minus_dense"] = {name: round(times[name] - times["fa3_dense"], 2)
                                   for name in arms if name in times}
         results.append(row)
         with open(args.out, "w") as f:

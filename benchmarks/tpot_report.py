@@ -46,11 +46,16 @@ def load(folder):
                                               or run.get("fused_merge")):
                 continue  # the table compares the default kernels; variants: their own folder
             key = (run["model"], "dense" if run["backend"] == "dense" else run["gamma"])
-            if run.get("dense_below_tokens"):  # the short-context fallback: its own column
+            if run.get("dense_below_tokens"):  # short requests read in full: its own column
                 key = (run["model"], "fallback")
             if key in runs:
                 raise SystemExit(f"{folder}: two runs for {key} ({name})")
             runs[key] = run
+    for (model, kind), run in list(runs.items()):
+        # the plugin's default reads rows of <= N/B tokens in full, which changes nothing at
+        # the batch shapes: without a run that turns it off, it is the γ column's run
+        if kind == "fallback":
+            runs.setdefault((model, run["gamma"]), run)
     return runs
 
 
@@ -100,6 +105,8 @@ def single_table(runs):
             continue
         dense_ms = tpot_by_shape(dense)
         moira, fallback = runs.get((model, 0.98)), runs.get((model, "fallback"))
+        if moira is fallback:  # no run with every row selecting
+            moira = None
         for shape in SHAPES:
             if shape not in dense_ms or not shape.endswith("k1"):
                 continue

@@ -67,3 +67,27 @@ def test_accuracy_arms_apply_the_rule_to_every_row():
         "0.95", "1.0", "top_k=9", "top_k=10"]
     with pytest.raises(SystemExit, match="gamma must lie in"):
         accuracy.arm_settings("1.5")
+
+
+def test_tpot_report_counts_a_default_moira_run_at_the_batch_shapes(tmp_path):
+    """The plugin's default reads short requests in full (``dense_below_tokens`` > 0); a Moira run
+    with it is the γ column at the batch shapes, and the last column of the single-request
+    table, never both columns there."""
+    import json
+
+    report = load("tpot_report")
+
+    def run(backend, tpot, dense_below=None):
+        return dict(backend=backend, model="llama-3.1-8b", gamma=0.98,
+                    dense_below_tokens=dense_below,
+                    results=[dict(shape=shape, tpot_ms=tpot, imposed_read_fraction=0.3)
+                             for shape in ("32k16", "2k1")])
+
+    (tmp_path / "dense.json").write_text(json.dumps(run("dense", 20.0)))
+    (tmp_path / "moira.json").write_text(json.dumps(run("moira", 10.0, 16384)))
+    runs = report.load(str(tmp_path))
+    text, rows = report.table(runs)
+    batch = next(row for row in rows if row["shape"] == "32k16")
+    assert batch["g0.98"]["speedup"] == 2.0
+    single = report.single_table(runs)
+    assert "| 2k1 | 20.00 | – | – | – | 10.00 (N = 16384) | -50.0% |" in single
