@@ -91,6 +91,9 @@ def main():
     parser.add_argument("--prefix", type=int, default=3000, help="prefix: shared tokens")
     parser.add_argument("--blocks", type=int, default=0,
                         help="preempt: KV cache pages (0: a third of what the prompts need)")
+    parser.add_argument("--dense-below-tokens", type=int, default=None,
+                        help="the plugin's dense_below_tokens (default: the plugin's); 0 makes "
+                             "every row select, so prefix/preempt exercise the summaries")
     parser.add_argument("--gpu-memory", type=float, default=0.85,
                         help="vLLM's gpu_memory_utilization (lower it to share the GPU)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check.json"))
@@ -123,8 +126,10 @@ def main():
         if args.mode in ("prefix", "preempt") and args.gamma == 1.0:
             print("note: at gamma 1 every page is read and summaries do not matter; "
                   "use --gamma 0.9 to test them")
-        extra["additional_config"] = {"moira": {"gamma": args.gamma, "check_dense": check,
-                                                "stats_interval": 5.0}}
+        settings = {"gamma": args.gamma, "check_dense": check, "stats_interval": 5.0}
+        if args.dense_below_tokens is not None:
+            settings["dense_below_tokens"] = args.dense_below_tokens
+        extra["additional_config"] = {"moira": settings}
     start = time.time()
     if args.mode == "preempt":
         needed = sum(-(-(len(p["prompt_token_ids"]) + args.tokens) // 64) for p in prompts)

@@ -37,7 +37,8 @@ from vllm_checks import model_dir  # noqa: E402
 SHAPES = {"8k32": (8192, 32), "16k32": (16384, 32), "32k16": (32768, 16), "64k8": (65536, 8),
           "130k4": (130000, 4),
           # a single request (issue 5, item 4): where Moira's fixed per-step cost can lose
-          "2k1": (2048, 1), "8k1": (8192, 1), "32k1": (32768, 1), "64k1": (65536, 1)}
+          "2k1": (2048, 1), "8k1": (8192, 1), "16k1": (16384, 1), "32k1": (32768, 1),
+          "64k1": (65536, 1)}
 # mean fraction of pages read by context, from the paper (Table 3: gamma 0.98; Table 7: gamma
 # 0.99) at 8k / 16k / 32k / 64k / 130k; other contexts interpolate in log length, clamped at
 # the ends (so a 2k request reads the 8k fraction), as the plugin does per request

@@ -292,7 +292,7 @@ def _check_page_stats(page_stats, query):
 
 
 def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
-                      page_counts, scale, workspace, out, page_stats=None):
+                      page_counts, scale, workspace, out, page_stats=None, planned_batch=None):
     config = workspace.config
     partials = (workspace.partial_out, workspace.partial_lse)
     stats = dict(seq_lens=seq_lens, max_pages=block_table.shape[1], page_stats=page_stats)
@@ -302,7 +302,9 @@ def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page
         split = dict(min_pages=config.chunk_pages, programs=config.programs)
         attend_kernel, merge_kernel = _launch_attend_balanced, _launch_merge_balanced
     else:
-        rows = query.shape[0] * num_kv_heads
+        # planned for the padded batch of a captured graph, so that an eager step of fewer
+        # requests splits each row exactly as the replay does
+        rows = (planned_batch or query.shape[0]) * num_kv_heads
         split = dict(chunk_floor=config.chunk_floor(rows),
                      chunks_per_row=config.chunks_per_row(rows, block_table.shape[1]))
         attend_kernel, merge_kernel = _launch_attend, _launch_merge
@@ -374,7 +376,7 @@ def _check_row_values(name, values, batch, num_kv_heads, query):
 def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_lens, *,
                   gamma=None, top_k=None, keep_fractions=None, dense_below_pages=None,
                   scale=None, return_pages=False, config=None, workspace=None, out=None,
-                  page_stats=None):
+                  page_stats=None, planned_batch=None):
     """One sparse decode step: Estimate -> Select -> Attend -> Merge.
 
     The step also summarizes each row's current page if it is full (``seq_lens`` a multiple of
@@ -410,6 +412,10 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     out : optional ``[batch, num_heads, head_dim]`` output tensor.
     page_stats : optional int64 ``[2]`` counters; the step adds (pages read, pages in the
         rows) summed over all rows, on the GPU (graph-safe).
+    planned_batch : the batch size Attend plans its work split for, at least ``batch``
+        (default ``batch``). How a row is split into chunks depends on how many rows the step
+        has, and a CUDA graph captured for a padded batch replays that batch's split: an eager
+        step that passes the same padded size computes bit-identical outputs.
 
     Returns
     -------
@@ -424,6 +430,9 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     _check_summaries(summaries, key_cache)
     _check_out(out, query)
     _check_page_stats(page_stats, query)
+    _require(planned_batch is None or (isinstance(planned_batch, int)
+                                       and planned_batch >= batch),
+             f"planned_batch must be an int >= the batch ({batch}), got {planned_batch!r}")
     if keep_fractions is not None:
         _check_row_values("keep_fractions", keep_fractions, batch, num_kv_heads, query)
         _require(top_k is None, "pass either top_k or keep_fractions, not both")
@@ -462,5 +471,5 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
                    ways=config.bisection_ways_for(max_pages), keep_fractions=keep_fractions,
                    gammas=gammas, dense_below_pages=config.dense_below_pages)
     _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
-                      page_counts, scale, workspace, out, page_stats)
+                      page_counts, scale, workspace, out, page_stats, planned_batch)
     return (out, page_lists, page_counts) if return_pages else out

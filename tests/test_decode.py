@@ -179,6 +179,40 @@ def test_short_rows_read_every_page(how):
         moira.MoiraConfig(dense_below_pages=-1)
 
 
+def test_planned_batch_splits_rows_as_the_padded_batch_does(monkeypatch):
+    """A CUDA graph captured for a padded batch replays that batch's split; an eager step of
+    the real requests planned for the same padded size splits every row alike and gives
+    bit-identical outputs (vLLM's FULL graphs against graph mode NONE)."""
+    import moira.decode
+    splits = []
+    launch = moira.decode._launch_attend
+    monkeypatch.setattr(moira.decode, "_launch_attend", lambda *args, **kwargs: (
+        splits.append((kwargs["chunk_floor"], kwargs["chunks_per_row"])),
+        launch(*args, **kwargs))[1])
+    ctx, summaries = structured_step(batch=3)
+    # the split depends on the row count here: 6 rows C = 3, J = 8; 8 rows C = 4, J = 6
+    config = moira.MoiraConfig(chunk_pages=8, floor_rows=16, min_chunks_per_row=2,
+                               min_programs=48)
+
+    def padded(t):  # one more request of length 0: how vLLM pads a batch to its graph size
+        return torch.cat([t, torch.zeros_like(t[:1])])
+
+    caches = (ctx.key_cache, ctx.value_cache, summaries)
+    replay = moira.sparse_decode(padded(ctx.query), *caches, padded(ctx.block_table),
+                                 padded(ctx.seq_lens), config=config)
+    eager = moira.sparse_decode(ctx.query, *caches, ctx.block_table, ctx.seq_lens,
+                                config=config, planned_batch=4)
+    unplanned = moira.sparse_decode(ctx.query, *caches, ctx.block_table, ctx.seq_lens,
+                                    config=config)
+    assert splits[0] == splits[1] != splits[2]
+    assert torch.equal(eager, replay[:3])
+    assert not replay[3].any()  # the padded row's output is zeros
+    # another split rounds differently, nothing more
+    torch.testing.assert_close(unplanned.float(), eager.float(), atol=2e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="planned_batch must be an int >= the batch"):
+        moira.sparse_decode(ctx.query, *caches, ctx.block_table, ctx.seq_lens, planned_batch=2)
+
+
 def test_fixed_count_mode():
     ctx, summaries = structured_step()
     out, page_lists, page_counts = moira.sparse_decode(

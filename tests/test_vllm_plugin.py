@@ -7,7 +7,7 @@ from helpers import DEVICE, make_cache
 
 import moira
 from moira.integrations.vllm.settings import (MoiraSettings, explain, full_read_pages,
-                                              split_decodes, summary_bytes)
+                                              planning_batch, split_decodes, summary_bytes)
 from moira.integrations.vllm.state import (DenseCheck, ImposedFractions, LayerState,
                                            PageStatsLog, bf16_ulps)
 
@@ -21,7 +21,7 @@ def test_settings_come_from_additional_config_then_environment():
     assert settings.config.gamma == 1.0 and settings.config.top_k == 16
     balanced = MoiraSettings.from_sources(None, {"MOIRA_SCHEDULE": "balanced"})
     assert balanced.config.schedule == "balanced"
-    assert MoiraSettings().dense_below_tokens == 16384  # chosen at batch 1 on the H200
+    assert MoiraSettings().dense_below_tokens == 20480  # chosen at batch 1 on the H200
     short = MoiraSettings.from_sources(None, {"MOIRA_DENSE_BELOW_TOKENS": "4096"})
     assert short.dense_below_tokens == 4096
     assert short.config.dense_below_pages == 0  # set per step: full_read_pages
@@ -176,3 +176,15 @@ def test_full_read_threshold_is_on_the_steps_work():
     assert full_read_pages(16384, 4) == 64
     assert full_read_pages(16384, 32) == 8  # a full batch keeps selecting
     assert full_read_pages(16384, 0) == 256  # no decode rows: unused, but defined
+
+
+def test_eager_steps_plan_for_the_batch_a_graph_would_replay():
+    assert [planning_batch(n) for n in (0, 1, 2, 3, 5, 8, 9, 17, 24, 33)] == \
+        [1, 1, 2, 4, 8, 8, 16, 32, 32, 64]
+    # vLLM 0.26's default capture sizes (vllm/config/vllm.py): a FULL-graph step of n
+    # requests replays the smallest one >= n; an eager step of the same n requests must plan
+    # for the same batch
+    capture_sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
+    for n in range(1, 513):
+        padded = min(size for size in capture_sizes if size >= n)
+        assert planning_batch(n) == planning_batch(padded), n

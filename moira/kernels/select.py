@@ -7,10 +7,7 @@ One program per (request, KV head) row keeps the row's group-mean shares on chip
 Coverage mode keeps the sink, the current page, and every middle page whose share is at least
 tau, the largest threshold whose kept middle mass reaches gamma - share_sink - share_current.
 tau is found without sorting: each pass tries K_B evenly spaced thresholds in [lo, hi] with one
-reduction and keeps the sub-interval that holds tau; 24 / log2(K_B) passes shrink it 2**24-fold,
-or fewer: once at most one share lies strictly between lo and hi, that share (or hi) is tested
-as the threshold and the bisection stops (a few passes for a short row: the list is then the
-exact rule's).
+reduction and keeps the sub-interval that holds tau; 24 / log2(K_B) passes shrink it 2**24-fold.
 Because lo never passes tau, the kept set is the exact rule's set plus at most pages whose share
 lies within (max share) * 2**-24 of tau. The masses are compared with gamma plus 2e-6, above the
 float32 rounding of the sums, so the kept mass reaches gamma also where rounding would decide
@@ -43,13 +40,6 @@ from ..config import BISECTION_BITS, PAGE_SIZE
 def num_warps(block):
     """Warps per row program: enough threads to hold the row's shares in registers."""
     return 4 if block < 1024 else (8 if block <= 4096 else 16)
-
-
-@triton.jit
-def _strictly_between(candidate, lo, hi):
-    """How many shares lie strictly inside (lo, hi), and the largest of them (-1 if none)."""
-    inside = (candidate > lo) & (candidate < hi)
-    return tl.sum(inside.to(tl.int32), axis=0), tl.max(tl.where(inside, candidate, -1.0), axis=0)
 
 
 @triton.jit
@@ -101,20 +91,12 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
         needed = top_k - 2
         lo = top * 0.0
         hi = top * (1.0 + 1e-6) + 1e-30  # strictly above every share: nothing is kept at hi
-        passes = tl.full([], 0, tl.int32)
-        inside, probe = _strictly_between(candidate, lo, hi)
-        while (passes < PASSES) & (inside > 1):
+        for _ in range(PASSES):
             tau = lo + (hi - lo) * fractions
             above = tl.sum((candidate[None, :] >= tau[:, None]).to(tl.int32), axis=1)
             enough = above >= needed
             lo, hi = tl.max(tl.where(enough, tau, lo), axis=0), \
                 tl.min(tl.where(enough, hi, tau), axis=0)
-            passes += 1
-            inside, probe = _strictly_between(candidate, lo, hi)
-        # at most one share left inside: test it as the threshold (none: test hi)
-        probe = tl.where(inside == 0, hi, probe)
-        enough = tl.sum((candidate >= probe).to(tl.int32), axis=0) >= needed
-        lo, hi = tl.where(enough, probe, lo), tl.where(enough, hi, probe)
         sure = candidate >= hi  # fewer than `needed`
         tied = (candidate >= lo) & (candidate < hi)
         missing = needed - tl.sum(sure.to(tl.int32), axis=0)
@@ -127,23 +109,14 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
         # reaches gamma even where rounding makes it ambiguous, at the cost of a page there
         target = gamma - forced + 2e-6
         lo = top * 0.0
-        hi = top * (1.0 + 1e-6) + 1e-30  # strictly above every share, as in fixed-count mode:
-        # the top share must be tested too (alone it may reach the target)
-        passes = tl.full([], 0, tl.int32)
-        inside, probe = _strictly_between(candidate, lo, hi)
-        while (passes < PASSES) & (inside > 1):
+        hi = top
+        for _ in range(PASSES):
             tau = lo + (hi - lo) * fractions
             mass = tl.sum(tl.where(candidate[None, :] >= tau[:, None], candidate[None, :], 0.0),
                           axis=1)
             enough = mass >= target
             lo, hi = tl.max(tl.where(enough, tau, lo), axis=0), \
                 tl.min(tl.where(enough, hi, tau), axis=0)
-            passes += 1
-            inside, probe = _strictly_between(candidate, lo, hi)
-        # at most one share left inside: test it as the threshold (none: hi, which fell short)
-        probe = tl.where(inside == 0, hi, probe)
-        lo = tl.where(tl.sum(tl.where(candidate >= probe, candidate, 0.0), axis=0) >= target,
-                      probe, lo)
         # gamma = 1 keeps every page (even shares that underflow to 0); a target the forced
         # pages already meet keeps no middle page
         lo = tl.where(gamma >= 1.0, -0.5, tl.where(gamma - forced <= 0.0, 2.0, lo))

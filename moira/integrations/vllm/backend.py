@@ -27,7 +27,7 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
 from ...config import PAGE_SIZE
 from ...decode import DecodeWorkspace, sparse_decode, update_summaries
 from .settings import (SUPPORTED_HEAD_DIMS, SUPPORTED_KV_CACHE_DTYPES, MoiraSettings, explain,
-                       full_read_pages, split_decodes)
+                       full_read_pages, planning_batch, split_decodes)
 from .state import DenseCheck, ImposedFractions, LayerState, PageStatsLog
 
 logger = init_logger("vllm.moira")  # under "vllm", so vLLM's log handler prints it
@@ -107,6 +107,8 @@ class MoiraMetadata:
     ``block_table`` are views of vLLM's persistent tensors for those rows. ``prefill`` is FA3's
     metadata for the remaining rows, rebased to start at token ``num_decode_tokens``.
     ``dense_below_pages``: decode rows this short read every page (``dense_below_tokens``).
+    ``planned_batch``: the decode batch rounded up to a power of two, what Attend plans its
+    split for (``planning_batch``: replayed and eager steps alike).
     """
 
     num_actual_tokens: int
@@ -119,6 +121,7 @@ class MoiraMetadata:
     dense: FlashAttentionMetadata | None = None  # check_dense: FA3 over the whole batch
     keep_fractions: torch.Tensor | None = None  # imposed_fraction: [layers, decodes, heads]
     dense_below_pages: int = 0
+    planned_batch: int = 1
 
 
 def _rows_from(cam: CommonAttentionMetadata, first_row: int,
@@ -208,12 +211,14 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         dense = None
         if self.settings.check_dense:  # no AOT schedule: its buffer is the prefill rows'
             dense = super().build(0, cam, fast_build=True)
+        planned = planning_batch(num_decodes)
         return MoiraMetadata(
             num_actual_tokens=cam.num_actual_tokens, num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens, seq_lens=cam.seq_lens[:num_decodes],
             block_table=cam.block_table_tensor[:num_decodes], workspace=self.workspace,
             prefill=prefill, dense=dense, keep_fractions=keep_fractions,
-            dense_below_pages=full_read_pages(self.settings.dense_below_tokens, num_decodes))
+            dense_below_pages=full_read_pages(self.settings.dense_below_tokens, planned),
+            planned_batch=planned)
 
     def use_cascade_attention(self, *args, **kwargs) -> bool:
         return False
@@ -315,7 +320,7 @@ class MoiraAttentionImpl(FlashAttentionImpl):
                           metadata.block_table, metadata.seq_lens, gamma=gamma, scale=self.scale,
                           keep_fractions=fractions,
                           dense_below_pages=metadata.dense_below_pages or None,
-                          workspace=metadata.workspace,
+                          workspace=metadata.workspace, planned_batch=metadata.planned_batch,
                           out=output[:rows], page_stats=state.page_stats)
         if metadata.dense is not None:
             start, end = metadata.num_decode_tokens, metadata.num_actual_tokens

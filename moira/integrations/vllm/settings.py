@@ -35,8 +35,9 @@ key                environment variable     meaning
                                             every page of its rows of at most this / B
                                             tokens, skipping Estimate's and Select's work:
                                             small batches of short contexts, where selecting
-                                            costs more than it saves (default 16384, chosen
-                                            on the H200 at batch 1; 0 = off)
+                                            costs more than it saves (default 20480, where
+                                            the two cost the same per layer on the H200 at
+                                            batch 1; 0 = off)
 =================  =======================  ==================================================
 """
 
@@ -61,7 +62,7 @@ class MoiraSettings:
     imposed_fraction: float | dict | None = None
     schedule: str = "rows"
     fused_merge: bool = False
-    dense_below_tokens: int = 16384
+    dense_below_tokens: int = 20480
     calibration: str | None = None
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
@@ -214,6 +215,17 @@ def summary_bytes(num_blocks: int, num_kv_heads: int, head_dim: int, element_siz
     """Bytes of one layer's page summaries: mean and variance per (page, KV head, channel),
     i.e. 2 / 64 of the K cache (1/64 of the K+V cache) in the cache's dtype."""
     return num_blocks * num_kv_heads * 2 * head_dim * element_size
+
+
+def planning_batch(num_decodes: int) -> int:
+    """The batch size a decode step of ``num_decodes`` requests plans Attend's split (and the
+    full-read threshold) for: the next power of two. A FULL-graph step is padded to the
+    smallest capture size >= its batch; vLLM's default capture sizes (1, 2, 4, then multiples
+    of 8) hold every power of two up to the largest, so no power of two lies between a batch
+    and its padded size: the replayed graph and an eager step of the same requests plan
+    alike and compute bit-identical outputs (with capture sizes that skip a power of two,
+    they can differ in rounding)."""
+    return 1 << max(num_decodes - 1, 0).bit_length()
 
 
 def full_read_pages(dense_below_tokens: int, num_decodes: int) -> int:
