@@ -154,12 +154,14 @@ def merge(paths, destination):
         if overlap:
             raise SystemExit(f"tasks {sorted(overlap)} appear in more than one part")
         rows.update(part["rows"])
+    # a part that is itself a merge brings its own parts (a file grows over sessions)
     merged = dict(parts[0], rows=rows, table=summarize_rows(rows),
                   seconds=sum(p["seconds"] for p in parts),
                   command=" ; ".join(p["command"] for p in parts),
-                  parts=[dict(file=os.path.basename(path), command=p["command"],
-                              seconds=p["seconds"], date=p["date"])
-                         for path, p in zip(paths, parts)])
+                  parts=[entry for path, p in zip(paths, parts)
+                         for entry in p.get("parts") or [dict(
+                             file=os.path.basename(path), command=p["command"],
+                             seconds=p["seconds"], date=p["date"])]])
     with _open(destination, "wt") as f:
         json.dump(merged, f, indent=None if destination.endswith(".gz") else 1)
     return destination

@@ -31,6 +31,8 @@ def main():
             for name in sorted(os.listdir(folder)) if name.endswith(".json")}
     pairs = [("dense", "full", "dense", "halves", "dense batch 8 vs two batches of 4"),
              ("dense", "full", "moira_graph", "full", "dense FA3 vs Moira gamma=1 (FULL graphs)"),
+             ("dense", "full", "dense_eager", "full",
+              "dense FULL graphs vs dense eager (graph mode NONE): the control"),
              ("moira_graph", "full", "moira_eager", "full",
               "Moira FULL graphs vs Moira eager (graph mode NONE)"),
              ("moira_graph", "full", "moira_check", "full",

@@ -91,3 +91,30 @@ def test_tpot_report_counts_a_default_moira_run_at_the_batch_shapes(tmp_path):
     assert batch["g0.98"]["speedup"] == 2.0
     single = report.single_table(runs)
     assert "| 2k1 | 20.00 | – | – | – | 10.00 (N = 16384) | -50.0% |" in single
+
+
+def test_accuracy_merge_keeps_every_part_of_an_earlier_merge(tmp_path):
+    import json
+    import sys
+    sys.path.insert(0, BENCHMARKS)  # accuracy_report imports its sibling readme_section
+    report = load("accuracy_report")
+    head = dict(model="m", context=64, documents=2, date="2026-11-30")
+    kl_rows = [dict(gamma=0.98, kl=0.01 * doc, read_fraction=0.5, doc=doc) for doc in (1, 2)]
+    ablation_rows = [dict(arm=arm, doc=doc, kl=0.1, read_fraction=0.3)
+                     for arm in ("coverage", "fixed") for doc in (1, 2)]
+    parts = {"kl.json": dict(head, rows=dict(kl=kl_rows), command="eval kl", seconds=10.0),
+             "retrieval.json": dict(head, rows=dict(retrieval=[
+                 dict(sample=0, kind="pass-key", gamma=gamma, correct=True, read_fraction=0.5)
+                 for gamma in (None, 0.98)]), command="eval retrieval", seconds=20.0),
+             "ablation.json": dict(head, rows=dict(ablation=ablation_rows), command="eval ablation",
+                                   seconds=30.0)}
+    for name, part in parts.items():
+        (tmp_path / name).write_text(json.dumps(part))
+    first = report.merge([str(tmp_path / "kl.json"), str(tmp_path / "retrieval.json")],
+                         str(tmp_path / "merged.json"))
+    second = report.merge([first, str(tmp_path / "ablation.json")], str(tmp_path / "again.json"))
+    merged = json.loads(open(second).read())
+    assert [p["file"] for p in merged["parts"]] == ["kl.json", "retrieval.json", "ablation.json"]
+    assert merged["seconds"] == 60.0 and set(merged["rows"]) == {"kl", "retrieval", "ablation"}
+    assert merged["table"]["0.98"]["kl"] == pytest.approx(0.015)
+    assert set(merged["table"]["ablation"]) == {"coverage", "fixed"}
