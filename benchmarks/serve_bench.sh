@@ -21,9 +21,22 @@ case $backend in
                '{"moira": {"imposed_fraction": {"8192": 0.42, "16384": 0.37, "32768": 0.31, "65536": 0.16, "130000": 0.15}, "stats_interval": 30}}') ;;
   *) echo "unknown backend $backend" >&2; exit 2 ;;
 esac
+# the server's engine core is another process, and vLLM registers plugins there only through
+# `vllm.general_plugins` entry points; moira runs from the source tree (no dist-info on the
+# path), so declare its entry point in a minimal dist-info (register() is idempotent)
+plugin=$(mktemp -d)/moira_vllm_plugin-0.dist-info
+mkdir -p "$plugin"
+printf 'Metadata-Version: 2.1\nName: moira-vllm-plugin\nVersion: 0\n' > "$plugin/METADATA"
+printf '[vllm.general_plugins]\nmoira = moira.integrations.vllm:register\n' \
+  > "$plugin/entry_points.txt"
+export PYTHONPATH=$(dirname "$plugin"):$PWD${PYTHONPATH:+:$PYTHONPATH}
+# the environment of the in-process runs (vllm_tpot.py); --host: vLLM binds every interface
+# by default
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 python3 -m vllm.entrypoints.openai.api_server --model "$model" --load-format dummy \
   --skip-tokenizer-init --block-size 64 --max-model-len 131072 --no-enable-prefix-caching \
-  --max-num-seqs 16 --gpu-memory-utilization 0.88 --port 8000 "${args[@]}" \
+  --max-num-seqs 16 --gpu-memory-utilization 0.88 --host 127.0.0.1 --port 8000 "${args[@]}" \
   > "$out/server-$backend.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT

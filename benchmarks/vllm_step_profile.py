@@ -8,9 +8,9 @@ Per shape: the prompts fill the cache (one output token, prefix caching on), the
 of ``--steps`` tokens is traced with the PyTorch profiler (CUPTI reports the kernels inside
 replayed CUDA graphs one by one). GPU time per decode step is summed by kernel class (Attend,
 Estimate, Select, Merge, Summarize, FA3, GEMM, other) and divided by the number of decode
-steps. Prompts are one token longer than the shape's context, so the traced run's prefix-cache
-hit covers every full page and its first step recomputes one token per request: every traced
-step has a decode's shape.
+steps. Prompts are the shape's context rounded up to whole 64-token pages plus one token, so the
+traced run's prefix-cache hit covers every full page and its first step recomputes one token per
+request: every traced step has a decode's shape.
 """
 
 import argparse
@@ -35,7 +35,9 @@ CLASSES = [("Attend", ("_attend_kernel", "_attend_balanced_kernel")),
            ("Merge", ("_merge_kernel", "_merge_balanced_kernel")),
            ("Summarize", ("_summarize",)),
            ("FA3", ("flash_fwd", "FlashAttn", "flash::")),
-           ("GEMM", ("gemm", "Gemm", "GEMM", "cutlass", "xmma", "nvjet", "sm90_"))]
+           # cuBLAS picks gemv kernels (and split-K reductions) for the small-M decode GEMMs
+           ("GEMM", ("gemm", "Gemm", "GEMM", "cutlass", "xmma", "nvjet", "sm90_", "gemv",
+                     "splitKreduce"))]
 
 
 def kernel_class(name):
@@ -77,8 +79,10 @@ def main():
     for name, context, batch in shapes:
         # one token past whole pages: a prefix-cache hit covers every full page (vLLM caps a
         # hit at prompt_len - 1 tokens, in whole pages), so the traced run recomputes just
-        # that token per request and its first step is decode-shaped too
-        prompts = cached_prompts(llm, rng, context + 1, batch)
+        # that token per request and its first step is decode-shaped too (130000 is not a
+        # multiple of 64: 130001 tokens would recompute 17 per request, through FA3)
+        prompt_tokens = -(-context // 64) * 64 + 1
+        prompts = cached_prompts(llm, rng, prompt_tokens, batch)
         timed = SamplingParams(max_tokens=args.steps, ignore_eos=True, detokenize=False)
         llm.generate(prompts, timed, use_tqdm=False)  # warm: graphs and caches in place
         with profile(activities=[ProfilerActivity.CUDA]) as trace:
@@ -98,14 +102,18 @@ def main():
         top = {}
         for event in kernels:
             top[event.name] = top.get(event.name, 0.0) + event.device_time_total
-        row = dict(shape=name, context=context, batch=batch, steps=args.steps,
+        row = dict(shape=name, context=context, prompt_tokens=prompt_tokens, batch=batch,
+                   steps=args.steps,
+                   # hundreds if CUPTI reported the graph replays kernel by kernel, not ~1
+                   kernels_per_step=len(kernels) / decode_steps,
                    per_step_ms=per_step_ms, total_ms=sum(per_step_ms.values()),
                    imposed_read_fraction=imposed_mean(knots, context)
                    if args.backend == "moira" else None,
                    top_kernels_ms_per_step={k: v / decode_steps / 1e3 for k, v in
                                             sorted(top.items(), key=lambda kv: -kv[1])[:15]})
         results.append(row)
-        print(json.dumps({k: row[k] for k in ("shape", "per_step_ms", "total_ms")}), flush=True)
+        print(json.dumps({k: row[k] for k in ("shape", "kernels_per_step", "per_step_ms",
+                                              "total_ms")}), flush=True)
         with open(args.out, "w") as f:
             json.dump(dict(backend=args.backend, gpu=torch.cuda.get_device_name(),
                            versions=dict(torch=torch.__version__),
