@@ -25,6 +25,26 @@ def agreement(a, b):
     return same, first_diff, worst, bitwise
 
 
+def first_difference_gap(runs):
+    """Issue 4's yardstick on greedy tokens: the first differing step per prompt (a sequence
+    that never differs counts as its length) of dense FA3 against Moira at gamma 1, and of
+    dense against itself at another batch size; the mean of each and the 95% paired bootstrap
+    interval of (Moira pair - dense pair). None without the runs."""
+    from moira.evaluation.experiments import paired_bootstrap
+
+    if not ("dense" in runs and "moira_graph" in runs and "halves" in runs["dense"]):
+        return None
+
+    def steps(a, b):
+        return [len(x["tokens"]) if d is None else d for x, d in zip(a, agreement(a, b)[1])]
+
+    dense_pair = steps(runs["dense"]["full"], runs["dense"]["halves"])
+    moira_pair = steps(runs["dense"]["full"], runs["moira_graph"]["full"])
+    return dict(prompts=len(dense_pair), dense=sum(dense_pair) / len(dense_pair),
+                moira=sum(moira_pair) / len(moira_pair),
+                moira_minus_dense=paired_bootstrap(dense_pair, moira_pair))
+
+
 def main():
     folder = sys.argv[1]
     runs = {name[:-5]: json.load(open(os.path.join(folder, name)))
@@ -54,6 +74,13 @@ def main():
             steps = " ".join("-" if d is None else str(d) for d in first_diff)
             print(f"| {label} | {same}/{len(runs[a][ka])} | {steps} | {worst:.3g} | "
                   f"{bitwise} |")
+    gap = first_difference_gap(runs)
+    if gap:
+        diff = gap["moira_minus_dense"]
+        print(f"\nfirst differing step, mean over {gap['prompts']} prompts: dense vs dense at "
+              f"another batch size {gap['dense']:.1f}, dense vs Moira gamma=1 {gap['moira']:.1f};"
+              f" Moira pair minus dense pair {diff['mean']:+.1f} [{diff['low']:+.1f}, "
+              f"{diff['high']:+.1f}] (95% paired bootstrap)")
     for name, run in runs.items():
         check = run.get("dense_check")
         if check:

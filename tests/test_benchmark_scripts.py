@@ -118,3 +118,24 @@ def test_accuracy_merge_keeps_every_part_of_an_earlier_merge(tmp_path):
     assert merged["seconds"] == 60.0 and set(merged["rows"]) == {"kl", "retrieval", "ablation"}
     assert merged["table"]["0.98"]["kl"] == pytest.approx(0.015)
     assert set(merged["table"]["ablation"]) == {"coverage", "fixed"}
+
+
+def test_first_difference_gap_pairs_prompts_and_counts_agreement_as_full_length():
+    import sys
+    sys.path.insert(0, BENCHMARKS)
+    compare = load("vllm_compare")
+
+    def run(*sequences):
+        return [dict(tokens=list(seq), logprobs=[0.0] * len(seq)) for seq in sequences]
+
+    dense = run([1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9])
+    halves = run([1, 2, 0, 4], [5, 6, 7, 8], [9, 0, 9, 9])  # first differences 2, none, 1
+    moira = run([0, 2, 3, 4], [5, 6, 7, 0], [9, 9, 9, 9])  # 0, 3, none
+    gap = compare.first_difference_gap(dict(dense=dict(full=dense, halves=halves),
+                                            moira_graph=dict(full=moira)))
+    assert gap["prompts"] == 3
+    assert gap["dense"] == pytest.approx((2 + 4 + 1) / 3)
+    assert gap["moira"] == pytest.approx((0 + 3 + 4) / 3)
+    assert gap["moira_minus_dense"]["mean"] == pytest.approx(0.0)
+    assert gap["moira_minus_dense"]["low"] <= 0 <= gap["moira_minus_dense"]["high"]
+    assert compare.first_difference_gap(dict(dense=dict(full=dense))) is None
