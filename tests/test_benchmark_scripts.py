@@ -3,6 +3,7 @@
 import importlib.util
 import math
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 
 
 def load(name):
+    if BENCHMARKS not in sys.path:  # the scripts import their siblings (readme_section, ...)
+        sys.path.insert(0, BENCHMARKS)
     spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS, name + ".py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -95,8 +98,6 @@ def test_tpot_report_counts_a_default_moira_run_at_the_batch_shapes(tmp_path):
 
 def test_accuracy_merge_keeps_every_part_of_an_earlier_merge(tmp_path):
     import json
-    import sys
-    sys.path.insert(0, BENCHMARKS)  # accuracy_report imports its sibling readme_section
     report = load("accuracy_report")
     head = dict(model="m", context=64, documents=2, date="2026-11-30")
     kl_rows = [dict(gamma=0.98, kl=0.01 * doc, read_fraction=0.5, doc=doc) for doc in (1, 2)]
@@ -121,8 +122,6 @@ def test_accuracy_merge_keeps_every_part_of_an_earlier_merge(tmp_path):
 
 
 def test_first_difference_gap_pairs_prompts_and_counts_agreement_as_full_length():
-    import sys
-    sys.path.insert(0, BENCHMARKS)
     compare = load("vllm_compare")
 
     def run(*sequences):
