@@ -59,7 +59,10 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer variants")
     parser.add_argument("--kinds", default="estimate,select,attend,step",
                         help="comma-separated subset of estimate,select,attend,tiles,balanced,"
-                             "fractions,step")
+                             "fractions,step,wide")
+    parser.add_argument("--table-pages", type=int, default=2048,
+                        help="wide: block-table columns, as in an engine whose longest admitted "
+                             "context is this many pages (vllm_tpot.py's: ~2,040)")
     args = parser.parse_args()
     kinds = set(args.kinds.split(","))
     results = []
@@ -177,6 +180,30 @@ def main():
                                                     lists, counts, workspace=ws, out=out))
                 record("fraction", shape, f"{fraction:.0%} ({count} pages/row){name}", micros,
                        batch * KV_HEADS * count * PAGE_KV_BYTES)
+        if "wide" in kinds and args.table_pages > pages:
+            # the engine's view: every row's table padded to the longest admitted context, so
+            # grids sized by the width launch programs that find nothing to do
+            width = args.table_pages
+            wide_table = torch.cat([table, torch.zeros(batch, width - pages, dtype=table.dtype,
+                                                       device="cuda")], dim=1)
+            wide = moira.DecodeWorkspace(batch, width, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
+                                         device="cuda")
+            wide_masses, wide_lists, wide_counts = wide.selection_buffers(batch, width)
+            name = f"table {width} pages"
+            micros = bench(lambda: estimate_module.estimate(query, keys, summaries, wide_table,
+                                                            seq_lens, scale, wide_masses))
+            record("estimate", shape, name, micros, summary_bytes)
+            for mode, kwargs in [("coverage", dict(gamma=0.98, top_k=None)),
+                                 ("top22%", dict(gamma=0.98, top_k=top_k))]:
+                micros = bench(lambda: select_module.select(
+                    wide_masses, seq_lens, wide_lists, wide_counts, num_kv_heads=KV_HEADS,
+                    max_pages=width, ways=wide.config.bisection_ways_for(width), **kwargs))
+                record("select", shape, f"{mode}, {name}", micros)
+            micros = bench(lambda: moira.sparse_decode(query, keys, values, summaries,
+                                                       wide_table, seq_lens, top_k=top_k,
+                                                       workspace=wide, out=out))
+            record("step22", shape, f"estimate+select+attend+merge, {name}", micros,
+                   sparse_bytes + summary_bytes)
         if "step" in kinds:
             micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
                                                 sparse_lists, sparse_counts,

@@ -8,7 +8,8 @@ Modes (Llama-3.1-8B geometry from ``benchmarks/models``, ``--layers`` to cut the
   P/2 (how much two dense runs differ by batch size alone: the bar for the next mode).
 - ``moira``: Moira backend with ``check_dense`` on, so every step also runs dense FA3 on the
   same batch and counts where Moira differs (decode rows in bf16 ulps, other rows bitwise).
-  ``--graph-mode NONE`` runs the same compiled model without CUDA graphs (eager steps).
+  ``--graph-mode NONE`` runs the same compiled model without CUDA graphs (eager steps);
+  ``--compile-mode 0`` runs it without torch.compile too.
 - ``e2e``: a long run (``--context``, ``--batch``) with page-read statistics.
 - ``prefix``: prefix caching on; the prompts share a ``--prefix``-token prefix. The first
   prompt runs alone, then all of them (the others' prefix pages come from the cache, so
@@ -85,6 +86,10 @@ def main():
     parser.add_argument("--gamma", type=float, default=1.0)
     parser.add_argument("--backend", default=None, help="override: FLASH_ATTN or CUSTOM")
     parser.add_argument("--graph-mode", default="FULL_AND_PIECEWISE")
+    parser.add_argument("--compile-mode", type=int, default=3, choices=[0, 3],
+                        help="vLLM CompilationMode: 3 (default) torch.compile with vLLM's "
+                             "Inductor passes; 0 plain eager PyTorch (with --graph-mode NONE: "
+                             "no compiled artifact differs between two engines)")
     parser.add_argument("--no-check", action="store_true", help="moira: skip the dense check")
     parser.add_argument("--weights", choices=["normal", "dummy"], default="normal")
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
@@ -141,7 +146,7 @@ def main():
               max_num_seqs=max(len(prompts), 8), max_num_batched_tokens=max(
                   args.max_batched_tokens, args.tokens), gpu_memory_utilization=args.gpu_memory,
               compilation_config={
-                  "cudagraph_mode": args.graph_mode,
+                  "mode": args.compile_mode, "cudagraph_mode": args.graph_mode,
                   # no benchmarked kernel choices: engines compiled apart must compute alike
                   "inductor_compile_config": {"combo_kernels": False,
                                               "benchmark_combo_kernel": False}}, seed=0,

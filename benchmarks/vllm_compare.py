@@ -49,7 +49,9 @@ def main():
     folder = sys.argv[1]
     runs = {name[:-5]: json.load(open(os.path.join(folder, name)))
             for name in sorted(os.listdir(folder)) if name.endswith(".json")}
-    pairs = [("dense", "full", "dense", "halves", "dense batch 8 vs two batches of 4"),
+    prompts = len(runs["dense"]["full"]) if "dense" in runs else 0
+    pairs = [("dense", "full", "dense", "halves",
+              f"dense batch {prompts} vs two batches of {prompts // 2}"),
              ("dense", "full", "moira_graph", "full", "dense FA3 vs Moira gamma=1 (FULL graphs)"),
              ("dense", "full", "dense_eager", "full",
               "dense FULL graphs vs dense eager (graph mode NONE): the control"),
@@ -66,14 +68,19 @@ def main():
     # prefix mode: prefix-cache hits against the same prompts recomputed, in one engine
     pairs += [(name, "full", name, "recomputed", f"{name}: prefix-cache hits vs recomputed")
               for name, run in runs.items() if "recomputed" in run]
+    # the first token's log-probability comes from the prefill step (FA3 on both sides): where
+    # it differs, the two engines parted before any decode step
     print("| comparison | prompts with identical tokens | first differing step per prompt | "
-          "max abs logprob diff before it | bit-identical logprobs |\n|---|---|---|---|---|")
+          "max abs logprob diff before it | bit-identical logprobs | first token's logprob "
+          "bit-identical |\n|---|---|---|---|---|---|")
     for a, ka, b, kb, label in pairs:
         if a in runs and b in runs and ka in runs[a] and kb in runs[b]:
             same, first_diff, worst, bitwise = agreement(runs[a][ka], runs[b][kb])
             steps = " ".join("-" if d is None else str(d) for d in first_diff)
+            first_same = sum(x["logprobs"][:1] == y["logprobs"][:1]
+                             for x, y in zip(runs[a][ka], runs[b][kb]))
             print(f"| {label} | {same}/{len(runs[a][ka])} | {steps} | {worst:.3g} | "
-                  f"{bitwise} |")
+                  f"{bitwise} | {first_same}/{len(runs[a][ka])} |")
     gap = first_difference_gap(runs)
     if gap:
         diff = gap["moira_minus_dense"]

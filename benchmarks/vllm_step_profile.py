@@ -8,7 +8,8 @@ Per shape: the prompts fill the cache (one output token, prefix caching on), the
 of ``--steps`` tokens is traced with the PyTorch profiler (CUPTI reports the kernels inside
 replayed CUDA graphs one by one). GPU time per decode step is summed by kernel class (Attend,
 Estimate, Select, Merge, Summarize, FA3, GEMM, other) and divided by the number of decode
-steps. Prompts are the shape's context rounded up to whole 64-token pages plus one token, so the
+steps; beside it, the traced span and the GPU's idle time in it (waiting on the host), and
+the wall time, per step. Prompts are the shape's context rounded up to whole 64-token pages plus one token, so the
 traced run's prefix-cache hit covers every full page and its first step recomputes one token per
 request: every traced step has a decode's shape.
 """
@@ -86,11 +87,12 @@ def main():
         timed = SamplingParams(max_tokens=args.steps, ignore_eos=True, detokenize=False)
         llm.generate(prompts, timed, use_tqdm=False)  # warm: graphs and caches in place
         with profile(activities=[ProfilerActivity.CUDA]) as trace:
+            started = time.perf_counter()
             llm.generate(prompts, timed, use_tqdm=False)
-        kernels = [e for e in trace.events() if e.device_type.name == "CUDA"
-                   and e.device_time_total > 0 and "Memcpy" not in e.name
-                   and "Memset" not in e.name]
-        kernels.sort(key=lambda e: e.time_range.start)
+            wall_s = time.perf_counter() - started
+        activity = sorted((e for e in trace.events() if e.device_type.name == "CUDA"
+                           and e.device_time_total > 0), key=lambda e: e.time_range.start)
+        kernels = [e for e in activity if "Memcpy" not in e.name and "Memset" not in e.name]
         by_class = {}
         for event in kernels:
             label = kernel_class(event.name)
@@ -99,6 +101,13 @@ def main():
         # request, so it takes the decode path too), then steps - 1 decode steps
         decode_steps = args.steps
         per_step_ms = {k: v / decode_steps / 1e3 for k, v in sorted(by_class.items())}
+        # the GPU's idle time between kernels over the traced span: host-bound steps (the GPU
+        # waiting for the next graph launch) show here and not in the kernel sums
+        busy_until, idle_us = activity[0].time_range.start, 0.0
+        for event in activity:  # copies too: they keep the GPU busy
+            idle_us += max(0.0, event.time_range.start - busy_until)
+            busy_until = max(busy_until, event.time_range.end)
+        span_us = busy_until - activity[0].time_range.start
         top = {}
         for event in kernels:
             top[event.name] = top.get(event.name, 0.0) + event.device_time_total
@@ -107,13 +116,17 @@ def main():
                    # hundreds if CUPTI reported the graph replays kernel by kernel, not ~1
                    kernels_per_step=len(kernels) / decode_steps,
                    per_step_ms=per_step_ms, total_ms=sum(per_step_ms.values()),
+                   gpu_span_ms_per_step=span_us / decode_steps / 1e3,
+                   gpu_idle_ms_per_step=idle_us / decode_steps / 1e3,
+                   wall_ms_per_step=wall_s / decode_steps * 1e3,
                    imposed_read_fraction=imposed_mean(knots, context)
                    if args.backend == "moira" else None,
                    top_kernels_ms_per_step={k: v / decode_steps / 1e3 for k, v in
                                             sorted(top.items(), key=lambda kv: -kv[1])[:15]})
         results.append(row)
         print(json.dumps({k: row[k] for k in ("shape", "kernels_per_step", "per_step_ms",
-                                              "total_ms")}), flush=True)
+                                              "total_ms", "gpu_span_ms_per_step",
+                                              "gpu_idle_ms_per_step", "wall_ms_per_step")}), flush=True)
         with open(args.out, "w") as f:
             json.dump(dict(backend=args.backend, gpu=torch.cuda.get_device_name(),
                            versions=dict(torch=torch.__version__),

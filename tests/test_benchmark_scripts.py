@@ -88,12 +88,22 @@ def test_tpot_report_counts_a_default_moira_run_at_the_batch_shapes(tmp_path):
 
     (tmp_path / "dense.json").write_text(json.dumps(run("dense", 20.0)))
     (tmp_path / "moira.json").write_text(json.dumps(run("moira", 10.0, 16384)))
-    runs = report.load(str(tmp_path))
+    runs = report.load([str(tmp_path)])
     text, rows = report.table(runs)
     batch = next(row for row in rows if row["shape"] == "32k16")
     assert batch["g0.98"]["speedup"] == 2.0
     single = report.single_table(runs)
     assert "| 2k1 | 20.00 | – | – | – | 10.00 (N = 16384) | -50.0% |" in single
+    # a second model's runs in another folder join the same table; a run twice is an error
+    other = tmp_path / "qwen"
+    other.mkdir()
+    for name, backend, tpot in (("dense.json", "dense", 30.0), ("moira.json", "moira", 12.0)):
+        (other / name).write_text(json.dumps(dict(run(backend, tpot), model="qwen3-4b")))
+    text, rows = report.table(report.load([str(tmp_path), str(other)]))
+    assert [(row["model"], row["g0.98"]["speedup"]) for row in rows if row["shape"] == "32k16"] \
+        == [("llama-3.1-8b", 2.0), ("qwen3-4b", 2.5)]
+    with pytest.raises(SystemExit, match="two runs"):
+        report.load([str(tmp_path), str(tmp_path)])
 
 
 def test_accuracy_merge_keeps_every_part_of_an_earlier_merge(tmp_path):
@@ -138,3 +148,21 @@ def test_first_difference_gap_pairs_prompts_and_counts_agreement_as_full_length(
     assert gap["moira_minus_dense"]["mean"] == pytest.approx(0.0)
     assert gap["moira_minus_dense"]["low"] <= 0 <= gap["moira_minus_dense"]["high"]
     assert compare.first_difference_gap(dict(dense=dict(full=dense))) is None
+
+
+def test_step_report_puts_each_backend_and_the_papers_rows_under_each_shape():
+    report = load("step_report")
+
+    def run(classes):
+        return dict(results=[dict(shape="130k4", per_step_ms=classes,
+                                  total_ms=sum(classes.values()), gpu_idle_ms_per_step=1.0,
+                                  wall_ms_per_step=12.0)])
+
+    text = report.table(dict(dense=run(dict(FA3=15.0, GEMM=4.0)),
+                             moira=run(dict(Attend=2.5, Estimate=0.5, GEMM=4.0))))
+    lines = text.splitlines()
+    assert lines[2] == "| 130k4 | dense FA3 | – | – | – | – | 15.00 | 4.00 | – | **19.00** | " \
+        "1.00 | 12.00 |"
+    assert lines[3].startswith("| 130k4 | Moira | 2.50 | 0.50 | – | – | – | 4.00 |")
+    assert lines[4].startswith("| 130k4 | paper, dense | – | – | – | – | 15.76 |")
+    assert lines[5].startswith("| 130k4 | paper, Moira | 2.78 | 0.43 | 0.42 | 0.13 | – | 3.83 |")

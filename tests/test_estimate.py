@@ -5,6 +5,7 @@ import torch
 from helpers import DEVICE, make_cache, make_query, make_table, poisoned
 
 from moira import reference as ref
+from moira.kernels import estimate as estimate_module
 from moira.kernels.estimate import estimate
 
 SEQ_LENS = {
@@ -38,6 +39,40 @@ def test_estimate_matches_reference(group, head_dim, lengths):
         torch.testing.assert_close(got[b, :, :, :pages], expected[b, :, :, :pages],
                                    rtol=1e-5, atol=1e-4)
         assert torch.isnan(got[b, :, :, pages:]).all()  # past the row: not written
+
+
+@pytest.mark.parametrize("target_programs", [1, 8, 24])
+def test_programs_share_a_rows_tiles_in_a_wide_table(monkeypatch, target_programs):
+    """As in an engine: the block table is far wider than the rows, and each row's mvar
+    programs (1, 1 or 3 per row for 8 rows) split the row's own tiles, one program looping over
+    several; every page of every row written once, nothing past a row."""
+    monkeypatch.setattr(estimate_module, "TARGET_PROGRAMS", target_programs)
+    num_kv_heads, group, head_dim = 2, 4, 64
+    lengths = [64 * 70 + 5, 3, 64 * 100, 64 * 33]
+    keys, _ = make_cache(1700, num_kv_heads, head_dim, layout="packed")
+    table, seq_lens = make_table(lengths, 1700, extra_columns=300)  # 401 columns: 13 tiles
+    query = make_query(len(lengths), num_kv_heads * group, head_dim)
+    summaries = ref.summarize(keys.cpu(), table.cpu(), seq_lens.cpu()).to(DEVICE)
+    log_masses = poisoned(len(lengths) * num_kv_heads, group, table.shape[1],
+                          dtype=torch.float32)
+    scale = 1 / math.sqrt(head_dim)
+    estimate(query, keys, summaries, table, seq_lens, scale, log_masses)
+    expected = ref.estimate(query.cpu(), keys.cpu(), summaries.cpu(), table.cpu(),
+                            seq_lens.cpu(), scale)
+    got = log_masses.cpu().view_as(expected)
+    for b, length in enumerate(lengths):
+        pages = ref.num_pages(length, table.shape[1])
+        torch.testing.assert_close(got[b, :, :, :pages], expected[b, :, :, :pages],
+                                   rtol=1e-5, atol=1e-4)
+        assert torch.isnan(got[b, :, :, pages:]).all()
+
+
+def test_estimate_programs_per_row_follow_the_batch_not_the_table_width():
+    # a 131k-token engine's table (2,048 pages) at 8k x 32 (256 rows): 4 programs per row,
+    # not 64; one request (8 rows): one per tile of the table; never more than the tiles
+    assert estimate_module.programs_per_row(256, 2048) == 4
+    assert estimate_module.programs_per_row(8, 2048) == 64
+    assert estimate_module.programs_per_row(8, 40) == 2
 
 
 def test_estimate_bf16_summaries():

@@ -5,9 +5,15 @@
 from the page summaries, without reading keys; the sink (page 0) and the current (last) page,
 which has no summary yet, are computed exactly from their keys.
 
-Grid: (rows = batch * KV heads, 2 + page blocks of ``PAGES_PER_PROGRAM``): programs 0 and 1 of
-a row compute the sink and the current page from their keys; the others apply mvar to the middle
-pages of their block and exit if the block is past the row's end.
+Grid: (rows = batch * KV heads, 2 + J): programs 0 and 1 of a row compute the sink and the
+current page from their keys; the J others split the row's tiles of ``PAGES_PER_PROGRAM`` pages
+between them, each reading the row's length from GPU memory (as Attend does), and apply mvar to
+the middle pages. J depends on the batch shape alone (``programs_per_row``): enough programs to
+fill the GPU, not one per tile of the block table's width. In an engine the block table is as
+wide as the longest context it admits, so a grid sized by the width launched, at 8k x 32 in a
+130k-token engine (2,037 pages), 66 programs per row of which 7 had work (session 7's step
+profile: Estimate 29 us per layer in the engine against 13-16 in a bench whose table was as
+wide as its rows).
 
 Program 1 also summarizes the current page when this step's token has just filled it (the
 row's length a multiple of 64): the page is a middle page from the next step on, and a decode
@@ -28,6 +34,15 @@ from .summarize import summarize_page
 # tuned on the H200 (benchmarks/NOTES.md)
 PAGES_PER_PROGRAM = 32
 NUM_WARPS = 4
+# mvar programs to launch over the whole batch (about eight per SM on the H200's 132)
+TARGET_PROGRAMS = 1024
+
+
+def programs_per_row(rows, max_pages):
+    """J: mvar programs per row for a step of ``rows`` rows and a block table of ``max_pages``
+    pages per row (never more than the table has tiles)."""
+    return max(1, min(triton.cdiv(max_pages, PAGES_PER_PROGRAM),
+                      triton.cdiv(TARGET_PROGRAMS, max(rows, 1))))
 
 
 @triton.jit
@@ -42,7 +57,7 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
                      stride_kp, stride_kt, stride_kh, stride_kd,
                      stride_sp, stride_sh, stride_ss, stride_sd,
                      stride_bt, stride_lr, stride_lg,
-                     num_kv_heads, max_pages, scale, dense_below_pages,
+                     num_kv_heads, max_pages, scale, dense_below_pages, mvar_programs,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                      BLOCK_P: tl.constexpr):
     row = tl.program_id(0)
@@ -83,22 +98,24 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
             tl.store(dst + g * stride_lg + page, _log_sum_exp(logits))
         return
 
-    first = (block - 2) * BLOCK_P
-    if first >= pages_in_row:
-        return
-    pages = first + tl.arange(0, BLOCK_P)
-    middle = (pages > 0) & (pages < last)  # full pages, summarized
-    physical = tl.load(row_table + pages, mask=middle, other=0)
-    src = summaries + physical.to(tl.int64)[:, None] * stride_sp + head * stride_sh \
-        + dims[None, :] * stride_sd
-    mean = tl.load(src, mask=middle[:, None], other=0.0).to(tl.float32)
-    var = tl.load(src + stride_ss, mask=middle[:, None], other=0.0).to(tl.float32)
-    # mvar: G is small, so plain FMAs and a row sum (a tl.dot would pad G to 16)
-    for g in tl.static_range(GROUP):
-        q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
-        est = tl.sum(mean * q_g[None, :] + var * (0.5 * q_g * q_g)[None, :], axis=1) \
-            + math.log(PAGE)
-        tl.store(dst + g * stride_lg + pages, est, mask=middle)
+    # this program's tiles of the row: an even share of the row's own tiles
+    tiles = tl.cdiv(pages_in_row, BLOCK_P)
+    share = tl.cdiv(tiles, mvar_programs)
+    first_tile = (block - 2) * share
+    for tile in range(first_tile, tl.minimum(first_tile + share, tiles)):
+        pages = tile * BLOCK_P + tl.arange(0, BLOCK_P)
+        middle = (pages > 0) & (pages < last)  # full pages, summarized
+        physical = tl.load(row_table + pages, mask=middle, other=0)
+        src = summaries + physical.to(tl.int64)[:, None] * stride_sp + head * stride_sh \
+            + dims[None, :] * stride_sd
+        mean = tl.load(src, mask=middle[:, None], other=0.0).to(tl.float32)
+        var = tl.load(src + stride_ss, mask=middle[:, None], other=0.0).to(tl.float32)
+        # mvar: G is small, so plain FMAs and a row sum (a tl.dot would pad G to 16)
+        for g in tl.static_range(GROUP):
+            q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
+            est = tl.sum(mean * q_g[None, :] + var * (0.5 * q_g * q_g)[None, :], axis=1) \
+                + math.log(PAGE)
+            tl.store(dst + g * stride_lg + pages, est, mask=middle)
 
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
@@ -110,13 +127,15 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     max_pages = block_table.shape[1]
-    # columns 0 and 1: the exact sink and current page of each row; then the mvar page blocks
-    grid = (batch * num_kv_heads, 2 + triton.cdiv(max_pages, PAGES_PER_PROGRAM))
+    rows = batch * num_kv_heads
+    per_row = programs_per_row(rows, max_pages)
+    # columns 0 and 1: the exact sink and current page of each row; then the mvar programs
+    grid = (rows, 2 + per_row)
     _estimate_kernel[grid](
         query, key_cache, summaries, block_table, seq_lens, log_masses,
         *query.stride(), *key_cache.stride(), *summaries.stride(),
         block_table.stride(0), log_masses.stride(0), log_masses.stride(1),
-        num_kv_heads, max_pages, scale, dense_below_pages,
+        num_kv_heads, max_pages, scale, dense_below_pages, per_row,
         GROUP=group, HEAD_DIM=head_dim, PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM,
         num_warps=NUM_WARPS,
     )

@@ -1,6 +1,8 @@
 """Select (paper 3.2, Eq. 3, Alg. 1): each row's page list, by bisection on the threshold.
 
-One program per (request, KV head) row keeps the row's group-mean shares on chip:
+One program per (request, KV head) row keeps the row's group-mean shares on chip, on the
+fewest lanes that hold the row (the block table's width rounded up to a power of two, or a half,
+quarter or eighth of it), so a short row in a wide table does not pay for the width:
 
     share_P = 1/G sum_g softmax_P(log m_{g,.})
 
@@ -43,31 +45,14 @@ def num_warps(block):
 
 
 @triton.jit
-def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
-                   stride_lr, stride_lg, stride_pb, stride_ph, stride_cb, stride_ch,
-                   stride_vb, stride_vh, num_kv_heads, max_pages, gamma, top_k,
-                   dense_below_pages,
-                   GROUP: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr,
-                   PASSES: tl.constexpr, FIXED_COUNT: tl.constexpr, FRACTIONS: tl.constexpr,
-                   ROW_GAMMAS: tl.constexpr, PAGE: tl.constexpr):
-    # row_values: the row's keep fraction (FRACTIONS) or coverage target (ROW_GAMMAS)
-    row = tl.program_id(0)
-    b = row // num_kv_heads
-    head = row % num_kv_heads
-    pages_in_row = tl.minimum(tl.cdiv(tl.load(seq_lens + b), PAGE), max_pages)
-    lists = page_lists + b.to(tl.int64) * stride_pb + head * stride_ph
-    counts = page_counts + b * stride_cb + head * stride_ch
-    if pages_in_row == 0:
-        tl.store(counts, 0)
-        return
-
+def _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
+                stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
+                GROUP: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr,
+                PASSES: tl.constexpr, FIXED_COUNT: tl.constexpr, FRACTIONS: tl.constexpr,
+                ROW_GAMMAS: tl.constexpr):
+    """Select one row of 1 to ``BLOCK`` pages: its page list and count."""
     pages = tl.arange(0, BLOCK)
     in_row = pages < pages_in_row
-    if pages_in_row <= dense_below_pages:  # short row: every page (Estimate skipped it)
-        tl.store(lists + pages, pages, mask=in_row)
-        tl.store(counts, pages_in_row)
-        return
-
     # group-mean attention share of every page
     shares = tl.zeros([BLOCK], dtype=tl.float32)
     for g in range(GROUP):
@@ -130,6 +115,53 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
     tl.store(counts, kept + tl.minimum(pages_in_row, 2))
 
 
+@triton.jit
+def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
+                   stride_lr, stride_lg, stride_pb, stride_ph, stride_cb, stride_ch,
+                   stride_vb, stride_vh, num_kv_heads, max_pages, gamma, top_k,
+                   dense_below_pages,
+                   GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_2: tl.constexpr,
+                   BLOCK_4: tl.constexpr, BLOCK_8: tl.constexpr, WAYS: tl.constexpr,
+                   PASSES: tl.constexpr, FIXED_COUNT: tl.constexpr, FRACTIONS: tl.constexpr,
+                   ROW_GAMMAS: tl.constexpr, PAGE: tl.constexpr):
+    # row_values: the row's keep fraction (FRACTIONS) or coverage target (ROW_GAMMAS)
+    row = tl.program_id(0)
+    b = row // num_kv_heads
+    head = row % num_kv_heads
+    pages_in_row = tl.minimum(tl.cdiv(tl.load(seq_lens + b), PAGE), max_pages)
+    lists = page_lists + b.to(tl.int64) * stride_pb + head * stride_ph
+    counts = page_counts + b * stride_cb + head * stride_ch
+    if pages_in_row == 0:
+        tl.store(counts, 0)
+        return
+
+    if pages_in_row <= dense_below_pages:  # short row: every page (Estimate skipped it)
+        pages = tl.arange(0, BLOCK)
+        tl.store(lists + pages, pages, mask=pages < pages_in_row)
+        tl.store(counts, pages_in_row)
+        return
+
+    # the row on the fewest lanes that hold it: the block table is as wide as the longest
+    # context an engine admits, and a pass costs what its lanes cost, not what the row holds
+    # (BLOCK_2, _4, _8: BLOCK / 2, 4, 8, at least 16)
+    if pages_in_row <= BLOCK_8:
+        _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
+                    stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
+                    GROUP, BLOCK_8, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS)
+    elif pages_in_row <= BLOCK_4:
+        _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
+                    stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
+                    GROUP, BLOCK_4, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS)
+    elif pages_in_row <= BLOCK_2:
+        _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
+                    stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
+                    GROUP, BLOCK_2, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS)
+    else:
+        _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
+                    stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
+                    GROUP, BLOCK, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS)
+
+
 def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
            top_k, ways, keep_fractions=None, gammas=None, dense_below_pages=0):
     """Fill ``page_lists`` ``[batch, num_kv_heads, >= max_pages]`` and ``page_counts``
@@ -148,7 +180,8 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
         page_counts, log_masses.stride(0), log_masses.stride(1), *page_lists.stride()[:2],
         *page_counts.stride(), *(row_values.stride() if row_values is not None else (0, 0)),
         num_kv_heads, max_pages, float(gamma), int(top_k or 0), int(dense_below_pages),
-        GROUP=group, BLOCK=block, WAYS=ways, PASSES=BISECTION_BITS // (ways.bit_length() - 1),
+        GROUP=group, BLOCK=block, BLOCK_2=max(16, block // 2), BLOCK_4=max(16, block // 4),
+        BLOCK_8=max(16, block // 8), WAYS=ways, PASSES=BISECTION_BITS // (ways.bit_length() - 1),
         FIXED_COUNT=top_k is not None or fractions, FRACTIONS=fractions,
         ROW_GAMMAS=gammas is not None and not fractions, PAGE=PAGE_SIZE,
         num_warps=num_warps(block),
