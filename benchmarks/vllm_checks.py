@@ -18,8 +18,8 @@ Modes (Llama-3.1-8B geometry from ``benchmarks/models``, ``--layers`` to cut the
   may again share the prefix's pages). The two full runs are compared; run it
   with ``--backend FLASH_ATTN`` too for the yardstick (recomputation changes batch shapes).
 - ``preempt``: the same prompts with a KV cache of ``--blocks`` pages, too small for all of
-  them, so vLLM preempts and recomputes requests; compare its tokens with a ``moira`` /
-  ``dense`` run of the same backend (``vllm_compare.py``).
+  them, so vLLM preempts and recomputes requests (``preemptions`` in the JSON counts them);
+  compare its tokens with a ``moira`` / ``dense`` run of the same backend (``vllm_compare.py``).
 
 Prompts are random token ids of mixed lengths (partial last pages); ``--max-batched-tokens``
 keeps prefills chunked, so decode rows and prefill rows share steps (mixed steps). Writes the
@@ -194,6 +194,10 @@ def main():
                                fraction=read / present if present else None,
                                per_layer={k: r / p for k, (r, p) in totals.items() if p})
     result["all_finished"] = all(row["finished"] for row in result["full"])
+    # how many times the scheduler preempted a request over the engine's runs (vLLM's counter;
+    # the preempt mode should show some, the others none)
+    result["preemptions"] = sum(metric.value for metric in llm.get_metrics()
+                                if metric.name.startswith("vllm:num_preemptions"))
     with open(args.out, "w") as f:
         json.dump(result, f)
     summary = {k: v for k, v in result.items() if k not in ("full", "halves", "dense_check")}

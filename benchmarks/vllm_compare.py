@@ -115,7 +115,8 @@ def main():
             print(f"{name}: pages read {run['pages']['fraction']:.3f} of present, "
                   f"all finished: {run['all_finished']}, prompts {len(run['lengths'])} x "
                   f"{run['lengths'][0]}.., startup {run['startup_s']} s, generate "
-                  f"{run['full_s']:.1f} s")
+                  f"{run['full_s']:.1f} s"
+                  + (f", preemptions {run['preemptions']:g}" if "preemptions" in run else ""))
 
 
 if __name__ == "__main__":

@@ -68,10 +68,10 @@ def test_programs_share_a_rows_tiles_in_a_wide_table(monkeypatch, target_program
 
 
 def test_estimate_programs_per_row_follow_the_batch_not_the_table_width():
-    # a 131k-token engine's table (2,048 pages) at 8k x 32 (256 rows): 4 programs per row,
-    # not 64; one request (8 rows): one per tile of the table; never more than the tiles
-    assert estimate_module.programs_per_row(256, 2048) == 4
-    assert estimate_module.programs_per_row(8, 2048) == 64
+    # a 131k-token engine's table (2,048 pages) at 8k x 32 (256 rows): 8 programs per row,
+    # not 64; at 131k x 4 (32 rows) one per tile, as before; never more than the tiles
+    assert estimate_module.programs_per_row(256, 2048) == 8
+    assert estimate_module.programs_per_row(32, 2048) == 64
     assert estimate_module.programs_per_row(8, 40) == 2
 
 

@@ -34,8 +34,10 @@ from .summarize import summarize_page
 # tuned on the H200 (benchmarks/NOTES.md)
 PAGES_PER_PROGRAM = 32
 NUM_WARPS = 4
-# mvar programs to launch over the whole batch (about eight per SM on the H200's 132)
-TARGET_PROGRAMS = 1024
+# mvar programs to launch over the whole batch: about 16 per SM on the H200's 132, the grid of
+# one program per tile that the kernel was tuned with at 131k x 4 (4 requests, 2,048 pages), so
+# rows that fill the table keep that grid and only the exiting programs of short rows go
+TARGET_PROGRAMS = 2048
 
 
 def programs_per_row(rows, max_pages):
