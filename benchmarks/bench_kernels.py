@@ -26,8 +26,11 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
 - ``dense_fa3``      FA3 over every page (what vLLM runs today), the bandwidth reference:
                      ``rel_bw`` of an arm = (its K/V bytes / its time) / (dense bytes / dense time).
 
-Also, per shape: Estimate, Select (coverage 0.98 and fixed 22%), and the whole four-kernel step
-(fixed 22%) in one CUDA graph.
+Also, per shape: Estimate (rotating over copies of the summaries that exceed twice the L2, as
+consecutive layers' do; before session 7 one copy stayed in the L2), Select (coverage 0.98 and
+fixed 22%; its input, written by Estimate just before, is in the L2 in an engine too), and the
+whole four-kernel step (fixed 22%) in one CUDA graph. The block tables are as wide as the rows;
+``tune_kernels.py --kinds wide`` times Estimate and Select with an engine's wider table.
 
 Every time is the median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``), except
 the host plan. The caches are >= 1 GB per shape and the selected pages (>= 235 MB) are scattered,
@@ -303,10 +306,14 @@ def main():
               + (f"{us:9.1f} us" if us is not None else f"ERROR {row.get('error')}")
               + (f"  {row['tbps']:.2f} TB/s" if row.get("tbps") else ""), flush=True)
 
-    def timed(shape_name, arm, make, spread=None, bytes_read=None, host=False, **extra):
+    def timed(shape_name, arm, make, spread=None, bytes_read=None, host=False, calls=1,
+              **extra):
+        """Time ``make()``; ``calls``: how many launches of the arm one call of it makes (the
+        time recorded is per launch)."""
         try:
             fn = make()
             us, how = (host_time_us(fn), "host") if host else bench(fn)
+            us /= calls
             row = dict(shape=shape_name, spread=spread, arm=arm, us=round(us, 2), timing=how,
                        **extra)
             if bytes_read:
@@ -344,9 +351,14 @@ def main():
         summary_bytes = s.rows * s.pages * 2 * HEAD_DIM * summaries.element_size()
         top_k = round(MEAN_FRACTION * s.pages)
         ways = s.workspace.config.bisection_ways_for(s.pages)
-        timed(shape_name, "estimate", lambda: lambda: _launch_estimate(
-            s.query, s.key_nhd, summaries, s.table, s.seq_lens, s.scale, log_masses),
-            bytes_read=summary_bytes)
+        # Estimate's input, the summaries, is 17-34 MB per layer: one copy would sit in the
+        # 60 MiB L2 across replays, while an engine reads each layer's from HBM. Rotate over
+        # copies that together exceed twice the L2 (as the caches of consecutive layers do).
+        copies = [summaries] + [summaries.clone() for _ in
+                                range(max(1, -(-(128 << 20) // summary_bytes)) - 1)]
+        timed(shape_name, "estimate", lambda: lambda: [_launch_estimate(
+            s.query, s.key_nhd, copy, s.table, s.seq_lens, s.scale, log_masses)
+            for copy in copies], bytes_read=summary_bytes, calls=len(copies))
         for mode, kw in (("select_coverage", dict(gamma=0.98, top_k=None)),
                          ("select_top22", dict(gamma=0.98, top_k=top_k))):
             timed(shape_name, mode, lambda kw=kw: lambda: _launch_select(
