@@ -166,3 +166,19 @@ def test_step_report_puts_each_backend_and_the_papers_rows_under_each_shape():
     assert lines[3].startswith("| 130k4 | Moira | 2.50 | 0.50 | – | – | – | 4.00 |")
     assert lines[4].startswith("| 130k4 | paper, dense | – | – | – | – | 15.76 |")
     assert lines[5].startswith("| 130k4 | paper, Moira | 2.78 | 0.43 | 0.42 | 0.13 | – | 3.83 |")
+
+
+def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
+    import json
+
+    report = load("tpot_report")
+    for pair, (dense, moira) in enumerate([(20.0, 10.0), (21.0, 7.0)], start=1):
+        folder = tmp_path / f"pair{pair}"
+        folder.mkdir()
+        for name, backend, tpot in (("d.json", "dense", dense), ("m.json", "moira", moira)):
+            run = dict(backend=backend, model="llama-3.1-8b", gamma=0.98,
+                       results=[dict(shape="130k4", tpot_ms=tpot, imposed_read_fraction=0.15)])
+            (folder / name).write_text(json.dumps(run))
+    text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+    assert "| llama-3.1-8b | 130k4 | 20.00 / 21.00 | 10.00 / 7.00 | 2.00× / 3.00× | **2.50×** " \
+        "| 2.64× |" in text

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Interleaved TPOT pairs (issue 5, the paper's Table 3 protocol): engines dense, Moira, dense,
+# Moira, one after another on one GPU, each timing the same shapes (benchmarks/vllm_tpot.py).
+#
+#   PYTHONPATH=/tmp/site:. bash benchmarks/tpot_pairs.sh [SHAPES] [MODEL] [PAIRS]
+#   e.g. bash benchmarks/tpot_pairs.sh 8k32,32k16,130k4 llama-3.1-8b 2
+# Results: $OUT/pair<i>/<model>-dense.json and <model>-moira-g098.json; report with
+#   python3 benchmarks/tpot_report.py --pairs results/<folder>/pair1 results/<folder>/pair2
+# About 4 x (engine start-up ~60 s + ~40 s per shape) for two pairs.
+set -euo pipefail
+shapes=${1:-8k32,16k32,32k16,64k8,130k4}
+model=${2:-llama-3.1-8b}
+pairs=${3:-2}
+out=${OUT:-.}
+for pair in $(seq "$pairs"); do
+  mkdir -p "$out/pair$pair"
+  for backend in dense moira; do
+    name=$model-$backend; [ "$backend" = moira ] && name=$model-moira-g098
+    python3 benchmarks/vllm_tpot.py --model "$model" --shapes "$shapes" --backend "$backend" \
+      --repeats 1 --out "$out/pair$pair/$name.json" 2>&1 | grep "tpot_ms\|Error\|Traceback" \
+      | cut -c1-120 || true
+  done
+done
