@@ -182,3 +182,25 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
     text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
     assert "| llama-3.1-8b | 130k4 | 20.00 / 21.00 | 10.00 / 7.00 | 2.00× / 3.00× | **2.50×** " \
         "| 2.64× |" in text
+
+
+def test_every_kernel_compiles_for_the_h200_without_spilling():
+    """On any machine: Triton's wheel carries ptxas, so the GPU build of every kernel (not the
+    interpreter's view of it) is checked here, before device time is spent on a kernel that
+    does not compile."""
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__),
+                                       "backends/nvidia/bin/ptxas")):
+        pytest.skip("this Triton build has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
+                          "compile_check.py")
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("spilled bytes 0") == 6, done.stdout

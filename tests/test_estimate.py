@@ -41,12 +41,13 @@ def test_estimate_matches_reference(group, head_dim, lengths):
         assert torch.isnan(got[b, :, :, pages:]).all()  # past the row: not written
 
 
-@pytest.mark.parametrize("target_programs", [1, 8, 24])
-def test_programs_share_a_rows_tiles_in_a_wide_table(monkeypatch, target_programs):
-    """As in an engine: the block table is far wider than the rows, and each row's mvar
-    programs (1, 1 or 3 per row for 8 rows) split the row's own tiles, one program looping over
-    several; every page of every row written once, nothing past a row."""
+@pytest.mark.parametrize("target_programs, max_tiles", [(1, 100), (8, 8), (24, 8)])
+def test_programs_share_a_rows_tiles_in_a_wide_table(monkeypatch, target_programs, max_tiles):
+    """As in an engine: the block table (13 tiles) is far wider than the rows, and each row's
+    mvar programs (1, 2 or 3 per row for 8 rows) split the row's own tiles, a program looping
+    over up to four; every page of every row written once, nothing past a row."""
     monkeypatch.setattr(estimate_module, "TARGET_PROGRAMS", target_programs)
+    monkeypatch.setattr(estimate_module, "MAX_TILES_PER_PROGRAM", max_tiles)
     num_kv_heads, group, head_dim = 2, 4, 64
     lengths = [64 * 70 + 5, 3, 64 * 100, 64 * 33]
     keys, _ = make_cache(1700, num_kv_heads, head_dim, layout="packed")
@@ -73,6 +74,8 @@ def test_estimate_programs_per_row_follow_the_batch_not_the_table_width():
     assert estimate_module.programs_per_row(256, 2048) == 8
     assert estimate_module.programs_per_row(32, 2048) == 64
     assert estimate_module.programs_per_row(8, 40) == 2
+    # a 1M-token table (512 tiles): however many rows, no program gets more than 8 tiles
+    assert estimate_module.programs_per_row(4096, 16384) == 64
 
 
 def test_estimate_bf16_summaries():

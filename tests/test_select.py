@@ -67,7 +67,7 @@ def check_superset(shares, got, want, gamma):
 @pytest.mark.parametrize("spread", [0.3, 2.0, 8.0])
 @pytest.mark.parametrize("gamma", [0.5, 0.9, 0.98, 0.999])
 def test_coverage_matches_reference(group, spread, gamma):
-    # 300 pages wide: rows on 64 (1-38 pages), 128 (100), 256 (201) and 512 lanes (300)
+    # 300 pages wide (512 lanes, 4 warps): rows on 128 (1-100 pages), 256 (201) and 512 (300)
     seq_lens = [1, 64, 65, 130, 64 * 37 + 9, 64 * 100, 64 * 200 + 1, 64 * 300, 0]
     log_masses, seq_lens = random_log_masses(seq_lens, 2, group, spread)
     page_lists, page_counts = run_select(log_masses, seq_lens, gamma=gamma)
@@ -156,8 +156,8 @@ def test_target_met_by_forced_pages_keeps_only_them():
 
 @pytest.mark.parametrize("top_k", [2, 3, 17, 64])
 def test_fixed_count_keeps_exactly_k(top_k):
-    seq_lens = [1, 64 * 2, 64 * 17, 64 * 40 + 3, 64 * 200]
-    # 1,000 pages wide (1,024 lanes): the rows run on an eighth (128) or a quarter of them
+    seq_lens = [1, 64 * 2, 64 * 17, 64 * 40 + 3, 64 * 200, 64 * 300]
+    # 1,000 pages wide (1,024 lanes, 8 warps): rows on 256 (up to 200 pages) and 512 lanes
     log_masses, seq_lens = random_log_masses(seq_lens, 2, 4, 2.0, width=1000)
     log_masses[3, 0, :, 5:15] = 1.0  # exact ties at the cut
     page_lists, page_counts = run_select(log_masses, seq_lens, top_k=top_k)

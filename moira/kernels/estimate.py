@@ -40,11 +40,18 @@ NUM_WARPS = 4
 TARGET_PROGRAMS = 2048
 
 
+# a program's tiles run one after another (two dependent loads each): a row as long as the
+# table, in a batch of short ones, still gets its tiles split this many ways at least
+MAX_TILES_PER_PROGRAM = 8
+
+
 def programs_per_row(rows, max_pages):
     """J: mvar programs per row for a step of ``rows`` rows and a block table of ``max_pages``
-    pages per row (never more than the table has tiles)."""
-    return max(1, min(triton.cdiv(max_pages, PAGES_PER_PROGRAM),
-                      triton.cdiv(TARGET_PROGRAMS, max(rows, 1))))
+    pages per row: about ``TARGET_PROGRAMS`` over the batch, at most one per tile of the table,
+    and enough that no program has more than ``MAX_TILES_PER_PROGRAM`` tiles."""
+    table_tiles = triton.cdiv(max_pages, PAGES_PER_PROGRAM)
+    return max(1, min(table_tiles, max(triton.cdiv(TARGET_PROGRAMS, max(rows, 1)),
+                                       triton.cdiv(table_tiles, MAX_TILES_PER_PROGRAM))))
 
 
 @triton.jit
@@ -53,7 +60,7 @@ def _log_sum_exp(logits):
     return peak + tl.log(tl.sum(tl.exp(logits - peak), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["mvar_programs"])  # one build for every batch size
 def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_masses,
                      stride_qb, stride_qh, stride_qd,
                      stride_kp, stride_kt, stride_kh, stride_kd,
@@ -104,7 +111,9 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
     tiles = tl.cdiv(pages_in_row, BLOCK_P)
     share = tl.cdiv(tiles, mvar_programs)
     first_tile = (block - 2) * share
-    for tile in range(first_tile, tl.minimum(first_tile + share, tiles)):
+    # no hoisting of the tile-invariant pointer math out of the loop: kept live across it, it
+    # cost ~20 registers per thread and a block per SM (sm_90, G = 4, D = 128)
+    for tile in tl.range(first_tile, tl.minimum(first_tile + share, tiles), disable_licm=True):
         pages = tile * BLOCK_P + tl.arange(0, BLOCK_P)
         middle = (pages > 0) & (pages < last)  # full pages, summarized
         physical = tl.load(row_table + pages, mask=middle, other=0)

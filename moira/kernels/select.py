@@ -2,7 +2,8 @@
 
 One program per (request, KV head) row keeps the row's group-mean shares on chip, on the
 fewest lanes that hold the row (the block table's width rounded up to a power of two, or a half,
-quarter or eighth of it), so a short row in a wide table does not pay for the width:
+quarter or eighth of it, at least one lane per thread), so a short row in a wide table does not
+pay for the width:
 
     share_P = 1/G sum_g softmax_P(log m_{g,.})
 
@@ -143,7 +144,7 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
 
     # the row on the fewest lanes that hold it: the block table is as wide as the longest
     # context an engine admits, and a pass costs what its lanes cost, not what the row holds
-    # (BLOCK_2, _4, _8: BLOCK / 2, 4, 8, at least 16)
+    # (BLOCK_2, _4, _8: BLOCK / 2, 4, 8, at least one lane per thread)
     if pages_in_row <= BLOCK_8:
         _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
                     stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
@@ -171,6 +172,10 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
     most ``dense_below_pages`` pages keep every page, in any mode."""
     rows, group = log_masses.shape[0], log_masses.shape[1]
     block = max(16, triton.next_power_of_2(max_pages))
+    # the smaller tiers keep at least one lane per thread: fewer would replicate the row across
+    # threads and save nothing (and a scan over replicated lanes is a layout Triton's compiler
+    # has miscompiled before)
+    lanes = min(block, 32 * num_warps(block))
     row_values = keep_fractions if keep_fractions is not None else gammas
     if row_values is not None and row_values.dim() == 1:  # per KV head, for every request
         row_values = row_values.expand(page_counts.shape)
@@ -180,8 +185,9 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
         page_counts, log_masses.stride(0), log_masses.stride(1), *page_lists.stride()[:2],
         *page_counts.stride(), *(row_values.stride() if row_values is not None else (0, 0)),
         num_kv_heads, max_pages, float(gamma), int(top_k or 0), int(dense_below_pages),
-        GROUP=group, BLOCK=block, BLOCK_2=max(16, block // 2), BLOCK_4=max(16, block // 4),
-        BLOCK_8=max(16, block // 8), WAYS=ways, PASSES=BISECTION_BITS // (ways.bit_length() - 1),
+        GROUP=group, BLOCK=block, BLOCK_2=max(lanes, block // 2),
+        BLOCK_4=max(lanes, block // 4), BLOCK_8=max(lanes, block // 8), WAYS=ways,
+        PASSES=BISECTION_BITS // (ways.bit_length() - 1),
         FIXED_COUNT=top_k is not None or fractions, FRACTIONS=fractions,
         ROW_GAMMAS=gammas is not None and not fractions, PAGE=PAGE_SIZE,
         num_warps=num_warps(block),

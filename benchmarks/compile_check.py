@@ -1,0 +1,98 @@
+"""Compile every Moira kernel for the H200 (sm_90) without a GPU, and report its registers.
+
+Triton's wheel carries NVIDIA's ptxas, so a CPU machine can build the GPU binaries the H200
+would run: a kernel that only ever ran in the interpreter is checked to compile, and a change's
+register cost (occupancy) is seen before device time is spent. Llama-3.1-8B geometry (G = 4,
+D = 128, bf16 cache, 64-token pages) and the launch settings of the package.
+
+    python benchmarks/compile_check.py        # must run without TRITON_INTERPRET
+
+Prints one line per kernel: registers per thread, spilled bytes (local memory), shared memory.
+Exits non-zero if a kernel fails to compile or spills.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("compile_check.py compiles for the GPU: run it without TRITON_INTERPRET=1")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from moira.kernels import attend, estimate, merge, select, summarize  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)  # H200
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+GROUP, HEAD_DIM, PAGE = 4, 128, 64
+CACHE = dict(query="*bf16", key_cache="*bf16", value_cache="*bf16", out="*bf16",
+             summaries="*bf16")
+INDICES = dict(block_table="*i32", seq_lens="*i32", page_lists="*i32", page_counts="*i32",
+               slot_mapping="*i32", arrivals="*i32", page_stats="*i64")
+FLOATS = dict(log_masses="*fp32", partial_out="*fp32", partial_lse="*fp32", row_values="*fp32",
+              scale="fp32", gamma="fp32", qk_scale_log2="fp32")
+
+
+def signature(kernel, constexprs):
+    """Every argument's type by its name: pointers and floats as listed, other scalars i32."""
+    types = {**CACHE, **INDICES, **FLOATS}
+    return {name: "constexpr" if name in constexprs else types.get(name, "i32")
+            for name in kernel.arg_names}
+
+
+def build(name, kernel, constexprs, num_warps, num_stages=3):
+    compiled = triton.compile(ASTSource(kernel, signature(kernel, constexprs), constexprs),
+                              target=TARGET,
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    usage = ""
+    if os.path.exists(CUOBJDUMP):
+        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moira-{os.getpid()}.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", path],
+                               capture_output=True, text=True).stdout
+        os.remove(path)
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    registers, local = (int(found.group(1)), int(found.group(4))) if found else (None, None)
+    print(f"{name:<40} registers {registers}  spilled bytes {local}  shared "
+          f"{compiled.metadata.shared}", flush=True)
+    return local
+
+
+def main():
+    block = 2048  # Select's lanes for a 131k-token engine
+    lanes = min(block, 32 * select.num_warps(block))
+    kernels = [
+        ("estimate", estimate._estimate_kernel,
+         dict(GROUP=GROUP, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_P=estimate.PAGES_PER_PROGRAM),
+         estimate.NUM_WARPS, 3),
+        *[(f"select {mode}", select._select_kernel,
+           dict(GROUP=GROUP, BLOCK=block, BLOCK_2=max(lanes, block // 2),
+                BLOCK_4=max(lanes, block // 4), BLOCK_8=max(lanes, block // 8), WAYS=4,
+                PASSES=12, FIXED_COUNT=fixed, FRACTIONS=fractions, ROW_GAMMAS=False,
+                PAGE=PAGE), select.num_warps(block), 3)
+          for mode, fixed, fractions in (("coverage", False, False),
+                                         ("fractions", True, True))],
+        ("attend", attend._attend_kernel,
+         dict(GROUP=GROUP, GROUP_PAD=16, HEAD_DIM=HEAD_DIM, PAGE=PAGE,
+              PAGES_PER_TILE=attend.PAGES_PER_ITER, FUSED_MERGE=False, HAS_STATS=False,
+              SPLITS_PAD=32, SPLITS_PER_LOAD=32), attend.NUM_WARPS, attend.NUM_STAGES),
+        ("merge", merge._merge_kernel,
+         dict(GROUP=GROUP, HEAD_DIM=HEAD_DIM, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
+              HAS_STATS=True, PAGE=PAGE), 4, 3),
+        ("summarize (filled slots)", summarize._summarize_filled_slots_kernel,
+         dict(HEAD_DIM=HEAD_DIM, PAGE=PAGE), 4, 3),
+    ]
+    spilled = [name for name, kernel, constexprs, warps, stages in kernels
+               if build(name, kernel, constexprs, warps, stages)]
+    if spilled:
+        sys.exit(f"spills registers: {', '.join(spilled)}")
+
+
+if __name__ == "__main__":
+    main()
