@@ -38,10 +38,8 @@ NUM_WARPS = 4
 # one program per tile that the kernel was tuned with at 131k x 4 (4 requests, 2,048 pages), so
 # rows that fill the table keep that grid and only the exiting programs of short rows go
 TARGET_PROGRAMS = 2048
-
-
-# a program's tiles run one after another (two dependent loads each): a row as long as the
-# table, in a batch of short ones, still gets its tiles split this many ways at least
+# a program's tiles run one after another (two dependent loads each): however many rows the
+# batch has, a row as long as the table is split so that no program has more tiles than this
 MAX_TILES_PER_PROGRAM = 8
 
 

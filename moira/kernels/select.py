@@ -144,7 +144,8 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
 
     # the row on the fewest lanes that hold it: the block table is as wide as the longest
     # context an engine admits, and a pass costs what its lanes cost, not what the row holds
-    # (BLOCK_2, _4, _8: BLOCK / 2, 4, 8, at least one lane per thread)
+    # (BLOCK_2, _4, _8: BLOCK / 2, 4, 8, at least one lane per thread; Triton needs each lane
+    # count as a constant, hence one call per tier)
     if pages_in_row <= BLOCK_8:
         _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
                     stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
