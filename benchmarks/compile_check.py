@@ -38,16 +38,30 @@ FLOATS = dict(log_masses="*fp32", partial_out="*fp32", partial_lse="*fp32", row_
               scale="fp32", gamma="fp32", qk_scale_log2="fp32")
 
 
-def signature(kernel, constexprs):
-    """Every argument's type by its name: pointers and floats as listed, other scalars i32."""
+def specialize(kernel, constexprs):
+    """``(signature, constexprs, attrs)`` as Triton's launcher builds them for a real launch:
+    every argument's type by its name (pointers and floats as listed, other scalars i32); the
+    unit strides of the last (channel) dimension become the constant 1, and pointers and the
+    strides of the cache, summary, query and output tensors are marked divisible by 16 (what
+    the launcher sees for contiguous bf16 tensors of these shapes), so loads vectorize as they
+    do on the GPU. Without that the build spills and misleads."""
     types = {**CACHE, **INDICES, **FLOATS}
-    return {name: "constexpr" if name in constexprs else types.get(name, "i32")
-            for name in kernel.arg_names}
+    constexprs = dict(constexprs)
+    attrs = {}
+    for index, name in enumerate(kernel.arg_names):
+        if name.startswith("stride_") and name.endswith("d"):
+            constexprs[name] = 1
+        elif name in types and types[name].startswith("*") or (
+                name.startswith("stride_") and name[7] in "qkvso"):
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32")
+                 for name in kernel.arg_names}
+    return signature, constexprs, attrs
 
 
 def build(name, kernel, constexprs, num_warps, num_stages=3):
-    compiled = triton.compile(ASTSource(kernel, signature(kernel, constexprs), constexprs),
-                              target=TARGET,
+    signature, constexprs, attrs = specialize(kernel, constexprs)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
                               options=dict(num_warps=num_warps, num_stages=num_stages))
     usage = ""
     if os.path.exists(CUOBJDUMP):
@@ -58,7 +72,9 @@ def build(name, kernel, constexprs, num_warps, num_stages=3):
                                capture_output=True, text=True).stdout
         os.remove(path)
     found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
-    registers, local = (int(found.group(1)), int(found.group(4))) if found else (None, None)
+    # spills land in the stack frame (STACK) or in local memory (LOCAL)
+    registers, local = ((int(found.group(1)), int(found.group(2)) + int(found.group(4)))
+                        if found else (None, None))
     print(f"{name:<40} registers {registers}  spilled bytes {local}  shared "
           f"{compiled.metadata.shared}", flush=True)
     return local
@@ -75,7 +91,8 @@ def main():
            dict(GROUP=GROUP, BLOCK=block, BLOCK_2=max(lanes, block // 2),
                 BLOCK_4=max(lanes, block // 4), BLOCK_8=max(lanes, block // 8), WAYS=4,
                 PASSES=12, FIXED_COUNT=fixed, FRACTIONS=fractions, ROW_GAMMAS=False,
-                PAGE=PAGE), select.num_warps(block), 3)
+                PAGE=PAGE, GROUP_PAD=GROUP, SOFTMAX_TILE=select.SOFTMAX_TILE),
+           select.num_warps(block), 3)
           for mode, fixed, fractions in (("coverage", False, False),
                                          ("fractions", True, True))],
         ("attend", attend._attend_kernel,

@@ -74,6 +74,18 @@ def test_coverage_matches_reference(group, spread, gamma):
     check_coverage(log_masses, seq_lens, page_lists, page_counts, gamma)
 
 
+@pytest.mark.parametrize("softmax_tile", [0, 1 << 14])
+def test_both_softmax_forms_match_reference(monkeypatch, softmax_tile):
+    """The G softmaxes head by head (0) and side by side in one tile: both the reference's."""
+    from moira.kernels import select as select_module
+
+    monkeypatch.setattr(select_module, "SOFTMAX_TILE", softmax_tile)
+    seq_lens = [1, 65, 64 * 37 + 9, 64 * 200 + 1, 64 * 300]
+    log_masses, seq_lens = random_log_masses(seq_lens, 2, 7, 2.0)
+    page_lists, page_counts = run_select(log_masses, seq_lens, gamma=0.95)
+    check_coverage(log_masses, seq_lens, page_lists, page_counts, 0.95)
+
+
 def check_coverage(log_masses, seq_lens, page_lists, page_counts, gamma):
     """Every row's list against the reference's at the row's target (``gamma``: a number, or
     ``[num_kv_heads]`` / ``[batch, num_kv_heads]``)."""

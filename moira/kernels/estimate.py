@@ -109,9 +109,7 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
     tiles = tl.cdiv(pages_in_row, BLOCK_P)
     share = tl.cdiv(tiles, mvar_programs)
     first_tile = (block - 2) * share
-    # no hoisting of the tile-invariant pointer math out of the loop: kept live across it, it
-    # cost ~20 registers per thread and a block per SM (sm_90, G = 4, D = 128)
-    for tile in tl.range(first_tile, tl.minimum(first_tile + share, tiles), disable_licm=True):
+    for tile in range(first_tile, tl.minimum(first_tile + share, tiles)):
         pages = tile * BLOCK_P + tl.arange(0, BLOCK_P)
         middle = (pages > 0) & (pages < last)  # full pages, summarized
         physical = tl.load(row_table + pages, mask=middle, other=0)

@@ -40,6 +40,13 @@ import triton.language as tl
 from ..config import BISECTION_BITS, PAGE_SIZE
 
 
+# rows whose [G, lanes] tile of log-masses has at most this many elements compute their G
+# softmaxes side by side (two reductions); larger ones head by head (2 G reductions in a
+# chain), since a larger tile spills on sm_90 (benchmarks/compile_check.py). 0: always head by
+# head (the form timed before session 7)
+SOFTMAX_TILE = 16384
+
+
 def num_warps(block):
     """Warps per row program: enough threads to hold the row's shares in registers."""
     return 4 if block < 1024 else (8 if block <= 4096 else 16)
@@ -50,18 +57,31 @@ def _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_ro
                 stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
                 GROUP: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr,
                 PASSES: tl.constexpr, FIXED_COUNT: tl.constexpr, FRACTIONS: tl.constexpr,
-                ROW_GAMMAS: tl.constexpr):
+                ROW_GAMMAS: tl.constexpr, GROUP_PAD: tl.constexpr,
+                SOFTMAX_TILE: tl.constexpr):
     """Select one row of 1 to ``BLOCK`` pages: its page list and count."""
     pages = tl.arange(0, BLOCK)
     in_row = pages < pages_in_row
     # group-mean attention share of every page
-    shares = tl.zeros([BLOCK], dtype=tl.float32)
-    for g in range(GROUP):
-        ell = tl.load(log_masses + row.to(tl.int64) * stride_lr + g * stride_lg + pages,
-                      mask=in_row, other=float("-inf"))
-        weights = tl.exp(ell - tl.max(ell, axis=0))
-        shares += weights / tl.sum(weights, axis=0)
-    shares = shares / GROUP
+    row_masses = log_masses + row.to(tl.int64) * stride_lr
+    if GROUP_PAD * BLOCK <= SOFTMAX_TILE:
+        # all G softmaxes in one [G, BLOCK] tile: their maxima and sums are two reductions
+        # side by side, not 2 G in a chain
+        heads = tl.arange(0, GROUP_PAD)
+        real = heads < GROUP
+        ell = tl.load(row_masses + heads[:, None] * stride_lg + pages[None, :],
+                      mask=real[:, None] & in_row[None, :], other=float("-inf"))
+        peak = tl.where(real, tl.max(ell, axis=1), 0.0)  # padding heads: exp(-inf) = 0
+        weights = tl.exp(ell - peak[:, None])
+        totals = tl.where(real, tl.sum(weights, axis=1), 1.0)
+        shares = tl.sum(weights / totals[:, None], axis=0) / GROUP
+    else:
+        shares = tl.zeros([BLOCK], dtype=tl.float32)
+        for g in range(GROUP):
+            ell = tl.load(row_masses + g * stride_lg + pages, mask=in_row, other=float("-inf"))
+            weights = tl.exp(ell - tl.max(ell, axis=0))
+            shares += weights / tl.sum(weights, axis=0)
+        shares = shares / GROUP
 
     last = pages_in_row - 1
     forced = tl.sum(tl.where((pages == 0) | (pages == last), shares, 0.0), axis=0)
@@ -124,7 +144,8 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
                    GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_2: tl.constexpr,
                    BLOCK_4: tl.constexpr, BLOCK_8: tl.constexpr, WAYS: tl.constexpr,
                    PASSES: tl.constexpr, FIXED_COUNT: tl.constexpr, FRACTIONS: tl.constexpr,
-                   ROW_GAMMAS: tl.constexpr, PAGE: tl.constexpr):
+                   ROW_GAMMAS: tl.constexpr, PAGE: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   SOFTMAX_TILE: tl.constexpr):
     # row_values: the row's keep fraction (FRACTIONS) or coverage target (ROW_GAMMAS)
     row = tl.program_id(0)
     b = row // num_kv_heads
@@ -149,19 +170,23 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
     if pages_in_row <= BLOCK_8:
         _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
                     stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
-                    GROUP, BLOCK_8, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS)
+                    GROUP, BLOCK_8, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS, GROUP_PAD,
+                    SOFTMAX_TILE)
     elif pages_in_row <= BLOCK_4:
         _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
                     stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
-                    GROUP, BLOCK_4, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS)
+                    GROUP, BLOCK_4, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS, GROUP_PAD,
+                    SOFTMAX_TILE)
     elif pages_in_row <= BLOCK_2:
         _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
                     stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
-                    GROUP, BLOCK_2, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS)
+                    GROUP, BLOCK_2, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS, GROUP_PAD,
+                    SOFTMAX_TILE)
     else:
         _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
                     stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
-                    GROUP, BLOCK, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS)
+                    GROUP, BLOCK, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS, GROUP_PAD,
+                    SOFTMAX_TILE)
 
 
 def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
@@ -191,6 +216,7 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
         PASSES=BISECTION_BITS // (ways.bit_length() - 1),
         FIXED_COUNT=top_k is not None or fractions, FRACTIONS=fractions,
         ROW_GAMMAS=gammas is not None and not fractions, PAGE=PAGE_SIZE,
+        GROUP_PAD=triton.next_power_of_2(group), SOFTMAX_TILE=SOFTMAX_TILE,
         num_warps=num_warps(block),
     )
     return page_lists, page_counts

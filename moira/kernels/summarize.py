@@ -19,26 +19,14 @@ def summarize_page(key_cache, summaries, page, head,
                     stride_kp, stride_kt, stride_kh, stride_kd,
                     stride_sp, stride_sh, stride_ss, stride_sd,
                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
-    # in two halves of the page, read twice (the second time from L1): a whole page in fp32
-    # held ~40 more registers per thread, which Estimate (that calls this for the page a
-    # decode step filled) paid in every program: 167 against 128 on sm_90, 3 blocks per SM
-    # against 4 (benchmarks/compile_check.py)
-    HALF: tl.constexpr = PAGE // 2
-    tokens = tl.arange(0, HALF)
+    tokens = tl.arange(0, PAGE)
     dims = tl.arange(0, HEAD_DIM)
     page = page.to(tl.int64)  # page * stride can pass 2**31 in a large cache
-    src = key_cache + page * stride_kp + head * stride_kh + dims[None, :] * stride_kd
-    total = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for half in tl.static_range(2):
-        total += tl.sum(tl.load(src + (half * HALF + tokens)[:, None] * stride_kt)
-                        .to(tl.float32), axis=0)
-    mean = total / PAGE
-    squares = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for half in tl.static_range(2):  # two passes: no cancellation in E[k^2] - E[k]^2
-        centered = tl.load(src + (half * HALF + tokens)[:, None] * stride_kt) \
-            .to(tl.float32) - mean[None, :]
-        squares += tl.sum(centered * centered, axis=0)
-    var = squares / PAGE
+    keys = tl.load(key_cache + page * stride_kp + head * stride_kh
+                   + tokens[:, None] * stride_kt + dims[None, :] * stride_kd).to(tl.float32)
+    mean = tl.sum(keys, axis=0) / PAGE
+    centered = keys - mean[None, :]  # two passes on chip: no cancellation in E[k^2] - E[k]^2
+    var = tl.sum(centered * centered, axis=0) / PAGE
     dst = summaries + page * stride_sp + head * stride_sh + dims * stride_sd
     tl.store(dst, mean.to(summaries.dtype.element_ty))
     tl.store(dst + stride_ss, var.to(summaries.dtype.element_ty))
