@@ -114,6 +114,17 @@ def main():
                     max_pages=pages, ways=ways, **kwargs))
                 record("select", shape, f"{mode} warps={warps}", micros)
         select_module.num_warps = default_warps
+        # a row's G softmaxes head by head (0) or side by side in one tile
+        default_tile = select_module.SOFTMAX_TILE
+        for tile in [0, 1 << 14] if "select" in kinds else []:
+            select_module.SOFTMAX_TILE = tile
+            for mode, kwargs in [("coverage", dict(gamma=0.98, top_k=None)),
+                                 ("top22%", dict(gamma=0.98, top_k=top_k))]:
+                micros = bench(lambda: select_module.select(
+                    log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS,
+                    max_pages=pages, ways=ways, **kwargs))
+                record("select", shape, f"{mode} softmax tile {tile}", micros)
+        select_module.SOFTMAX_TILE = default_tile
 
         select_module.select(log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS,
                              max_pages=pages, gamma=0.98, top_k=top_k, ways=ways)
