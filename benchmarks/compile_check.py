@@ -3,7 +3,8 @@
 Triton's wheel carries NVIDIA's ptxas, so a CPU machine can build the GPU binaries the H200
 would run: a kernel that only ever ran in the interpreter is checked to compile, and a change's
 register cost (occupancy) is seen before device time is spent. Llama-3.1-8B geometry (G = 4,
-D = 128, bf16 cache, 64-token pages) and the launch settings of the package.
+D = 128, bf16 cache, 64-token pages) first, then edge geometries (G = 1, 7, 8; D = 64; Select
+on 64 to 16,384 lanes), with the launch settings of the package.
 
     python benchmarks/compile_check.py        # must run without TRITON_INTERPRET
 
@@ -80,32 +81,43 @@ def build(name, kernel, constexprs, num_warps, num_stages=3):
     return local
 
 
-def main():
-    block = 2048  # Select's lanes for a 131k-token engine
+def kernels(group, head_dim, block):
+    """(name, kernel, constexprs, warps, stages) of every kernel for one geometry, with the
+    launch settings the package uses; ``block``: Select's lanes (the table's pages, rounded up
+    to a power of two)."""
     lanes = min(block, 32 * select.num_warps(block))
-    kernels = [
-        ("estimate", estimate._estimate_kernel,
-         dict(GROUP=GROUP, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_P=estimate.PAGES_PER_PROGRAM),
+    group_pad = triton.next_power_of_2(group)
+    tag = f"G={group} D={head_dim}"
+    return [
+        (f"estimate {tag}", estimate._estimate_kernel,
+         dict(GROUP=group, HEAD_DIM=head_dim, PAGE=PAGE, BLOCK_P=estimate.PAGES_PER_PROGRAM),
          estimate.NUM_WARPS, 3),
-        *[(f"select {mode}", select._select_kernel,
-           dict(GROUP=GROUP, BLOCK=block, BLOCK_2=max(lanes, block // 2),
+        *[(f"select {mode} {tag} lanes={block}", select._select_kernel,
+           dict(GROUP=group, BLOCK=block, BLOCK_2=max(lanes, block // 2),
                 BLOCK_4=max(lanes, block // 4), BLOCK_8=max(lanes, block // 8), WAYS=4,
-                PASSES=12, FIXED_COUNT=fixed, FRACTIONS=fractions, ROW_GAMMAS=False,
-                PAGE=PAGE, GROUP_PAD=GROUP, SOFTMAX_TILE=select.SOFTMAX_TILE),
+                PASSES=12, FIXED_COUNT=fixed, FRACTIONS=fractions, ROW_GAMMAS=gammas,
+                PAGE=PAGE, GROUP_PAD=group_pad, SOFTMAX_TILE=select.SOFTMAX_TILE),
            select.num_warps(block), 3)
-          for mode, fixed, fractions in (("coverage", False, False),
-                                         ("fractions", True, True))],
-        ("attend", attend._attend_kernel,
-         dict(GROUP=GROUP, GROUP_PAD=16, HEAD_DIM=HEAD_DIM, PAGE=PAGE,
+          for mode, fixed, fractions, gammas in (("coverage", False, False, False),
+                                                 ("fractions", True, True, False),
+                                                 ("row gammas", False, False, True))],
+        (f"attend {tag}", attend._attend_kernel,
+         dict(GROUP=group, GROUP_PAD=max(16, group_pad), HEAD_DIM=head_dim, PAGE=PAGE,
               PAGES_PER_TILE=attend.PAGES_PER_ITER, FUSED_MERGE=False, HAS_STATS=False,
               SPLITS_PAD=32, SPLITS_PER_LOAD=32), attend.NUM_WARPS, attend.NUM_STAGES),
-        ("merge", merge._merge_kernel,
-         dict(GROUP=GROUP, HEAD_DIM=HEAD_DIM, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
+        (f"merge {tag}", merge._merge_kernel,
+         dict(GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
               HAS_STATS=True, PAGE=PAGE), 4, 3),
-        ("summarize (filled slots)", summarize._summarize_filled_slots_kernel,
-         dict(HEAD_DIM=HEAD_DIM, PAGE=PAGE), 4, 3),
+        (f"summarize (filled slots) D={head_dim}", summarize._summarize_filled_slots_kernel,
+         dict(HEAD_DIM=head_dim, PAGE=PAGE), 4, 3),
     ]
-    spilled = [name for name, kernel, constexprs, warps, stages in kernels
+
+
+def main():
+    # Llama-3.1-8B in a 131k-token engine first, then the edge geometries the tests cover
+    geometries = [(GROUP, HEAD_DIM, 2048), (1, 64, 64), (7, 64, 512), (8, 128, 16384)]
+    spilled = [name for group, head_dim, block in geometries
+               for name, kernel, constexprs, warps, stages in kernels(group, head_dim, block)
                if build(name, kernel, constexprs, warps, stages)]
     if spilled:
         sys.exit(f"spills registers: {', '.join(spilled)}")

@@ -203,4 +203,5 @@ def test_every_kernel_compiles_for_the_h200_without_spilling():
     done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("spilled bytes 0") == 6, done.stdout
+    built = done.stdout.count("registers")
+    assert built >= 28 and done.stdout.count("spilled bytes 0") == built, done.stdout
