@@ -86,6 +86,10 @@ def main():
     parser.add_argument("--gamma", type=float, default=1.0)
     parser.add_argument("--backend", default=None, help="override: FLASH_ATTN or CUSTOM")
     parser.add_argument("--graph-mode", default="FULL_AND_PIECEWISE")
+    parser.add_argument("--fa3-normalizer", action="store_true",
+                        help="Attend sums the float32 softmax weights, as FA3 does, instead of "
+                             "the rounded ones (attend.SUM_ROUNDED_WEIGHTS = False): does "
+                             "Moira then differ from FA3 only as much as FA3 from itself?")
     parser.add_argument("--compile-mode", type=int, default=3, choices=[0, 3],
                         help="vLLM CompilationMode: 3 (default) torch.compile with vLLM's "
                              "Inductor passes; 0 plain eager PyTorch (with --graph-mode NONE: "
@@ -111,6 +115,10 @@ def main():
     import moira.integrations.vllm as plugin
 
     plugin.register()  # the entry point does this in every process; in-process it is enough
+    if args.fa3_normalizer:  # the engine runs in this process, so the module setting holds
+        from moira.kernels import attend as attend_module
+
+        attend_module.SUM_ROUNDED_WEIGHTS = False
     from moira.integrations.vllm.state import DenseCheck, PageStatsLog
 
     rng = random.Random(0)

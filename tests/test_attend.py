@@ -86,6 +86,23 @@ def test_several_pages_per_tile(monkeypatch, pages_per_iter):
     check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, SMALL_SPLIT)
 
 
+@pytest.mark.parametrize("schedule", ["rows", "balanced"])
+def test_fa3_normalizer_convention_matches_reference(monkeypatch, schedule):
+    """The softmax denominator summed from float32 weights (FA3's convention) instead of the
+    rounded ones: within the same tolerance of the reference, on both schedules."""
+    from moira.kernels import attend as attend_module
+
+    monkeypatch.setattr(attend_module, "SUM_ROUNDED_WEIGHTS", False)
+    num_kv_heads, group, head_dim = 2, 4, 64
+    keys, values = make_cache(120, num_kv_heads, head_dim)
+    table, seq_lens = make_table([1, 65, 64 * 7 + 3, 64 * 16, 64 * 11 + 63], 120)
+    query = make_query(len(seq_lens), num_kv_heads * group, head_dim)
+    page_lists, page_counts = random_lists(seq_lens.cpu(), num_kv_heads, table.shape[1],
+                                           shuffle=True)
+    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts,
+                 SMALL_SPLIT.replace(schedule=schedule))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_attend_default_config_and_dtypes(dtype):
     num_kv_heads, group, head_dim = 2, 4, 128

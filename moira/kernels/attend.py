@@ -32,6 +32,10 @@ from .combine import add_page_stats, merged
 NUM_WARPS = 4
 NUM_STAGES = 2
 PAGES_PER_ITER = 2  # listed pages per inner-loop tile ([PAGES_PER_ITER * 64, D]), a power of 2
+# the softmax denominator sums the weights as rounded to the cache dtype for the P @ V product
+# (True: the output stays a weighted average, about half the error against float32) or as
+# computed in float32 before rounding (False: FA3's convention, so outputs round like FA3's)
+SUM_ROUNDED_WEIGHTS = True
 
 
 @triton.jit
@@ -50,7 +54,8 @@ def attend_segment(query, key_cache, value_cache, block_table, seq_lens, page_li
                    stride_vp, stride_vt, stride_vh, stride_vd,
                    stride_bt, stride_pb, stride_ph, max_pages, qk_scale_log2,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr):
+                   PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
+                   SUM_ROUNDED: tl.constexpr):
     """Attention of the G query heads of row (b, head) over its listed pages ``[first, last)``:
     ``(output [GROUP_PAD, D] float32, lse [GROUP_PAD])``; zeros and lse = -inf without keys."""
     groups = tl.arange(0, GROUP_PAD)
@@ -90,10 +95,12 @@ def attend_segment(query, key_cache, value_cache, block_table, seq_lens, page_li
         new_max = tl.maximum(running_max, tl.max(logits, axis=1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # fully masked so far
         rescale = tl.exp2(running_max - shift)
-        # normalize by the same rounded weights that multiply V: the output stays a weighted
-        # average (rounding perturbs weights, not the total), about half the error otherwise
-        probs = tl.exp2(logits - shift[:, None]).to(values.dtype)
-        running_sum = running_sum * rescale + tl.sum(probs.to(tl.float32), axis=1)
+        weights = tl.exp2(logits - shift[:, None])
+        probs = weights.to(values.dtype)
+        if SUM_ROUNDED:  # the same rounded weights that multiply V (SUM_ROUNDED_WEIGHTS)
+            running_sum = running_sum * rescale + tl.sum(probs.to(tl.float32), axis=1)
+        else:
+            running_sum = running_sum * rescale + tl.sum(weights, axis=1)
         acc = acc * rescale[:, None] + tl.dot(probs, values)
         running_max = new_max
 
@@ -116,7 +123,7 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr, FUSED_MERGE: tl.constexpr,
                    HAS_STATS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                   SPLITS_PER_LOAD: tl.constexpr):
+                   SPLITS_PER_LOAD: tl.constexpr, SUM_ROUNDED: tl.constexpr):
     row = tl.program_id(0)
     chunk_id = tl.program_id(1)
     b = row // num_kv_heads
@@ -132,7 +139,7 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
         tl.minimum(start + chunk, count), stride_qb, stride_qh, stride_qd,
         stride_kp, stride_kt, stride_kh, stride_kd, stride_vp, stride_vt, stride_vh, stride_vd,
         stride_bt, stride_pb, stride_ph, max_pages, qk_scale_log2,
-        GROUP, GROUP_PAD, HEAD_DIM, PAGE, PAGES_PER_TILE)
+        GROUP, GROUP_PAD, HEAD_DIM, PAGE, PAGES_PER_TILE, SUM_ROUNDED)
     groups = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
     heads = head * GROUP + groups
@@ -188,6 +195,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         PAGE=PAGE_SIZE, PAGES_PER_TILE=PAGES_PER_ITER, FUSED_MERGE=fused, HAS_STATS=has_stats,
         SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
         SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)),
+        SUM_ROUNDED=SUM_ROUNDED_WEIGHTS,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out
