@@ -70,6 +70,17 @@ def test_attend_matches_reference(group, head_dim, layout):
     check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, SMALL_SPLIT)
 
 
+def mixed_rows(num_kv_heads=2, group=4, head_dim=64):
+    """Attend's inputs for rows of one token, a partial second page, chunks that split unevenly,
+    full rows, shuffled lists: ``(query, keys, values, table, seq_lens, lists, counts)``."""
+    keys, values = make_cache(120, num_kv_heads, head_dim)
+    table, seq_lens = make_table([1, 65, 64 * 7 + 3, 64 * 16, 64 * 11 + 63], 120)
+    query = make_query(len(seq_lens), num_kv_heads * group, head_dim)
+    page_lists, page_counts = random_lists(seq_lens.cpu(), num_kv_heads, table.shape[1],
+                                           shuffle=True)
+    return query, keys, values, table, seq_lens, page_lists, page_counts
+
+
 @pytest.mark.parametrize("pages_per_iter", [1, 2, 4])
 def test_several_pages_per_tile(monkeypatch, pages_per_iter):
     """The tuning knob that loads several listed pages per inner-loop tile: chunks whose length
@@ -77,13 +88,7 @@ def test_several_pages_per_tile(monkeypatch, pages_per_iter):
     from moira.kernels import attend as attend_module
 
     monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
-    num_kv_heads, group, head_dim = 2, 4, 64
-    keys, values = make_cache(120, num_kv_heads, head_dim)
-    table, seq_lens = make_table([1, 65, 64 * 7 + 3, 64 * 16, 64 * 11 + 63], 120)
-    query = make_query(len(seq_lens), num_kv_heads * group, head_dim)
-    page_lists, page_counts = random_lists(seq_lens.cpu(), num_kv_heads, table.shape[1],
-                                           shuffle=True)
-    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, SMALL_SPLIT)
+    check_attend(*mixed_rows(), SMALL_SPLIT)
 
 
 @pytest.mark.parametrize("schedule", ["rows", "balanced"])
@@ -93,14 +98,7 @@ def test_fa3_normalizer_convention_matches_reference(monkeypatch, schedule):
     from moira.kernels import attend as attend_module
 
     monkeypatch.setattr(attend_module, "SUM_ROUNDED_WEIGHTS", False)
-    num_kv_heads, group, head_dim = 2, 4, 64
-    keys, values = make_cache(120, num_kv_heads, head_dim)
-    table, seq_lens = make_table([1, 65, 64 * 7 + 3, 64 * 16, 64 * 11 + 63], 120)
-    query = make_query(len(seq_lens), num_kv_heads * group, head_dim)
-    page_lists, page_counts = random_lists(seq_lens.cpu(), num_kv_heads, table.shape[1],
-                                           shuffle=True)
-    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts,
-                 SMALL_SPLIT.replace(schedule=schedule))
+    check_attend(*mixed_rows(), SMALL_SPLIT.replace(schedule=schedule))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
