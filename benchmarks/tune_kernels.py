@@ -96,6 +96,18 @@ def main():
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)
+
+        def select_modes(label, masses=log_masses, width=pages, out_lists=lists,
+                         out_counts=counts):
+            """Time Select in coverage mode and at 22% fixed counts, as set up now."""
+            for mode, kwargs in [("coverage", dict(gamma=0.98, top_k=None)),
+                                 ("top22%", dict(gamma=0.98, top_k=top_k))]:
+                micros = bench(lambda: select_module.select(
+                    masses, seq_lens, out_lists, out_counts, num_kv_heads=KV_HEADS,
+                    max_pages=width, ways=workspace.config.bisection_ways_for(width),
+                    **kwargs))
+                record("select", shape, f"{mode}{label}", micros)
+
         default_warps = select_module.num_warps
         # wider passes need more threads to hold the [K_B, pages] comparison tile
         for k_b, warps in itertools.product([2, 4, 8, 16] if "select" in kinds else [],
@@ -107,23 +119,13 @@ def main():
             record("select", shape, f"coverage K_B={k_b} warps={warps}", micros)
         for warps in ([4, 8, 16] if not args.quick else [4, 8]) if "select" in kinds else []:
             select_module.num_warps = lambda block, warps=warps: warps
-            for mode, kwargs in [("coverage", dict(gamma=0.98, top_k=None)),
-                                 ("top22%", dict(gamma=0.98, top_k=top_k))]:
-                micros = bench(lambda: select_module.select(
-                    log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS,
-                    max_pages=pages, ways=ways, **kwargs))
-                record("select", shape, f"{mode} warps={warps}", micros)
+            select_modes(f" warps={warps}")
         select_module.num_warps = default_warps
         # a row's G softmaxes head by head (0) or side by side in one tile
         default_tile = select_module.SOFTMAX_TILE
         for tile in [0, 1 << 14] if "select" in kinds else []:
             select_module.SOFTMAX_TILE = tile
-            for mode, kwargs in [("coverage", dict(gamma=0.98, top_k=None)),
-                                 ("top22%", dict(gamma=0.98, top_k=top_k))]:
-                micros = bench(lambda: select_module.select(
-                    log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS,
-                    max_pages=pages, ways=ways, **kwargs))
-                record("select", shape, f"{mode} softmax tile {tile}", micros)
+            select_modes(f" softmax tile {tile}")
         select_module.SOFTMAX_TILE = default_tile
 
         select_module.select(log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS,
@@ -204,12 +206,7 @@ def main():
             micros = bench(lambda: estimate_module.estimate(query, keys, summaries, wide_table,
                                                             seq_lens, scale, wide_masses))
             record("estimate", shape, name, micros, summary_bytes)
-            for mode, kwargs in [("coverage", dict(gamma=0.98, top_k=None)),
-                                 ("top22%", dict(gamma=0.98, top_k=top_k))]:
-                micros = bench(lambda: select_module.select(
-                    wide_masses, seq_lens, wide_lists, wide_counts, num_kv_heads=KV_HEADS,
-                    max_pages=width, ways=wide.config.bisection_ways_for(width), **kwargs))
-                record("select", shape, f"{mode}, {name}", micros)
+            select_modes(f", {name}", wide_masses, width, wide_lists, wide_counts)
             micros = bench(lambda: moira.sparse_decode(query, keys, values, summaries,
                                                        wide_table, seq_lens, top_k=top_k,
                                                        workspace=wide, out=out))
