@@ -90,7 +90,8 @@ def kernels(group, head_dim, block):
     tag = f"G={group} D={head_dim}"
     return [
         (f"estimate {tag}", estimate._estimate_kernel,
-         dict(GROUP=group, HEAD_DIM=head_dim, PAGE=PAGE, BLOCK_P=estimate.PAGES_PER_PROGRAM),
+         dict(GROUP=group, HEAD_DIM=head_dim, PAGE=PAGE, BLOCK_P=estimate.PAGES_PER_PROGRAM,
+              TILE_STAGES=estimate.TILE_STAGES),
          estimate.NUM_WARPS, 3),
         *[(f"select {mode} {tag} lanes={block}", select._select_kernel,
            dict(GROUP=group, BLOCK=block, BLOCK_2=max(lanes, block // 2),

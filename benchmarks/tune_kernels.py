@@ -93,6 +93,18 @@ def main():
                                                             seq_lens, scale, log_masses))
             record("estimate", shape, f"pages={block} warps={warps}", micros, summary_bytes)
         estimate_module.PAGES_PER_PROGRAM, estimate_module.NUM_WARPS = 32, 4
+        # fewer, longer programs whose tile loop is software-pipelined, against the default
+        # grid of ~2,048 one-or-few-tile programs (session 8: Estimate takes 16-19 us at every
+        # shape while its summaries range over 17-34 MB, so it is not bandwidth-bound)
+        defaults = estimate_module.TARGET_PROGRAMS, estimate_module.TILE_STAGES
+        for programs, stages in itertools.product(
+                [512, 1024, 2048, 4096] if "estimate" in kinds else [], [1, 2, 3]):
+            estimate_module.TARGET_PROGRAMS, estimate_module.TILE_STAGES = programs, stages
+            micros = bench(lambda: estimate_module.estimate(query, keys, summaries, table,
+                                                            seq_lens, scale, log_masses))
+            record("estimate", shape, f"programs={programs} stages={stages}", micros,
+                   summary_bytes)
+        estimate_module.TARGET_PROGRAMS, estimate_module.TILE_STAGES = defaults
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)
@@ -111,7 +123,7 @@ def main():
         default_warps = select_module.num_warps
         # wider passes need more threads to hold the [K_B, pages] comparison tile
         for k_b, warps in itertools.product([2, 4, 8, 16] if "select" in kinds else [],
-                                            [8, 16]):
+                                            [4, 8]):
             select_module.num_warps = lambda block, warps=warps: warps
             micros = bench(lambda: select_module.select(
                 log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS, max_pages=pages,

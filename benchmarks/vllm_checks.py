@@ -94,6 +94,11 @@ def main():
                         help="vLLM CompilationMode: 3 (default) torch.compile with vLLM's "
                              "Inductor passes; 0 plain eager PyTorch (with --graph-mode NONE: "
                              "no compiled artifact differs between two engines)")
+    parser.add_argument("--capture-sizes", type=int, default=0,
+                        help="N > 0: capture a graph for every batch size 1..N, so a replayed "
+                             "step is never padded to a larger batch (padding changes the GEMMs' "
+                             "shapes, hence their rounding, between graph and eager steps); 0: "
+                             "vLLM's default sizes")
     parser.add_argument("--no-check", action="store_true", help="moira: skip the dense check")
     parser.add_argument("--weights", choices=["normal", "dummy"], default="normal")
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
@@ -157,7 +162,9 @@ def main():
                   "mode": args.compile_mode, "cudagraph_mode": args.graph_mode,
                   # no benchmarked kernel choices: engines compiled apart must compute alike
                   "inductor_compile_config": {"combo_kernels": False,
-                                              "benchmark_combo_kernel": False}}, seed=0,
+                                              "benchmark_combo_kernel": False},
+                  **({"cudagraph_capture_sizes": list(range(1, args.capture_sizes + 1))}
+                     if args.capture_sizes else {})}, seed=0,
               disable_log_stats=False, **extra)
     startup = time.time() - start
     if args.weights == "normal":
@@ -204,8 +211,13 @@ def main():
     result["all_finished"] = all(row["finished"] for row in result["full"])
     # how many times the scheduler preempted a request over the engine's runs (vLLM's counter;
     # the preempt mode should show some, the others none)
-    result["preemptions"] = sum(metric.value for metric in llm.get_metrics()
+    metrics = llm.get_metrics()
+    result["preemptions"] = sum(metric.value for metric in metrics
                                 if metric.name.startswith("vllm:num_preemptions"))
+    # every counter and gauge as read, so a zero above can be told from a counter that is not
+    # fed (session 8's preempt run reported 0): generation_tokens_total must then be > 0
+    result["metrics"] = {metric.name: metric.value for metric in metrics
+                         if isinstance(getattr(metric, "value", None), (int, float))}
     with open(args.out, "w") as f:
         json.dump(result, f)
     summary = {k: v for k, v in result.items() if k not in ("full", "halves", "dense_check")}

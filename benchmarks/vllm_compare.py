@@ -104,6 +104,12 @@ def main():
                       f"{total['fa3_split_over_4_ulps'] / n:.2e} > 4 ulps; other rows: "
                       f"{int(total['other_rows_differing'])} of "
                       f"{int(total['other_elements'])} elements not bit-identical")
+                if "moira_max_abs" in total:  # since session 8: the paper's measure too
+                    print(f"{name}: at the scale of each head's output (the paper's 1-ulp "
+                          f"bound): Moira vs FA3 max |diff| {worst['moira_max_abs']:.3g}, "
+                          f"{total['moira_over_1_head_ulp'] / n:.2e} of elements > 1 ulp; FA3 "
+                          f"one split vs FA3 max |diff| {worst['fa3_split_max_abs']:.3g}, "
+                          f"{total['fa3_split_over_1_head_ulp'] / n:.2e} > 1 ulp")
             else:  # the first format: (max ulps, > 1 ulp, compared, other differing, compared)
                 totals = [sum(v[i] for v in layers) for i in range(5)]
                 worst = max(v[0] for v in layers)

@@ -158,14 +158,34 @@ def test_step_report_puts_each_backend_and_the_papers_rows_under_each_shape():
                                   total_ms=sum(classes.values()), gpu_idle_ms_per_step=1.0,
                                   wall_ms_per_step=12.0)])
 
-    text = report.table(dict(dense=run(dict(FA3=15.0, GEMM=4.0)),
-                             moira=run(dict(Attend=2.5, Estimate=0.5, GEMM=4.0))))
+    text = report.table([("", "dense", run(dict(FA3=15.0, GEMM=4.0))),
+                         ("", "moira", run(dict(Attend=2.5, Estimate=0.5, GEMM=4.0)))])
     lines = text.splitlines()
     assert lines[2] == "| 130k4 | dense FA3 | – | – | – | – | 15.00 | 4.00 | – | **19.00** | " \
         "1.00 | 12.00 |"
     assert lines[3].startswith("| 130k4 | Moira | 2.50 | 0.50 | – | – | – | 4.00 |")
     assert lines[4].startswith("| 130k4 | paper, dense | – | – | – | – | 15.76 |")
     assert lines[5].startswith("| 130k4 | paper, Moira | 2.78 | 0.43 | 0.42 | 0.13 | – | 3.83 |")
+
+
+def test_step_report_labels_each_folders_rows_by_its_session(tmp_path):
+    import json
+
+    report = load("step_report")
+    for folder, backends in (("step-profile-s7", ("dense", "moira")), ("step-profile-s8",
+                                                                        ("moira",))):
+        (tmp_path / folder).mkdir()
+        for backend in backends:
+            attend = 3.0 if folder.endswith("s7") else 2.0
+            run = dict(results=[dict(shape="8k32", per_step_ms=dict(Attend=attend),
+                                     total_ms=attend)])
+            (tmp_path / folder / f"step-{backend}.json").write_text(json.dumps(run))
+    runs = report.load([str(tmp_path / "step-profile-s7"), str(tmp_path / "step-profile-s8")])
+    lines = report.table(runs).splitlines()
+    assert [line.split(" | ")[1] for line in lines[2:5]] == ["dense FA3 (s7)", "Moira (s7)",
+                                                            "Moira (s8)"]
+    assert lines[4].split(" | ")[2] == "2.00"
+    assert report.load([str(tmp_path / "step-profile-s8")])[0][0] == ""
 
 
 def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):

@@ -161,11 +161,14 @@ def test_bf16_ulps_and_dense_check_counters():
     assert bf16_ulps(value, reference).tolist() == [0.0, 1.0, 2.0, 0.0]
     DenseCheck.layers.clear()
     far = torch.tensor([1.0, 1.0625, -2.0, 0.0]).bfloat16()  # 8 ulps off in one element
+    # at the head's scale (largest |value| 2, spacing 2**-6) no element is beyond 1 ulp
+    assert bf16_ulps(value, reference, torch.tensor(2.0)).tolist() == [0.0, 0.5, 2.0, 0.0]
     DenseCheck.add("l0", value, reference, far, torch.ones(3), torch.tensor([1.0, 2.0, 1.0]))
     assert DenseCheck.read() == {"l0": dict(
         moira_max_ulps=2.0, moira_over_1_ulp=1.0, moira_over_4_ulps=0.0, decode_elements=4.0,
         fa3_split_max_ulps=8.0, fa3_split_over_1_ulp=1.0, fa3_split_over_4_ulps=1.0,
-        other_rows_differing=1.0, other_elements=3.0)}
+        other_rows_differing=1.0, other_elements=3.0, moira_max_abs=0.03125,
+        moira_over_1_head_ulp=1.0, fa3_split_max_abs=0.0625, fa3_split_over_1_head_ulp=1.0)}
     DenseCheck.layers.clear()
 
 

@@ -41,6 +41,10 @@ TARGET_PROGRAMS = 2048
 # a program's tiles run one after another (two dependent loads each): however many rows the
 # batch has, a row as long as the table is split so that no program has more tiles than this
 MAX_TILES_PER_PROGRAM = 8
+# software-pipeline stages of a program's tile loop (1: each tile's two dependent loads wait
+# for the previous tile's stores; more only matter where programs hold several tiles, i.e.
+# with TARGET_PROGRAMS below the table's tiles over the batch)
+TILE_STAGES = 1
 
 
 def programs_per_row(rows, max_pages):
@@ -66,7 +70,7 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
                      stride_bt, stride_lr, stride_lg,
                      num_kv_heads, max_pages, scale, dense_below_pages, mvar_programs,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                     BLOCK_P: tl.constexpr):
+                     BLOCK_P: tl.constexpr, TILE_STAGES: tl.constexpr):
     row = tl.program_id(0)
     block = tl.program_id(1)
     b = row // num_kv_heads
@@ -109,7 +113,8 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
     tiles = tl.cdiv(pages_in_row, BLOCK_P)
     share = tl.cdiv(tiles, mvar_programs)
     first_tile = (block - 2) * share
-    for tile in range(first_tile, tl.minimum(first_tile + share, tiles)):
+    for tile in tl.range(first_tile, tl.minimum(first_tile + share, tiles),
+                         num_stages=TILE_STAGES):
         pages = tile * BLOCK_P + tl.arange(0, BLOCK_P)
         middle = (pages > 0) & (pages < last)  # full pages, summarized
         physical = tl.load(row_table + pages, mask=middle, other=0)
@@ -144,6 +149,6 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         block_table.stride(0), log_masses.stride(0), log_masses.stride(1),
         num_kv_heads, max_pages, scale, dense_below_pages, per_row,
         GROUP=group, HEAD_DIM=head_dim, PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM,
-        num_warps=NUM_WARPS,
+        TILE_STAGES=TILE_STAGES, num_warps=NUM_WARPS,
     )
     return log_masses

@@ -90,10 +90,13 @@ class ImposedFractions:
         return self.buffer[:, :rows]
 
 
-def bf16_ulps(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """|value - reference| in units of the bf16 spacing at |reference| (float32)."""
+def bf16_ulps(value: torch.Tensor, reference: torch.Tensor,
+              scale: torch.Tensor | None = None) -> torch.Tensor:
+    """|value - reference| in units of the bf16 spacing at |reference| (float32), or at
+    ``scale`` (broadcast against it) where given."""
     reference = reference.float()
-    _, exponent = torch.frexp(reference.abs().clamp_min(2.0 ** -126))
+    at = reference.abs() if scale is None else scale.float().abs().expand_as(reference)
+    _, exponent = torch.frexp(at.clamp_min(2.0 ** -126))
     spacing = torch.ldexp(torch.ones_like(reference), exponent - 8)  # 8 significant bits
     return (value.float() - reference).abs() / spacing
 
@@ -102,11 +105,18 @@ class DenseCheck:
     """Per-layer float64 counters (``NAMES``) comparing, on every batch, Moira's decode rows with
     dense FA3's and, as the yardstick, FA3 with its split heuristic with FA3 in one split (two
     correct kernels that differ only in summation order); the other rows (prefill, computed by
-    FA3 in both) must be bit-identical."""
+    FA3 in both) must be bit-identical.
+
+    Ulps are counted at each element's own magnitude (strict: an element near zero has a tiny
+    spacing) and, as the paper's Appendix B states its bound, at the scale of the head's output
+    (the bf16 spacing at the largest |value| of that head's vector); ``*_max_abs`` is the
+    largest absolute difference."""
 
     NAMES = ("moira_max_ulps", "moira_over_1_ulp", "moira_over_4_ulps", "decode_elements",
              "fa3_split_max_ulps", "fa3_split_over_1_ulp", "fa3_split_over_4_ulps",
-             "other_rows_differing", "other_elements")
+             "other_rows_differing", "other_elements",
+             "moira_max_abs", "moira_over_1_head_ulp", "fa3_split_max_abs",
+             "fa3_split_over_1_head_ulp")
     layers: dict[str, torch.Tensor] = {}
 
     @classmethod
@@ -117,10 +127,15 @@ class DenseCheck:
             not_capturing(f"the dense-check counters of {layer_name}")
             counters = cls.layers[layer_name] = torch.zeros(len(cls.NAMES), dtype=torch.float64,
                                                             device=decode_out.device)
-        for first, value in ((0, decode_out), (4, decode_dense_one_split)):
+        head_scale = (decode_dense.float().abs().amax(-1, keepdim=True)
+                      if decode_dense.numel() else None)
+        for first, extra, value in ((0, 9, decode_out), (4, 11, decode_dense_one_split)):
             ulps = bf16_ulps(value, decode_dense)
             if ulps.numel():
                 counters[first] = torch.maximum(counters[first], ulps.max().double())
+                difference = (value.float() - decode_dense.float()).abs().max().double()
+                counters[extra] = torch.maximum(counters[extra], difference)
+                counters[extra + 1] += (bf16_ulps(value, decode_dense, head_scale) > 1).sum()
             counters[first + 1] += (ulps > 1).sum()
             counters[first + 2] += (ulps > 4).sum()
         counters[3] += decode_out.numel()
