@@ -106,6 +106,27 @@ def run(url, model, lengths, concurrency, max_tokens, seed=0):
                 errors=[r.get("error") for r in records if r and not r.get("ok")][:5])
 
 
+def host_versions():
+    """The GPU and the server's package versions, as far as this host can tell (the client
+    runs beside the server)."""
+    import importlib.metadata
+    import subprocess
+
+    info = {}
+    try:
+        info["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                     capture_output=True, text=True, timeout=10
+                                     ).stdout.splitlines()[0].strip()
+    except (OSError, IndexError, subprocess.SubprocessError):
+        pass
+    for package in ("vllm", "torch", "triton"):
+        try:
+            info.setdefault("versions", {})[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return info
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--url", default="http://127.0.0.1:8000")
@@ -127,7 +148,7 @@ def main():
     result = run(args.url, model, lengths, args.concurrency, args.output_tokens)
     result.update(label=args.label, set=args.set, concurrency=args.concurrency,
                   output_tokens=args.output_tokens, command="python3 " + " ".join(sys.argv),
-                  date=time.strftime("%Y-%m-%d %H:%M:%S"))
+                  date=time.strftime("%Y-%m-%d %H:%M:%S"), **host_versions())
     print(json.dumps(result, indent=1))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

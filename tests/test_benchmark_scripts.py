@@ -225,3 +225,21 @@ def test_every_kernel_compiles_for_the_h200_without_spilling():
     assert done.returncode == 0, done.stdout + done.stderr
     built = done.stdout.count("registers")
     assert built >= 28 and done.stdout.count("spilled bytes 0") == built, done.stdout
+
+
+def test_serve_report_puts_dense_first_and_compares_each_arm_on_its_own_workload(tmp_path):
+    import json
+
+    report = load("serve_report")
+    base = dict(set="A", concurrency=16, requests=32, completed=32, output_tokens=1024,
+                median_tpot_ms=20.0, median_ttft_s=7.0, wall_s=60.0, date="2026-11-30 07:40:00")
+    for label, rate, requests in (("moira", 150.0, 32), ("dense", 100.0, 32),
+                                  ("flashinfer", 110.0, 32), ("moira", 90.0, 16)):
+        run = dict(base, label=label, output_tokens_per_s=rate, requests=requests)
+        (tmp_path / f"serve-{label}-A-16-{requests}.json").write_text(json.dumps(run))
+    lines = report.table(report.load(str(tmp_path))).splitlines()
+    assert [line.split(" | ")[3] for line in lines[2:]] == [
+        "Moira",  # 16 prompts: no dense run of that workload, so no ratio
+        "dense FA3", "dense FlashInfer", "Moira"]
+    assert lines[2].split(" | ")[6] == "–"
+    assert lines[4].split(" | ")[6] == "**+10.0%**" and lines[5].split(" | ")[6] == "**+50.0%**"
