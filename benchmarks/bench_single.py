@@ -18,6 +18,9 @@ arm is therefore timed over 32 layers captured in one CUDA graph
   Select skip their work).
 - ``*_c2``: the same with the chunk floor at 2 pages for one request (``floor_rows=96``)
   instead of 6 (the default ``floor_rows=32``); ``step_floor_off``: C = 24 (session 4).
+- ``*_pdl``: the same with programmatic dependent launch (``MoiraConfig.programmatic_launch``);
+  here every kernel of the graph is chained, across layers too, which vLLM's plainly launched
+  GEMMs between layers would not allow: an upper bound on what it saves there.
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/bench_single.py [--contexts 2048,8192,32768]
     python3 benchmarks/bench_single.py --plot benchmarks/results/single-<date>.json  # PNG
@@ -178,9 +181,13 @@ def main():
             s.queries[layer], *s.caches[layer], s.table, s.seq_lens, lists, counts,
             workspace=workspace, out=s.out))
         c2 = s.workspace(moira.MoiraConfig(floor_rows=96))
+        # programmatic launch chains every kernel of the graph here, across layers too; in vLLM
+        # the GEMMs between layers are launched plainly, so this is an upper bound on its gain
+        chained = s.workspace(moira.MoiraConfig(programmatic_launch=True))
         arms = {"step": (workspace, 0), "step_c2": (c2, 0),
                 "step_floor_off": (s.workspace(moira.MoiraConfig(floor_rows=1)), 0),
-                "step_full_rows": (workspace, s.width), "step_full_rows_c2": (c2, s.width)}
+                "step_full_rows": (workspace, s.width), "step_full_rows_c2": (c2, s.width),
+                "step_pdl": (chained, 0), "step_full_rows_pdl": (chained, s.width)}
         for name, (ws, full) in arms.items():
             timed(name, lambda layer, ws=ws, full=full: moira.sparse_decode(
                 s.queries[layer], *s.caches[layer], s.summaries[layer], s.table, s.seq_lens,

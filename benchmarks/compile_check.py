@@ -64,6 +64,9 @@ def build(name, kernel, constexprs, num_warps, num_stages=3):
     signature, constexprs, attrs = specialize(kernel, constexprs)
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
                               options=dict(num_warps=num_warps, num_stages=num_stages))
+    if constexprs.get("PDL") and not all(op in compiled.asm["ptx"] for op in (
+            "griddepcontrol.wait", "griddepcontrol.launch_dependents")):
+        sys.exit(f"{name}: built for programmatic launch without griddepcontrol instructions")
     usage = ""
     if os.path.exists(CUOBJDUMP):
         path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moira-{os.getpid()}.cubin")
@@ -81,23 +84,24 @@ def build(name, kernel, constexprs, num_warps, num_stages=3):
     return local
 
 
-def kernels(group, head_dim, block):
+def kernels(group, head_dim, block, pdl=False):
     """(name, kernel, constexprs, warps, stages) of every kernel for one geometry, with the
     launch settings the package uses; ``block``: Select's lanes (the table's pages, rounded up
-    to a power of two)."""
+    to a power of two); ``pdl``: the decode-step kernels built for programmatic dependent
+    launch (``moira/kernels/launch.py``), and summarize left out."""
     lanes = min(block, 32 * select.num_warps(block))
     group_pad = triton.next_power_of_2(group)
-    tag = f"G={group} D={head_dim}"
-    return [
+    tag = f"G={group} D={head_dim}" + (" PDL" if pdl else "")
+    decode_step = [
         (f"estimate {tag}", estimate._estimate_kernel,
          dict(GROUP=group, HEAD_DIM=head_dim, PAGE=PAGE, BLOCK_P=estimate.PAGES_PER_PROGRAM,
-              TILE_STAGES=estimate.TILE_STAGES),
+              TILE_STAGES=estimate.TILE_STAGES, PDL=pdl),
          estimate.NUM_WARPS, 3),
         *[(f"select {mode} {tag} lanes={block}", select._select_kernel,
            dict(GROUP=group, BLOCK=block, BLOCK_2=max(lanes, block // 2),
                 BLOCK_4=max(lanes, block // 4), BLOCK_8=max(lanes, block // 8), WAYS=4,
                 PASSES=12, FIXED_COUNT=fixed, FRACTIONS=fractions, ROW_GAMMAS=gammas,
-                PAGE=PAGE, GROUP_PAD=group_pad, SOFTMAX_TILE=select.SOFTMAX_TILE),
+                PAGE=PAGE, GROUP_PAD=group_pad, SOFTMAX_TILE=select.SOFTMAX_TILE, PDL=pdl),
            select.num_warps(block), 3)
           for mode, fixed, fractions, gammas in (("coverage", False, False, False),
                                                  ("fractions", True, True, False),
@@ -105,21 +109,26 @@ def kernels(group, head_dim, block):
         (f"attend {tag}", attend._attend_kernel,
          dict(GROUP=group, GROUP_PAD=max(16, group_pad), HEAD_DIM=head_dim, PAGE=PAGE,
               PAGES_PER_TILE=attend.PAGES_PER_ITER, FUSED_MERGE=False, HAS_STATS=False,
-              SPLITS_PAD=32, SPLITS_PER_LOAD=32, SUM_ROUNDED=attend.SUM_ROUNDED_WEIGHTS),
+              SPLITS_PAD=32, SPLITS_PER_LOAD=32, SUM_ROUNDED=attend.SUM_ROUNDED_WEIGHTS,
+              PDL=pdl),
          attend.NUM_WARPS, attend.NUM_STAGES),
         (f"merge {tag}", merge._merge_kernel,
          dict(GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
-              HAS_STATS=True, PAGE=PAGE), 4, 3),
-        (f"summarize (filled slots) D={head_dim}", summarize._summarize_filled_slots_kernel,
-         dict(HEAD_DIM=head_dim, PAGE=PAGE), 4, 3),
+              HAS_STATS=True, PAGE=PAGE, PDL=pdl), 4, 3),
     ]
+    if pdl:
+        return decode_step
+    return decode_step + [
+        (f"summarize (filled slots) D={head_dim}", summarize._summarize_filled_slots_kernel,
+         dict(HEAD_DIM=head_dim, PAGE=PAGE), 4, 3)]
 
 
 def main():
     # Llama-3.1-8B in a 131k-token engine first, then the edge geometries the tests cover
-    geometries = [(GROUP, HEAD_DIM, 2048), (1, 64, 64), (7, 64, 512), (8, 128, 16384)]
-    spilled = [name for group, head_dim, block in geometries
-               for name, kernel, constexprs, warps, stages in kernels(group, head_dim, block)
+    geometries = [(GROUP, HEAD_DIM, 2048, False), (1, 64, 64, False), (7, 64, 512, False),
+                  (8, 128, 16384, False), (GROUP, HEAD_DIM, 2048, True)]
+    spilled = [name for group, head_dim, block, pdl in geometries
+               for name, kernel, constexprs, warps, stages in kernels(group, head_dim, block, pdl)
                if build(name, kernel, constexprs, warps, stages)]
     if spilled:
         sys.exit(f"spills registers: {', '.join(spilled)}")

@@ -51,6 +51,8 @@ def load(folders):
             key = (run["model"], "dense" if run["backend"] == "dense" else run["gamma"])
             if run.get("dense_below_tokens"):  # short requests read in full: its own column
                 key = (run["model"], "fallback")
+            if run.get("programmatic_launch"):  # the same, kernels chained by PDL: another
+                key = (run["model"], "pdl")
             if key in runs:
                 raise SystemExit(f"{folder}: two runs for {key} ({name})")
             runs[key] = run
@@ -127,6 +129,10 @@ def single_table(runs):
     lines = ["| model | shape | dense FA3 (ms) | Moira γ=0.98 reads (ms) | reads | vs dense | "
              "Moira, rows of ≤ N tokens read in full (ms) | vs dense |",
              "|---|---|---|---|---|---|---|---|"]
+    with_pdl = any(kind == "pdl" for _, kind in runs)
+    if with_pdl:
+        lines[0] += " the same, programmatic launch (ms) | vs dense |"
+        lines[1] += "---|---|"
     for model in sorted({model for model, _ in runs}):
         dense = runs.get((model, "dense"))
         if dense is None:
@@ -135,11 +141,14 @@ def single_table(runs):
         moira, fallback = runs.get((model, 0.98)), runs.get((model, "fallback"))
         if moira is fallback:  # no run with every row selecting
             moira = None
+        arms = [(moira, True), (fallback, False)]
+        if with_pdl:
+            arms.append((runs.get((model, "pdl")), False))
         for shape in SHAPES:
             if shape not in dense_ms or not shape.endswith("k1"):
                 continue
             cells = [model, shape, f"{dense_ms[shape]:.2f}"]
-            for run, with_reads in ((moira, True), (fallback, False)):
+            for run, with_reads in arms:
                 ms = tpot_by_shape(run).get(shape) if run else None
                 cells.append(f"{ms:.2f}" if ms else "–")
                 if with_reads:

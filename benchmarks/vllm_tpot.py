@@ -96,6 +96,9 @@ def main():
                              "tokens in full (0: off; default: the plugin's)")
     parser.add_argument("--fused-merge", action="store_true",
                         help="moira: Merge folded into Attend (MoiraConfig.fused_merge)")
+    parser.add_argument("--programmatic-launch", action="store_true",
+                        help="moira: the decode kernels chained by programmatic dependent "
+                             "launch (MoiraConfig.programmatic_launch)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tpot.json"))
     args = parser.parse_args()
 
@@ -115,7 +118,9 @@ def main():
                      additional_config={"moira": {"imposed_fraction": knots,
                                                   "stats_interval": 0,
                                                   "schedule": args.schedule,
-                                                  "fused_merge": args.fused_merge}})
+                                                  "fused_merge": args.fused_merge,
+                                                  "programmatic_launch":
+                                                      args.programmatic_launch}})
         if args.dense_below_tokens is not None:
             extra["additional_config"]["moira"]["dense_below_tokens"] = args.dense_below_tokens
     else:
@@ -158,6 +163,8 @@ def main():
             json.dump(dict(backend=args.backend, model=args.model, gamma=args.gamma,
                            schedule=args.schedule if args.backend == "moira" else None,
                            fused_merge=args.fused_merge if args.backend == "moira" else None,
+                           programmatic_launch=args.programmatic_launch
+                           if args.backend == "moira" else None,
                            dense_below_tokens=MoiraSettings.from_sources(
                                extra["additional_config"], os.environ).dense_below_tokens
                            if args.backend == "moira" else None,

@@ -49,6 +49,10 @@ class MoiraConfig:
         Rows of at most this many pages read every page in every mode, and Estimate skips them:
         below some length, estimating and selecting costs more than reading everything
         (0 = off).
+    programmatic_launch:
+        ``"rows"`` only: launch Estimate, Select, Attend and Merge with programmatic dependent
+        launch (sm_90+), so each may be scheduled while the previous one drains
+        (``moira/kernels/launch.py``).
     fused_merge:
         ``"rows"`` only: fold Merge into Attend (the last chunk of a split row to finish merges
         the row, counted by one atomic per chunk): one kernel per layer instead of two.
@@ -70,6 +74,7 @@ class MoiraConfig:
     floor_rows: int = 32
     schedule: str = "rows"
     fused_merge: bool = False
+    programmatic_launch: bool = False
     dense_below_pages: int = 0
     min_chunks_per_row: int = 32
     min_programs: int = 4096
@@ -96,6 +101,12 @@ class MoiraConfig:
                              f"{self.schedule!r}")
         if not isinstance(self.fused_merge, bool):
             raise ValueError(f"fused_merge must be True or False, got {self.fused_merge!r}")
+        if not isinstance(self.programmatic_launch, bool):
+            raise ValueError(f"programmatic_launch must be True or False, got "
+                             f"{self.programmatic_launch!r}")
+        if self.programmatic_launch and self.schedule != "rows":
+            raise ValueError("programmatic_launch chains the 'rows' schedule's kernels; use "
+                             "schedule='rows' or turn it off")
         if self.fused_merge and self.schedule != "rows":
             raise ValueError("fused_merge folds Merge into the 'rows' schedule's Attend; the "
                              "balanced schedule has its own Merge: use schedule='rows'")

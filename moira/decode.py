@@ -308,6 +308,7 @@ def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page
         split = dict(chunk_floor=config.chunk_floor(rows),
                      chunks_per_row=config.chunks_per_row(rows, block_table.shape[1]))
         attend_kernel, merge_kernel = _launch_attend, _launch_merge
+        split["programmatic_launch"] = config.programmatic_launch
     if config.fused_merge:
         return attend_kernel(*inputs, scale=scale, out=out, partial_out=partials[0],
                              partial_lse=partials[1], arrivals=workspace.row_arrivals,
@@ -464,12 +465,14 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
 
     log_masses, page_lists, page_counts = workspace.selection_buffers(batch, max_pages)
     _launch_estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-                     dense_below_pages=config.dense_below_pages)
+                     dense_below_pages=config.dense_below_pages,
+                     programmatic_launch=config.programmatic_launch)
     _launch_select(log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
                    max_pages=max_pages, gamma=config.gamma,
                    top_k=None if keep_fractions is not None else config.top_k,
                    ways=config.bisection_ways_for(max_pages), keep_fractions=keep_fractions,
-                   gammas=gammas, dense_below_pages=config.dense_below_pages)
+                   gammas=gammas, dense_below_pages=config.dense_below_pages,
+                   programmatic_launch=config.programmatic_launch)
     _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
                       page_counts, scale, workspace, out, page_stats, planned_batch)
     return (out, page_lists, page_counts) if return_pages else out

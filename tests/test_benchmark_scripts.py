@@ -243,3 +243,23 @@ def test_serve_report_puts_dense_first_and_compares_each_arm_on_its_own_workload
         "dense FA3", "dense FlashInfer", "Moira"]
     assert lines[2].split(" | ")[6] == "–"
     assert lines[4].split(" | ")[6] == "**+10.0%**" and lines[5].split(" | ")[6] == "**+50.0%**"
+
+
+def test_tpot_report_gives_a_programmatic_launch_run_its_own_single_request_column(tmp_path):
+    import json
+
+    report = load("tpot_report")
+
+    def run(backend, tpot, **moira):
+        return dict(backend=backend, model="llama-3.1-8b", gamma=0.98,
+                    results=[dict(shape="2k1", tpot_ms=tpot, imposed_read_fraction=0.4)],
+                    **moira)
+
+    (tmp_path / "dense.json").write_text(json.dumps(run("dense", 5.0)))
+    (tmp_path / "moira.json").write_text(json.dumps(run("moira", 5.2, dense_below_tokens=20480)))
+    (tmp_path / "moira-pdl.json").write_text(json.dumps(
+        run("moira", 5.05, dense_below_tokens=20480, programmatic_launch=True)))
+    single = report.single_table(report.load([str(tmp_path)]))
+    assert "programmatic launch" in single.splitlines()[0]
+    assert "| 2k1 | 5.00 | – | – | – | 5.20 (N = 20480) | +4.0% | 5.05 (N = 20480) | +1.0% |" \
+        in single

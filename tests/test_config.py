@@ -39,6 +39,7 @@ def test_chunk_floor_shrinks_for_small_batches():
     ("top_k", 1), ("top_k", 2.5), ("chunk_pages", 0), ("floor_rows", 0), ("min_chunks_per_row", -1),
     ("min_programs", 1.5), ("bisection_ways", ((256, 3),)), ("bisection_ways", ((256, 32),)),
     ("bisection_ways", ((1024, 8), (256, 4))), ("bisection_ways", ()),
+    ("programmatic_launch", "yes"),
 ])
 def test_bad_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -50,3 +51,15 @@ def test_gamma_one_and_replace():
     assert config.replace(top_k=8).top_k == 8
     with pytest.raises(ValueError, match="gamma"):
         config.replace(gamma=2.0)
+
+
+def test_programmatic_launch_is_off_in_the_interpreter_and_only_for_the_rows_schedule():
+    from moira.kernels import interpreting, launch
+
+    assert MoiraConfig().programmatic_launch is False
+    with pytest.raises(ValueError, match="programmatic_launch chains"):
+        MoiraConfig(programmatic_launch=True, schedule="balanced")
+    # the CPU interpreter cannot run griddepcontrol: the launchers then launch plainly
+    expected = dict(PDL=False) if interpreting() else dict(PDL=True, launch_pdl=True)
+    assert launch.options(True) == expected
+    assert launch.options(False) == dict(PDL=False)

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.cuda
 @pytest.mark.parametrize("gamma, top_k, schedule", [(0.95, None, "rows"), (1.0, None, "rows"),
                                                     (0.98, 12, "rows"),
                                                     (0.95, None, "balanced"),
-                                                    (0.95, None, "rows, fused merge")])
+                                                    (0.95, None, "rows, fused merge"),
+                                                    (0.95, None, "rows, programmatic launch"),
+                                                    (0.98, 12, "rows, programmatic launch")])
 def test_graph_replay_matches_eager(gamma, top_k, schedule):
     batch, num_kv_heads, group, head_dim, width = 4, 8, 4, 128, 96
     ctx = synthetic_context(width * PAGE_SIZE, batch=batch, num_kv_heads=num_kv_heads,
@@ -30,7 +32,12 @@ def test_graph_replay_matches_eager(gamma, top_k, schedule):
                                       head_dim, device="cuda",
                                       config=moira.MoiraConfig(
                                           schedule=schedule.split(",")[0], programs=264,
-                                          fused_merge=schedule.endswith("fused merge")))
+                                          fused_merge=schedule.endswith("fused merge"),
+                                          programmatic_launch=schedule.endswith("launch")))
+    # with programmatic launch, the same step launched plainly is the reference too: a kernel
+    # reading before the previous one's writes land would differ from it
+    plain = moira.DecodeWorkspace(batch, width, num_kv_heads * group, num_kv_heads, head_dim,
+                                  device="cuda", config=moira.MoiraConfig(programs=264))
 
     def step():  # a decode step: its Estimate summarizes each row's page once full
         return moira.sparse_decode(query, keys, values, summaries, table, seq_lens,
@@ -76,5 +83,10 @@ def test_graph_replay_matches_eager(gamma, top_k, schedule):
                 n = int(eager_counts[row, head])
                 assert torch.equal(replayed[1][row, head, :n], eager_lists[row, head, :n])
         assert torch.equal(replayed[3], summaries)
+        if workspace.config.programmatic_launch:
+            plain_out = moira.sparse_decode(query, keys, values, summaries, table, seq_lens,
+                                            gamma=gamma, top_k=top_k, workspace=plain)
+            torch.cuda.synchronize()
+            assert torch.equal(plain_out, eager_out)
         assert not torch.isnan(eager_out).any()
         assert (eager_out[trial % batch] == 0).all()

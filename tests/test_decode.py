@@ -23,15 +23,18 @@ def cpu(*tensors):
     return [t.cpu() for t in tensors]
 
 
-@pytest.mark.parametrize("group", [1, 4, 7, 8])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_sparse_decode_matches_reference(group, head_dim):
+@pytest.mark.parametrize("group, head_dim, programmatic_launch",
+                         [(group, head_dim, False) for group in (1, 4, 7, 8)
+                          for head_dim in (64, 128)]
+                         + [(4, 128, True)])  # on a GPU: griddepcontrol between the kernels
+def test_sparse_decode_matches_reference(group, head_dim, programmatic_launch):
     ctx, summaries = structured_step(group=group, head_dim=head_dim)
     inputs = (ctx.query, ctx.key_cache, ctx.value_cache, summaries, ctx.block_table,
               ctx.seq_lens)
     out = poisoned(*ctx.query.shape)
     out, page_lists, page_counts = moira.sparse_decode(
-        *inputs, gamma=0.9, config=SMALL_SPLIT, return_pages=True, out=out)
+        *inputs, gamma=0.9, config=SMALL_SPLIT.replace(programmatic_launch=programmatic_launch),
+        return_pages=True, out=out)
 
     expected_lists, expected_counts = ref.select(
         ref.estimate(*cpu(ctx.query, ctx.key_cache, summaries, ctx.block_table, ctx.seq_lens)),

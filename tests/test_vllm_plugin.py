@@ -27,6 +27,10 @@ def test_settings_come_from_additional_config_then_environment():
     assert short.config.dense_below_pages == 0  # set per step: full_read_pages
     fused = MoiraSettings.from_sources(None, {"MOIRA_FUSED_MERGE": "1"})
     assert fused.config.fused_merge
+    chained = MoiraSettings.from_sources({"moira": {"programmatic_launch": True}}, {})
+    assert chained.config.programmatic_launch
+    assert MoiraSettings.from_sources(None, {"MOIRA_PROGRAMMATIC_LAUNCH": "1"}
+                                      ).config.programmatic_launch
     calibrated = MoiraSettings.from_sources({"moira": {"calibration": "cal.json"}}, {})
     assert calibrated.calibration == "cal.json"
 
@@ -48,6 +52,10 @@ def test_settings_come_from_additional_config_then_environment():
     ({"moira": {"dense_below_tokens": -64}}, {}, "dense_below_tokens must be an int >= 0"),
     ({"moira": {"dense_below_tokens": 1.5}}, {}, "dense_below_tokens must be an int >= 0"),
     ({"moira": {"fused_merge": True, "schedule": "balanced"}}, {}, "fused_merge folds"),
+    ({"moira": {"programmatic_launch": 1}}, {}, "programmatic_launch must be True or False"),
+    (None, {"MOIRA_PROGRAMMATIC_LAUNCH": "on"}, "use 0 or 1"),
+    ({"moira": {"programmatic_launch": True, "schedule": "balanced"}}, {},
+     "programmatic_launch chains"),
     ({"moira": {"calibration": "c.json", "top_k": 8}}, {}, "does not combine with top_k"),
 ])
 def test_bad_settings_name_the_setting(config, environ, match):

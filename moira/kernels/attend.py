@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ..config import PAGE_SIZE
+from . import launch
 from .combine import add_page_stats, merged
 
 # tuned on the H200 (benchmarks/NOTES.md, session 4: two pages per tile and two stages are
@@ -123,7 +124,9 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr, FUSED_MERGE: tl.constexpr,
                    HAS_STATS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                   SPLITS_PER_LOAD: tl.constexpr, SUM_ROUNDED: tl.constexpr):
+                   SPLITS_PER_LOAD: tl.constexpr, SUM_ROUNDED: tl.constexpr,
+                   PDL: tl.constexpr):
+    launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     chunk_id = tl.program_id(1)
     b = row // num_kv_heads
@@ -173,7 +176,7 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
 
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
            scale, chunk_floor, chunks_per_row, out, partial_out, partial_lse, arrivals=None,
-           page_stats=None):
+           page_stats=None, programmatic_launch=False):
     """Launch (batch * KV heads, J) programs. ``partial_out`` ``[>= rows * J * G * D]`` and
     ``partial_lse`` ``[>= rows * J * G]`` are float32 scratch (only split rows write them).
     With ``arrivals`` (int32 ``[>= rows]``, zeros) the merge is folded in (no Merge launch
@@ -196,6 +199,6 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
         SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)),
         SUM_ROUNDED=SUM_ROUNDED_WEIGHTS,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch.options(programmatic_launch),
     )
     return out

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..config import PAGE_SIZE
+from . import launch
 from .summarize import summarize_page
 
 # tuned on the H200 (benchmarks/NOTES.md)
@@ -70,7 +71,8 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
                      stride_bt, stride_lr, stride_lg,
                      num_kv_heads, max_pages, scale, dense_below_pages, mvar_programs,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                     BLOCK_P: tl.constexpr, TILE_STAGES: tl.constexpr):
+                     BLOCK_P: tl.constexpr, TILE_STAGES: tl.constexpr, PDL: tl.constexpr):
+    launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     block = tl.program_id(1)
     b = row // num_kv_heads
@@ -131,7 +133,7 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
 
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-             dense_below_pages=0):
+             dense_below_pages=0, programmatic_launch=False):
     """Fill ``log_masses`` ``[batch * num_kv_heads, G, >= max_pages]`` float32 (pages past a
     row's end, and rows of at most ``dense_below_pages`` pages, are not written), and write
     ``summaries`` of every row's current page that is full."""
@@ -149,6 +151,6 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         block_table.stride(0), log_masses.stride(0), log_masses.stride(1),
         num_kv_heads, max_pages, scale, dense_below_pages, per_row,
         GROUP=group, HEAD_DIM=head_dim, PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM,
-        TILE_STAGES=TILE_STAGES, num_warps=NUM_WARPS,
+        TILE_STAGES=TILE_STAGES, num_warps=NUM_WARPS, **launch.options(programmatic_launch),
     )
     return log_masses

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..config import PAGE_SIZE
+from . import launch
 from .attend import plan_row
 from .combine import add_page_stats, merged
 
@@ -24,7 +25,9 @@ def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_sta
                   stride_cb, stride_ch, stride_ob, stride_oh, stride_od,
                   num_kv_heads, max_pages, chunk_floor, chunks_per_row,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                  SPLITS_PER_LOAD: tl.constexpr, HAS_STATS: tl.constexpr, PAGE: tl.constexpr):
+                  SPLITS_PER_LOAD: tl.constexpr, HAS_STATS: tl.constexpr, PAGE: tl.constexpr,
+                  PDL: tl.constexpr):
+    launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     g = tl.program_id(1)
     b = row // num_kv_heads
@@ -44,7 +47,8 @@ def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_sta
 
 
 def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_floor,
-          chunks_per_row, seq_lens=None, max_pages=0, page_stats=None):
+          chunks_per_row, seq_lens=None, max_pages=0, page_stats=None,
+          programmatic_launch=False):
     """Write ``out`` ``[batch, num_heads, head_dim]`` for every row Attend split; with
     ``page_stats`` (int64 ``[2]``), also add (listed pages, pages of the rows: min(ceil(seq_len
     / page), max_pages)) summed over all rows."""
@@ -58,6 +62,6 @@ def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_flo
         chunks_per_row,
         GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
         SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)), HAS_STATS=has_stats,
-        PAGE=PAGE_SIZE, num_warps=4,
+        PAGE=PAGE_SIZE, num_warps=4, **launch.options(programmatic_launch),
     )
     return out

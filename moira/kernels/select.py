@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ..config import BISECTION_BITS, PAGE_SIZE
+from . import launch
 
 
 # rows whose [G, lanes] tile of log-masses has at most this many elements compute their G
@@ -148,8 +149,9 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
                    BLOCK_4: tl.constexpr, BLOCK_8: tl.constexpr, WAYS: tl.constexpr,
                    PASSES: tl.constexpr, FIXED_COUNT: tl.constexpr, FRACTIONS: tl.constexpr,
                    ROW_GAMMAS: tl.constexpr, PAGE: tl.constexpr, GROUP_PAD: tl.constexpr,
-                   SOFTMAX_TILE: tl.constexpr):
+                   SOFTMAX_TILE: tl.constexpr, PDL: tl.constexpr):
     # row_values: the row's keep fraction (FRACTIONS) or coverage target (ROW_GAMMAS)
+    launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     b = row // num_kv_heads
     head = row % num_kv_heads
@@ -193,7 +195,8 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
 
 
 def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
-           top_k, ways, keep_fractions=None, gammas=None, dense_below_pages=0):
+           top_k, ways, keep_fractions=None, gammas=None, dense_below_pages=0,
+           programmatic_launch=False):
     """Fill ``page_lists`` ``[batch, num_kv_heads, >= max_pages]`` and ``page_counts``
     ``[batch, num_kv_heads]`` (int32) from ``log_masses`` ``[rows, G, >= max_pages]``.
     ``keep_fractions`` (float32 ``[num_kv_heads]`` or ``[batch, num_kv_heads]``) selects
@@ -220,6 +223,6 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
         FIXED_COUNT=top_k is not None or fractions, FRACTIONS=fractions,
         ROW_GAMMAS=gammas is not None and not fractions, PAGE=PAGE_SIZE,
         GROUP_PAD=triton.next_power_of_2(group), SOFTMAX_TILE=SOFTMAX_TILE,
-        num_warps=num_warps(block),
+        num_warps=num_warps(block), **launch.options(programmatic_launch),
     )
     return page_lists, page_counts

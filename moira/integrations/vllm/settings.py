@@ -31,6 +31,9 @@ key                environment variable     meaning
                                             per-row chunks, Eq. 4; default) or ``balanced``
                                             (all rows' pages split evenly over a fixed grid)
 ``fused_merge``    ``MOIRA_FUSED_MERGE``    fold Merge into Attend (``rows`` only; default off)
+``programmatic_launch``  ``MOIRA_PROGRAMMATIC_LAUNCH``  launch the decode kernels with
+                                            programmatic dependent launch (``rows`` only;
+                                            default off; ``moira/kernels/launch.py``)
 ``dense_below_tokens``  ``MOIRA_DENSE_BELOW_TOKENS``  a decode step of B requests reads
                                             every page of its rows of at most this / B
                                             tokens, skipping Estimate's and Select's work:
@@ -62,13 +65,15 @@ class MoiraSettings:
     imposed_fraction: float | dict | None = None
     schedule: str = "rows"
     fused_merge: bool = False
+    programmatic_launch: bool = False
     dense_below_tokens: int = 20480
     calibration: str | None = None
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
             "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE",
             "imposed_fraction": "MOIRA_IMPOSED_FRACTION", "schedule": "MOIRA_SCHEDULE",
-            "fused_merge": "MOIRA_FUSED_MERGE", "dense_below_tokens": "MOIRA_DENSE_BELOW_TOKENS",
+            "fused_merge": "MOIRA_FUSED_MERGE", "programmatic_launch": "MOIRA_PROGRAMMATIC_LAUNCH",
+            "dense_below_tokens": "MOIRA_DENSE_BELOW_TOKENS",
             "calibration": "MOIRA_CALIBRATION"}
 
     def __post_init__(self):
@@ -119,7 +124,8 @@ class MoiraSettings:
     @property
     def config(self) -> MoiraConfig:
         return MoiraConfig(gamma=self.gamma, top_k=self.top_k, schedule=self.schedule,
-                           fused_merge=self.fused_merge)
+                           fused_merge=self.fused_merge,
+                           programmatic_launch=self.programmatic_launch)
 
     @classmethod
     def from_sources(cls, additional_config: Mapping | None,
@@ -136,7 +142,7 @@ class MoiraSettings:
                 values[key] = given[key]
             elif environ.get(variable, "") != "":
                 text = environ[variable]
-                if key in ("check_dense", "fused_merge"):
+                if key in ("check_dense", "fused_merge", "programmatic_launch"):
                     if text not in ("0", "1"):
                         raise ValueError(f"{variable}={text!r}: use 0 or 1")
                     values[key] = text == "1"

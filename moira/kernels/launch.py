@@ -1,0 +1,32 @@
+"""Programmatic dependent launch (PDL, sm_90+) between the kernels of a decode step.
+
+Estimate -> Select -> Attend -> Merge run back to back, each a few microseconds for a short
+request, so a layer pays each kernel's launch and ramp in series. With PDL a kernel may be
+scheduled while the one before it drains: every program first lets the next kernel launch
+(``griddepcontrol.launch_dependents``: it launches once all programs of this one have issued
+it, i.e. during this kernel's last wave) and then waits for the previous kernel to finish and
+its writes to be visible (``griddepcontrol.wait``) before it reads anything. Off by default
+(``MoiraConfig.programmatic_launch``): the paper measured no clear TPOT change at batch shapes.
+"""
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from . import interpreting
+
+
+def options(programmatic: bool) -> dict:
+    """Keywords for a decode-step kernel launch: the ``PDL`` constexpr its programs branch on,
+    and Triton's ``launch_pdl`` (the interpreter runs neither)."""
+    on = bool(programmatic) and not interpreting()
+    return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
+
+
+@triton.jit
+def after_previous_kernel(PDL: tl.constexpr):
+    """A program's first statement: with PDL, let the next kernel launch, then wait for the
+    previous one's writes. Without PDL, nothing (the launch itself waited)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
