@@ -17,9 +17,6 @@ import re
 import subprocess
 import sys
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    sys.exit("compile_check.py compiles for the GPU: run it without TRITON_INTERPRET=1")
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import triton  # noqa: E402
@@ -60,13 +57,26 @@ def specialize(kernel, constexprs):
     return signature, constexprs, attrs
 
 
+def check_waits_first(name, ptx):
+    """A kernel built for programmatic launch must wait for the previous kernel before any
+    access to global memory (``moira/kernels/launch.py``): fail if the PTX lacks either
+    griddepcontrol instruction or touches memory before the wait."""
+    wait = ptx.find("griddepcontrol.wait")
+    if wait < 0 or "griddepcontrol.launch_dependents" not in ptx:
+        sys.exit(f"{name}: built for programmatic launch without griddepcontrol instructions")
+    early = re.search(r"\b(ld|st|atom|red)\.global|\bcp\.async", ptx[:wait])
+    if early:
+        sys.exit(f"{name}: {early.group(0)} before griddepcontrol.wait")
+
+
 def build(name, kernel, constexprs, num_warps, num_stages=3):
     signature, constexprs, attrs = specialize(kernel, constexprs)
+    pdl = bool(constexprs.get("PDL"))
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
-    if constexprs.get("PDL") and not all(op in compiled.asm["ptx"] for op in (
-            "griddepcontrol.wait", "griddepcontrol.launch_dependents")):
-        sys.exit(f"{name}: built for programmatic launch without griddepcontrol instructions")
+                              options=dict(num_warps=num_warps, num_stages=num_stages,
+                                           launch_pdl=pdl))
+    if pdl:
+        check_waits_first(name, compiled.asm["ptx"])
     usage = ""
     if os.path.exists(CUOBJDUMP):
         path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moira-{os.getpid()}.cubin")
@@ -124,6 +134,8 @@ def kernels(group, head_dim, block, pdl=False):
 
 
 def main():
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's jit cannot be compiled
+        sys.exit("compile_check.py compiles for the GPU: run it without TRITON_INTERPRET=1")
     # Llama-3.1-8B in a 131k-token engine first, then the edge geometries the tests cover
     geometries = [(GROUP, HEAD_DIM, 2048, False), (1, 64, 64, False), (7, 64, 512, False),
                   (8, 128, 16384, False), (GROUP, HEAD_DIM, 2048, True)]

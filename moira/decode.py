@@ -180,6 +180,12 @@ class DecodeWorkspace:
                  f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
         _require(head_dim in SUPPORTED_HEAD_DIMS,
                  f"head_dim {head_dim} has no kernel; supported: {SUPPORTED_HEAD_DIMS}")
+        if self.config.programmatic_launch and torch.device(device).type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+            _require(capability >= (9, 0),
+                     f"programmatic_launch needs a Hopper-or-newer GPU (sm_90+); "
+                     f"{torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}: "
+                     f"set programmatic_launch=False")
         self.max_batch = max_batch
         self.max_pages_per_seq = max_pages_per_seq
         self.num_kv_heads = num_kv_heads

@@ -263,3 +263,14 @@ def test_tpot_report_gives_a_programmatic_launch_run_its_own_single_request_colu
     assert "programmatic launch" in single.splitlines()[0]
     assert "| 2k1 | 5.00 | – | – | – | 5.20 (N = 20480) | +4.0% | 5.05 (N = 20480) | +1.0% |" \
         in single
+
+
+def test_compile_check_rejects_memory_access_before_the_programmatic_wait():
+    check = load("compile_check").check_waits_first
+    both = "griddepcontrol.launch_dependents;\ngriddepcontrol.wait;\n"
+    check("ok", "ld.param.u64 %rd1, [p];\n" + both + "ld.global.b32 %r1, [%rd1];")
+    for ptx in ("ld.global.b32 %r1, [%rd1];\n" + both,  # a read before the wait
+                "st.global.b32 [%rd1], %r1;\n" + both,  # a write before it
+                "griddepcontrol.wait;\n"):  # no launch_dependents
+        with pytest.raises(SystemExit):
+            check("bad", ptx)

@@ -16,12 +16,20 @@ pytestmark = pytest.mark.cuda
                                                     (0.95, None, "balanced"),
                                                     (0.95, None, "rows, fused merge"),
                                                     (0.95, None, "rows, programmatic launch"),
-                                                    (0.98, 12, "rows, programmatic launch")])
+                                                    (0.98, 12, "rows, programmatic launch"),
+                                                    (0.95, None,
+                                                     "rows, programmatic launch, fused merge"),
+                                                    (0.95, None,
+                                                     "rows, programmatic launch, short rows")])
 def test_graph_replay_matches_eager(gamma, top_k, schedule):
     batch, num_kv_heads, group, head_dim, width = 4, 8, 4, 128, 96
     ctx = synthetic_context(width * PAGE_SIZE, batch=batch, num_kv_heads=num_kv_heads,
                             group=group, head_dim=head_dim, device="cuda", seed=1)
-    query, keys, values = ctx.query.clone(), ctx.key_cache.clone(), ctx.value_cache.clone()
+    # the step's query is written by a kernel inside the graph (as vLLM's rotary / cache-write
+    # kernels precede attention), so Estimate's wait for its predecessor is exercised too
+    staged_query = ctx.query.clone()
+    query, keys, values = torch.empty_like(staged_query), ctx.key_cache.clone(), \
+        ctx.value_cache.clone()
     table, seq_lens = ctx.block_table.clone(), ctx.seq_lens.clone()
     # zeros, not the default empty: pages no row fills must compare equal (NaN != NaN)
     summaries = moira.summarize(keys, table, seq_lens,
@@ -32,14 +40,25 @@ def test_graph_replay_matches_eager(gamma, top_k, schedule):
                                       head_dim, device="cuda",
                                       config=moira.MoiraConfig(
                                           schedule=schedule.split(",")[0], programs=264,
-                                          fused_merge=schedule.endswith("fused merge"),
-                                          programmatic_launch=schedule.endswith("launch")))
+                                          fused_merge="fused merge" in schedule,
+                                          programmatic_launch="programmatic" in schedule,
+                                          dense_below_pages=48 if "short" in schedule else 0))
     # with programmatic launch, the same step launched plainly is the reference too: a kernel
     # reading before the previous one's writes land would differ from it
     plain = moira.DecodeWorkspace(batch, width, num_kv_heads * group, num_kv_heads, head_dim,
-                                  device="cuda", config=moira.MoiraConfig(programs=264))
+                                  device="cuda", config=workspace.config.replace(
+                                      programmatic_launch=False))
+
+    def poison():
+        """Scratch and output of the last step overwritten, so that an eager step reading a
+        buffer before its producer wrote it cannot pass on the previous step's values."""
+        for buffer in (workspace.log_masses, workspace.partial_out, workspace.partial_lse, out):
+            buffer.fill_(float("nan"))
+        workspace.page_lists.fill_(-1)
+        workspace.page_counts.fill_(-1)
 
     def step():  # a decode step: its Estimate summarizes each row's page once full
+        torch.mul(staged_query, 1.0, out=query)
         return moira.sparse_decode(query, keys, values, summaries, table, seq_lens,
                                    gamma=gamma, top_k=top_k, workspace=workspace, out=out,
                                    return_pages=True)
@@ -56,7 +75,7 @@ def test_graph_replay_matches_eager(gamma, top_k, schedule):
         # page "this step" filled, so the graph's Estimate has a summary to write
         fresh = synthetic_context(width * PAGE_SIZE, batch=batch, num_kv_heads=num_kv_heads,
                                   group=group, head_dim=head_dim, device="cuda", seed=10 + trial)
-        query.copy_(fresh.query)
+        staged_query.copy_(fresh.query)
         keys.copy_(fresh.key_cache)
         values.copy_(fresh.value_cache)
         lengths = torch.randint(1, width * PAGE_SIZE + 1, (batch,), generator=generator)
@@ -74,6 +93,7 @@ def test_graph_replay_matches_eager(gamma, top_k, schedule):
         assert not torch.isnan(summaries[last_page]).any()
 
         summaries[last_page] = float("nan")
+        poison()
         eager_out, eager_lists, eager_counts = step()
         torch.cuda.synchronize()
         assert torch.equal(replayed[0], eager_out)

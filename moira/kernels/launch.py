@@ -3,10 +3,15 @@
 Estimate -> Select -> Attend -> Merge run back to back, each a few microseconds for a short
 request, so a layer pays each kernel's launch and ramp in series. With PDL a kernel may be
 scheduled while the one before it drains: every program first lets the next kernel launch
-(``griddepcontrol.launch_dependents``: it launches once all programs of this one have issued
-it, i.e. during this kernel's last wave) and then waits for the previous kernel to finish and
-its writes to be visible (``griddepcontrol.wait``) before it reads anything. Off by default
-(``MoiraConfig.programmatic_launch``): the paper measured no clear TPOT change at batch shapes.
+(``griddepcontrol.launch_dependents``: the next kernel launches once every program of this one
+has issued it or exited, so at once for a one-wave kernel, during the last wave otherwise) and
+then waits until the previous kernel has finished and its writes are visible
+(``griddepcontrol.wait``). Every program waits, even one that then exits without reading:
+that is what keeps the chain ordered (a kernel cannot finish before the one ahead of it, so
+Attend, which may launch while Estimate still runs, cannot read lists Select has not written,
+nor K/V before the cache write that precedes Estimate). Nothing may move above the wait. Off by
+default (``MoiraConfig.programmatic_launch``): the paper measured no clear TPOT change at batch
+shapes.
 """
 
 import triton
