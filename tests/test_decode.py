@@ -316,3 +316,11 @@ def test_attend_checks_page_lists():
     with pytest.raises(ValueError, match="page_counts"):
         moira.attend(step["query"], step["key_cache"], step["value_cache"],
                      step["block_table"], step["seq_lens"], lists.int(), counts[:, :1])
+
+
+def test_programmatic_launch_before_hopper_raises(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match="programmatic_launch needs a Hopper.*sm_80"):
+        moira.DecodeWorkspace(1, 4, 8, 2, 64, device="cuda",
+                              config=moira.MoiraConfig(programmatic_launch=True))
