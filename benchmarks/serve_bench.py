@@ -1,7 +1,7 @@
 """Closed-loop serving client for vLLM's OpenAI-compatible server (issue 5, paper Figure 5).
 
     python3 benchmarks/serve_bench.py --url http://127.0.0.1:8000 --set A --concurrency 16 \
-        [--output-tokens 1024] [--out $OUT/serve.json]
+        [--output-tokens 1024] [--offset K --limit N] [--out $OUT/serve.json]
 
 Prompts are random token ids (the server runs with ``--skip-tokenizer-init``): set A has 256
 prompts of 4k-64k tokens, set B 64 prompts of 64k-126k (lengths uniform in log length, fixed
@@ -9,6 +9,11 @@ seed). ``--concurrency`` workers each send one streaming ``/v1/completions`` req
 (``ignore_eos``, greedy) until the set is done. Per request: time to first token and TPOT =
 (last chunk - first chunk) / (tokens - 1); overall: median TPOT, output tokens per second of
 wall time, and whether every request completed with all its tokens. Standard library only.
+
+``--offset K --limit N`` runs prompts K..K+N-1 of the set (the same prompts as in a whole run):
+a set too long for one sitting is run in slices, each against a fresh server, and
+``serve_report.py`` pools the slices' per-request records (every slice's ramp-up and drain is
+then in the totals, for every arm alike).
 """
 
 import argparse
@@ -69,9 +74,18 @@ def stream_completion(url, model, prompt, max_tokens, timeout=3600):
                 ok=tokens == max_tokens)
 
 
-def run(url, model, lengths, concurrency, max_tokens, seed=0):
+def set_prompts(name, offset=0, limit=0, seed=0):
+    """Prompts ``offset .. offset + limit - 1`` (all from ``offset`` if ``limit`` is 0) of a
+    set, as token-id lists; each prompt is the same whatever the slice."""
+    lengths = prompt_lengths(name, seed)
+    end = len(lengths) if not limit else min(len(lengths), offset + limit)
     rng = random.Random(seed + 1)
-    prompts = [[rng.randrange(100, 30000) for _ in range(n)] for n in lengths]
+    prompts = [[rng.randrange(100, 30000) for _ in range(n)] for n in lengths[:end]]
+    return prompts[offset:]
+
+
+def run(url, model, prompts, concurrency, max_tokens):
+    lengths = [len(prompt) for prompt in prompts]
     queue = list(range(len(prompts)))
     lock = threading.Lock()
     records = [None] * len(prompts)
@@ -103,7 +117,17 @@ def run(url, model, lengths, concurrency, max_tokens, seed=0):
                 median_tpot_ms=statistics.median(tpots) if tpots else None,
                 median_ttft_s=statistics.median(r["first"] - r["start"] for r in done)
                 if done else None,
-                errors=[r.get("error") for r in records if r and not r.get("ok")][:5])
+                errors=[r.get("error") for r in records if r and not r.get("ok")][:5],
+                # per request, for pooling slices (serve_report.py)
+                per_request=[dict(prompt_tokens=r.get("prompt_tokens"), ok=bool(r.get("ok")),
+                                  tokens=r.get("tokens", 0) if r.get("ok") else 0,
+                                  ttft_s=round(r["first"] - r["start"], 4)
+                                  if r.get("ok") else None,
+                                  tpot_ms=round((r["last"] - r["first"]) / (r["tokens"] - 1)
+                                                * 1e3, 4)
+                                  if r.get("ok") and r["tokens"] > 1 and r["chunks"] > 1
+                                  else None)
+                             for r in records])
 
 
 def host_versions():
@@ -134,7 +158,8 @@ def main():
     parser.add_argument("--set", choices=sorted(SETS), default="A")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--output-tokens", type=int, default=1024)
-    parser.add_argument("--limit", type=int, default=0, help="only the first N prompts")
+    parser.add_argument("--limit", type=int, default=0, help="only N prompts (0: all)")
+    parser.add_argument("--offset", type=int, default=0, help="from the set's K-th prompt")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "serve.json"))
     args = parser.parse_args()
@@ -144,9 +169,9 @@ def main():
         connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
         connection.request("GET", "/v1/models")
         model = json.loads(connection.getresponse().read())["data"][0]["id"]
-    lengths = prompt_lengths(args.set)[: args.limit or None]
-    result = run(args.url, model, lengths, args.concurrency, args.output_tokens)
-    result.update(label=args.label, set=args.set, concurrency=args.concurrency,
+    prompts = set_prompts(args.set, args.offset, args.limit)
+    result = run(args.url, model, prompts, args.concurrency, args.output_tokens)
+    result.update(label=args.label, set=args.set, concurrency=args.concurrency, offset=args.offset,
                   output_tokens=args.output_tokens, command="python3 " + " ".join(sys.argv),
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), **host_versions())
     print(json.dumps(result, indent=1))

@@ -7,7 +7,9 @@
 #   SETS:    e.g. A:1 A:16 B:1 B:8 (default: all four)
 #   SERVE_BENCH_ARGS: more client arguments, e.g. "--limit 64 --output-tokens 256" (the full
 #   protocol, 256 prompts x 1,024 tokens per set A run, takes ~10 min per backend at
-#   concurrency 16 and far longer at 1: more than one device session holds)
+#   concurrency 16 and far longer at 1: more than one device session holds; run it in slices,
+#   "--offset 64 --limit 64" etc., one server per slice, and keep each slice's JSON under its
+#   own name, e.g. serve-moira-A-16-o64.json: serve_report.py pools them)
 # Results: $OUT/serve-BACKEND-SET-CONCURRENCY.json; server log: $OUT/server-BACKEND.log
 set -euo pipefail
 backend=$1; shift

@@ -4,13 +4,17 @@ concurrency, prompts, output tokens).
 
     python benchmarks/serve_report.py benchmarks/results/serve-2026-11-30-s8 [--readme README.md]
 
-The folder holds ``serve-<arm>-<set>-<concurrency>.json`` (``serve_bench.sh``). Writes
-``<folder>.png`` and, with ``--readme``, the README's ``serve`` section.
+The folder holds ``serve-<arm>-<set>-<concurrency>[-<anything>].json`` (``serve_bench.sh``).
+Slices of one set run apart (``serve_bench.py --offset K --limit N``, same arm, concurrency and
+output length) are pooled into one row: requests and tokens added, throughput = all tokens /
+all slices' wall time, medians over all requests' records. Writes ``<folder>.png`` and, with
+``--readme``, the README's ``serve`` section.
 """
 
 import argparse
 import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -21,23 +25,60 @@ ARMS = {"dense": "dense FA3", "flashinfer": "dense FlashInfer", "moira": "Moira"
 
 
 def load(folder):
-    runs = []
+    """The runs of a folder; the slices of one workload pooled into one run."""
+    groups = {}
     for name in sorted(os.listdir(folder)):
         if name.startswith("serve-") and name.endswith(".json"):
             with open(os.path.join(folder, name)) as f:
-                runs.append(json.load(f))
-    return runs
+                run = json.load(f)
+            key = (run["label"], run["set"], run["concurrency"], run["output_tokens"])
+            groups.setdefault(key, []).append(run)
+    return [run for parts in groups.values() for run in pooled(parts)]
+
+
+def pooled(parts):
+    """Runs of one (arm, set, concurrency, output tokens) as one run when they are slices of a
+    set (disjoint prompt ranges, each with per-request records); otherwise unchanged (e.g. a
+    short run and a long one from the set's start are two workloads)."""
+    parts = sorted(parts, key=lambda run: run.get("offset", 0))
+    disjoint = all(before.get("offset", 0) + before["requests"] <= after.get("offset", 0)
+                   for before, after in zip(parts, parts[1:]))
+    if len(parts) == 1 or not disjoint or any("per_request" not in run for run in parts):
+        return parts
+    records = [r for run in parts for r in run["per_request"]]
+    wall = sum(run["wall_s"] for run in parts)
+    done = [r for r in records if r["ok"]]
+    tpots = [r["tpot_ms"] for r in done if r["tpot_ms"] is not None]
+    return [dict(parts[0], requests=len(records), completed=len(done), wall_s=round(wall, 1),
+                 output_tokens_per_s=sum(r["tokens"] for r in done) / wall,
+                 median_tpot_ms=statistics.median(tpots) if tpots else None,
+                 median_ttft_s=statistics.median(r["ttft_s"] for r in done) if done else None,
+                 slices=len(parts), per_request=records,
+                 date=" / ".join(sorted({run["date"][:10] for run in parts})),
+                 command=" ; ".join(run["command"] for run in parts))]
+
+
+def prompts_cell(run):
+    """How many prompts, which ones when not the set's first, and in how many slices."""
+    cell = str(run["requests"])
+    if run.get("offset"):
+        cell += f" (prompts {run['offset']}–{run['offset'] + run['requests'] - 1})"
+    if run.get("slices"):
+        cell += f" in {run['slices']} slices"
+    return cell
 
 
 def table(runs):
     """Rows grouped by workload (set, concurrency, prompts, output tokens), dense FA3 first."""
     def workload(run):
-        return run["set"], run["concurrency"], run["requests"], run["output_tokens"]
+        return (run["set"], run["concurrency"], run["requests"], run["output_tokens"],
+                run.get("offset", 0))
 
     order = list(ARMS)
     lines = ["| set | concurrency | prompts × output tokens | arm | completed | output tokens/s | "
              "vs dense FA3 | median TPOT (ms) | median TTFT (s) | wall (s) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    # a workload is its prompts too: the first 32 of set A and all 256 are different rows
     for key in sorted({workload(run) for run in runs}):
         group = sorted((run for run in runs if workload(run) == key),
                        key=lambda run: order.index(run["label"]) if run["label"] in order
@@ -47,7 +88,7 @@ def table(runs):
             ratio = ("–" if dense is None or run is dense else
                      f"**{run['output_tokens_per_s'] / dense['output_tokens_per_s'] - 1:+.1%}**")
             lines.append(
-                f"| {key[0]} | {key[1]} | {key[2]} × {key[3]} | "
+                f"| {key[0]} | {key[1]} | {prompts_cell(run)} × {key[3]} | "
                 f"{ARMS.get(run['label'], run['label'])} | {run['completed']}/{run['requests']} | "
                 f"{run['output_tokens_per_s']:.1f} | {ratio} | {run['median_tpot_ms']:.2f} | "
                 f"{run['median_ttft_s']:.2f} | {run['wall_s']:.1f} |")

@@ -274,3 +274,38 @@ def test_compile_check_rejects_memory_access_before_the_programmatic_wait():
                 "griddepcontrol.wait;\n"):  # no launch_dependents
         with pytest.raises(SystemExit):
             check("bad", ptx)
+
+
+def test_serve_slices_are_the_whole_runs_prompts_and_pool_into_one_row(tmp_path):
+    import json
+
+    bench, report = load("serve_bench"), load("serve_report")
+    assert bench.set_prompts("A", 2, 3) == bench.set_prompts("A", 0, 5)[2:]
+
+    def slice_run(label, offset, tpots, wall):
+        records = [dict(prompt_tokens=4096, ok=True, tokens=100, ttft_s=1.0, tpot_ms=t)
+                   for t in tpots]
+        return dict(label=label, set="A", concurrency=16, output_tokens=100, offset=offset,
+                    requests=len(records), completed=len(records), wall_s=wall,
+                    output_tokens_per_s=100 * len(records) / wall, median_tpot_ms=0.0,
+                    median_ttft_s=1.0, per_request=records, command=f"slice {offset}",
+                    date="2026-11-30 08:00:00")
+
+    for label, tpots, wall in (("dense", (30.0, 31.0), 10.0), ("moira", (20.0, 21.0), 8.0)):
+        (tmp_path / f"serve-{label}-A-16.json").write_text(
+            json.dumps(slice_run(label, 0, tpots, wall)))
+        (tmp_path / f"serve-{label}-A-16-o2.json").write_text(
+            json.dumps(slice_run(label, 2, [t + 2 for t in tpots], wall)))
+    runs = {run["label"]: run for run in report.load(str(tmp_path))}
+    moira = runs["moira"]
+    assert (moira["requests"], moira["slices"], moira["wall_s"]) == (4, 2, 16.0)
+    assert moira["output_tokens_per_s"] == 400 / 16.0
+    assert moira["median_tpot_ms"] == 21.5  # of 20, 21, 22, 23
+    line = next(line for line in report.table(list(runs.values())).splitlines()
+                if "| Moira |" in line)
+    assert "| 4 in 2 slices × 100 |" in line and "**+25.0%**" in line
+    # a run overlapping the slices is another workload: no pooling, one row each
+    (tmp_path / "serve-moira-A-16-again.json").write_text(
+        json.dumps(slice_run("moira", 1, (20.0,), 4.0)))
+    assert sorted(run["requests"] for run in report.load(str(tmp_path))
+                  if run["label"] == "moira") == [1, 2, 2]
