@@ -174,7 +174,7 @@ def main():
     result.update(label=args.label, set=args.set, concurrency=args.concurrency, offset=args.offset,
                   output_tokens=args.output_tokens, command="python3 " + " ".join(sys.argv),
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), **host_versions())
-    print(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "per_request"}, indent=1))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 
