@@ -104,8 +104,9 @@ def kernels(group, head_dim, block, pdl=False):
     tag = f"G={group} D={head_dim}" + (" PDL" if pdl else "")
     decode_step = [
         (f"estimate {tag}", estimate._estimate_kernel,
-         dict(GROUP=group, HEAD_DIM=head_dim, PAGE=PAGE, BLOCK_P=estimate.PAGES_PER_PROGRAM,
-              TILE_STAGES=estimate.TILE_STAGES, PDL=pdl),
+         dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, PAGE=PAGE,
+              BLOCK_P=estimate.PAGES_PER_PROGRAM, TILE_STAGES=estimate.TILE_STAGES,
+              SIDE_BY_SIDE=estimate.EXACT_HEADS_SIDE_BY_SIDE, PDL=pdl),
          estimate.NUM_WARPS, 3),
         *[(f"select {mode} {tag} lanes={block}", select._select_kernel,
            dict(GROUP=group, BLOCK=block, BLOCK_2=max(lanes, block // 2),

@@ -105,6 +105,14 @@ def main():
             record("estimate", shape, f"programs={programs} stages={stages}", micros,
                    summary_bytes)
         estimate_module.TARGET_PROGRAMS, estimate_module.TILE_STAGES = defaults
+        # the exact pages' heads side by side or head by head (the default)
+        for side_by_side in [True, False] if "estimate" in kinds else []:
+            estimate_module.EXACT_HEADS_SIDE_BY_SIDE = side_by_side
+            micros = bench(lambda: estimate_module.estimate(query, keys, summaries, table,
+                                                            seq_lens, scale, log_masses))
+            record("estimate", shape, f"exact heads {'side by side' if side_by_side else 'chained'}",
+                   micros, summary_bytes)
+        estimate_module.EXACT_HEADS_SIDE_BY_SIDE = False
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)

@@ -91,3 +91,13 @@ def test_estimate_bf16_summaries():
                             seq_lens.cpu())
     torch.testing.assert_close(log_masses.cpu()[..., :11], expected.view_as(log_masses)[..., :11],
                                rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("group", [1, 4, 7, 8])
+def test_exact_pages_with_heads_side_by_side(monkeypatch, group):
+    """The [64, G] tile form of the sink's and current page's log-sum-exps (a tuning option)
+    against the reference, for every G including padded ones (7 -> 8)."""
+    from moira.kernels import estimate as estimate_module
+
+    monkeypatch.setattr(estimate_module, "EXACT_HEADS_SIDE_BY_SIDE", True)
+    test_estimate_matches_reference(group, 64, "mixed")

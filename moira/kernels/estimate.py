@@ -46,6 +46,13 @@ MAX_TILES_PER_PROGRAM = 8
 # for the previous tile's stores; more only matter where programs hold several tiles, i.e.
 # with TARGET_PROGRAMS below the table's tiles over the batch)
 TILE_STAGES = 1
+# the sink's and the current page's exact log-masses: True computes the G heads' log-sum-exps
+# over the page's tokens side by side in one [64, G] tile (two reductions across the program
+# for all heads: 41 barriers in the sm_90 build instead of 57 at G = 4, as Select's softmaxes
+# side by side were 19-48% faster), False head by head (two each, in a chain: the timed form).
+# Off until timed: it costs registers (118 -> 127 at G = 4, still 4 blocks per SM; 128 -> 155
+# at G = 8, 3 blocks)
+EXACT_HEADS_SIDE_BY_SIDE = False
 
 
 def programs_per_row(rows, max_pages):
@@ -70,8 +77,9 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
                      stride_sp, stride_sh, stride_ss, stride_sd,
                      stride_bt, stride_lr, stride_lg,
                      num_kv_heads, max_pages, scale, dense_below_pages, mvar_programs,
-                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                     BLOCK_P: tl.constexpr, TILE_STAGES: tl.constexpr, PDL: tl.constexpr):
+                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     PAGE: tl.constexpr, BLOCK_P: tl.constexpr, TILE_STAGES: tl.constexpr,
+                     SIDE_BY_SIDE: tl.constexpr, PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     block = tl.program_id(1)
@@ -105,10 +113,25 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
         keys = tl.load(key_cache + physical * stride_kp + head * stride_kh
                        + tokens[:, None] * stride_kt + dims[None, :] * stride_kd,
                        mask=valid[:, None], other=0.0).to(tl.float32)
-        for g in tl.static_range(GROUP):
-            q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
-            logits = tl.where(valid, tl.sum(keys * q_g[None, :], axis=1), float("-inf"))
-            tl.store(dst + g * stride_lg + page, _log_sum_exp(logits))
+        if SIDE_BY_SIDE:
+            heads = tl.arange(0, GROUP_PAD)
+            logits = tl.zeros([PAGE, GROUP_PAD], dtype=tl.float32)
+            for g in tl.static_range(GROUP):
+                q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) \
+                    * scale
+                logits = tl.where(heads[None, :] == g,
+                                  tl.sum(keys * q_g[None, :], axis=1)[:, None], logits)
+            # a page has a valid token (page <= last): every real head's peak is finite
+            logits = tl.where(valid[:, None], logits, float("-inf"))
+            peak = tl.max(logits, axis=0)
+            lse = peak + tl.log(tl.sum(tl.exp(logits - peak[None, :]), axis=0))
+            tl.store(dst + heads * stride_lg + page, lse, mask=heads < GROUP)
+        else:
+            for g in tl.static_range(GROUP):
+                q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) \
+                    * scale
+                logits = tl.where(valid, tl.sum(keys * q_g[None, :], axis=1), float("-inf"))
+                tl.store(dst + g * stride_lg + page, _log_sum_exp(logits))
         return
 
     # this program's tiles of the row: an even share of the row's own tiles
@@ -150,7 +173,7 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         *query.stride(), *key_cache.stride(), *summaries.stride(),
         block_table.stride(0), log_masses.stride(0), log_masses.stride(1),
         num_kv_heads, max_pages, scale, dense_below_pages, per_row,
-        GROUP=group, HEAD_DIM=head_dim, PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM,
-        TILE_STAGES=TILE_STAGES, num_warps=NUM_WARPS, **launch.options(programmatic_launch),
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, PAGE=PAGE_SIZE,
+        BLOCK_P=PAGES_PER_PROGRAM, TILE_STAGES=TILE_STAGES, SIDE_BY_SIDE=EXACT_HEADS_SIDE_BY_SIDE, num_warps=NUM_WARPS, **launch.options(programmatic_launch),
     )
     return log_masses
