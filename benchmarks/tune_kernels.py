@@ -60,6 +60,8 @@ def main():
     parser.add_argument("--kinds", default="estimate,select,attend,step",
                         help="comma-separated subset of estimate,select,attend,tiles,balanced,"
                              "fractions,step,wide")
+    parser.add_argument("--shapes", default="",
+                        help="comma-separated subset of 8k32,32k16,64k8,128k4 (default: all)")
     parser.add_argument("--table-pages", type=int, default=2048,
                         help="wide: block-table columns, as in an engine whose longest admitted "
                              "context is this many pages (vllm_tpot.py's: ~2,040)")
@@ -75,7 +77,10 @@ def main():
         print(f"{kind:>8} {shape:>9} {variant:<34} {micros:8.1f} us"
               + (f" {row['GBps']:6d} GB/s" if bytes_read else ""), flush=True)
 
+    wanted = set(filter(None, args.shapes.split(",")))
     for context, batch in SHAPES:
+        if wanted and f"{context // 1024}k{batch}" not in wanted:
+            continue
         shape = f"{context // 1024}k x{batch}"
         query, keys, values, summaries, table, seq_lens = step_inputs(context, batch)
         pages = context // 64
