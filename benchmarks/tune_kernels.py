@@ -90,34 +90,35 @@ def main():
         scale = 1 / math.sqrt(HEAD_DIM)
         summary_bytes = batch * KV_HEADS * pages * 2 * HEAD_DIM * summaries.element_size()
 
+        def time_estimate(label, **settings):
+            """Time Estimate with some of its module's settings changed, then restored."""
+            saved = {name: getattr(estimate_module, name) for name in settings}
+            for name, value in settings.items():
+                setattr(estimate_module, name, value)
+            try:
+                micros = bench(lambda: estimate_module.estimate(query, keys, summaries, table,
+                                                                seq_lens, scale, log_masses))
+            finally:
+                for name, value in saved.items():
+                    setattr(estimate_module, name, value)
+            record("estimate", shape, label, micros, summary_bytes)
+
         blocks = [16, 32, 64] if not args.quick else [32, 64]
         for block, warps in itertools.product(blocks if "estimate" in kinds else [],
                                               [2, 4, 8] if not args.quick else [4, 8]):
-            estimate_module.PAGES_PER_PROGRAM, estimate_module.NUM_WARPS = block, warps
-            micros = bench(lambda: estimate_module.estimate(query, keys, summaries, table,
-                                                            seq_lens, scale, log_masses))
-            record("estimate", shape, f"pages={block} warps={warps}", micros, summary_bytes)
-        estimate_module.PAGES_PER_PROGRAM, estimate_module.NUM_WARPS = 32, 4
+            time_estimate(f"pages={block} warps={warps}", PAGES_PER_PROGRAM=block,
+                          NUM_WARPS=warps)
         # fewer, longer programs whose tile loop is software-pipelined, against the default
         # grid of ~2,048 one-or-few-tile programs (session 8: Estimate takes 16-19 us at every
         # shape while its summaries range over 17-34 MB, so it is not bandwidth-bound)
-        defaults = estimate_module.TARGET_PROGRAMS, estimate_module.TILE_STAGES
         for programs, stages in itertools.product(
                 [512, 1024, 2048, 4096] if "estimate" in kinds else [], [1, 2, 3]):
-            estimate_module.TARGET_PROGRAMS, estimate_module.TILE_STAGES = programs, stages
-            micros = bench(lambda: estimate_module.estimate(query, keys, summaries, table,
-                                                            seq_lens, scale, log_masses))
-            record("estimate", shape, f"programs={programs} stages={stages}", micros,
-                   summary_bytes)
-        estimate_module.TARGET_PROGRAMS, estimate_module.TILE_STAGES = defaults
+            time_estimate(f"programs={programs} stages={stages}", TARGET_PROGRAMS=programs,
+                          TILE_STAGES=stages)
         # the exact pages' heads side by side or head by head (the default)
         for side_by_side in [True, False] if "estimate" in kinds else []:
-            estimate_module.EXACT_HEADS_SIDE_BY_SIDE = side_by_side
-            micros = bench(lambda: estimate_module.estimate(query, keys, summaries, table,
-                                                            seq_lens, scale, log_masses))
-            record("estimate", shape, f"exact heads {'side by side' if side_by_side else 'chained'}",
-                   micros, summary_bytes)
-        estimate_module.EXACT_HEADS_SIDE_BY_SIDE = False
+            time_estimate(f"exact heads {'side by side' if side_by_side else 'chained'}",
+                          EXACT_HEADS_SIDE_BY_SIDE=side_by_side)
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)
