@@ -77,20 +77,24 @@ def build(name, kernel, constexprs, num_warps, num_stages=3):
                                            launch_pdl=pdl))
     if pdl:
         check_waits_first(name, compiled.asm["ptx"])
-    usage = ""
+    usage = sass = ""
     if os.path.exists(CUOBJDUMP):
         path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moira-{os.getpid()}.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
         usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", path],
                                capture_output=True, text=True).stdout
+        sass = subprocess.run([CUOBJDUMP, "--dump-sass", path], capture_output=True,
+                              text=True).stdout
         os.remove(path)
     found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
     # spills land in the stack frame (STACK) or in local memory (LOCAL)
     registers, local = ((int(found.group(1)), int(found.group(2)) + int(found.group(4)))
                         if found else (None, None))
+    # block-wide barriers and warp shuffles in the binary: the reductions' cost, statically
+    barriers, shuffles = (len(re.findall(rf"\b{op}\b", sass)) for op in ("BAR", "SHFL"))
     print(f"{name:<40} registers {registers}  spilled bytes {local}  shared "
-          f"{compiled.metadata.shared}", flush=True)
+          f"{compiled.metadata.shared}  barriers {barriers}  shuffles {shuffles}", flush=True)
     return local
 
 
