@@ -24,6 +24,7 @@ import triton
 import moira
 from moira.kernels import attend as attend_module
 from moira.kernels import estimate as estimate_module
+from moira.config import BISECTION_BITS
 from moira.kernels import select as select_module
 
 KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
@@ -153,6 +154,13 @@ def main():
             select_module.SOFTMAX_TILE = tile
             select_modes(f" softmax tile {tile}")
         select_module.SOFTMAX_TILE = default_tile
+        # how much the bisection's passes cost: 18 bits (K_B = 4: 9 passes instead of 12) keep
+        # the coverage rule (a superset of the exact set, by pages within max share * 2**-18 of
+        # the threshold) -- a timing probe, not a setting
+        for bits in [18] if "select" in kinds else []:
+            select_module.BISECTION_BITS = bits
+            select_modes(f" {bits} bits")
+        select_module.BISECTION_BITS = BISECTION_BITS
 
         select_module.select(log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS,
                              max_pages=pages, gamma=0.98, top_k=top_k, ways=ways)
