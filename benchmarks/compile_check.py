@@ -125,11 +125,11 @@ def kernels(group, head_dim, block, pdl=False):
          dict(GROUP=group, GROUP_PAD=max(16, group_pad), HEAD_DIM=head_dim, PAGE=PAGE,
               PAGES_PER_TILE=attend.PAGES_PER_ITER, FUSED_MERGE=False, HAS_STATS=False,
               SPLITS_PAD=32, SPLITS_PER_LOAD=32, SUM_ROUNDED=attend.SUM_ROUNDED_WEIGHTS,
-              PDL=pdl),
+              EVEN_CHUNKS=attend.EVEN_CHUNKS, PDL=pdl),
          attend.NUM_WARPS, attend.NUM_STAGES),
         (f"merge {tag}", merge._merge_kernel,
          dict(GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
-              HAS_STATS=True, PAGE=PAGE, PDL=pdl), 4, 3),
+              HAS_STATS=True, PAGE=PAGE, EVEN_CHUNKS=attend.EVEN_CHUNKS, PDL=pdl), 4, 3),
     ]
     if pdl:
         return decode_step

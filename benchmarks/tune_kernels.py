@@ -247,10 +247,15 @@ def main():
             record("step22", shape, f"estimate+select+attend+merge, {name}", micros,
                    sparse_bytes + summary_bytes)
         if "step" in kinds:
-            micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
-                                                sparse_lists, sparse_counts,
-                                                workspace=workspace, out=out))
-            record("attend22", shape, "defaults", micros, sparse_bytes)
+            # the default equal chunks per row, and Eq. (4)'s chunks as is (before session 8)
+            for even in (True, False):
+                attend_module.EVEN_CHUNKS = even
+                micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
+                                                    sparse_lists, sparse_counts,
+                                                    workspace=workspace, out=out))
+                record("attend22", shape, "defaults" if even else "Eq. (4) chunks as is",
+                       micros, sparse_bytes)
+            attend_module.EVEN_CHUNKS = True
             micros = bench(lambda: moira.sparse_decode(query, keys, values, summaries, table,
                                                        seq_lens, top_k=top_k,
                                                        workspace=workspace, out=out))

@@ -263,19 +263,24 @@ def oracle_coverage(query, key_cache, block_table, seq_lens, gamma, scale=None):
 # --------------------------------------------------------------------------------------------
 
 
-def work_split(page_counts, num_rows, config=MoiraConfig(), max_pages=None):
+def work_split(page_counts, num_rows, config=MoiraConfig(), max_pages=None, even=True):
     """Eq. (4) as a pure function of the row lengths.
 
     Attend launches J = max(N_J, ceil(N_T / num_rows)) programs per row (at most
     ceil(max_pages / C) when the block table's width ``max_pages`` is given); program j of a
     row of n pages processes pages ``[j c, min((j + 1) c, n))`` with c = max(C, ceil(n / J)) (C
-    from ``config.chunk_floor(num_rows)``), and exits if ``j >= m = ceil(n / c)``. Program 0
-    always runs (it writes the output of an empty row). Returns ``(J, chunk_pages,
-    num_chunks)``, the last two shaped like ``page_counts``.
+    from ``config.chunk_floor(num_rows)``), and exits if ``j >= m = ceil(n / c)``. With
+    ``even`` (Attend's ``EVEN_CHUNKS``), the m chunks are made equal: c' = ceil(n / m), and m'
+    = ceil(n / c') <= m chunks (as many programs, none longer). Program 0 always runs (it
+    writes the output of an empty row). Returns ``(J, chunk_pages, num_chunks)``, the last two
+    shaped like ``page_counts``.
     """
     chunks_per_row = config.chunks_per_row(num_rows, max_pages)
     counts = page_counts.long()
     chunk_pages = torch.clamp(-(-counts // chunks_per_row), min=config.chunk_floor(num_rows))
+    if even:
+        chunks = torch.clamp(-(-counts // chunk_pages), min=1)
+        chunk_pages = torch.clamp(-(-counts // chunks), min=1)
     num_chunks = torch.clamp(-(-counts // chunk_pages), min=1)
     return chunks_per_row, chunk_pages, num_chunks
 

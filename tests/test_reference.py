@@ -48,10 +48,27 @@ def test_work_split_paper_example():
     # section 3.3: J = 4, C = 2, rows of 8, 3, 5 and 2 pages use 4, 2, 3 and 1 programs
     config = MoiraConfig(chunk_pages=2, min_chunks_per_row=4, min_programs=1)
     chunks_per_row, chunk_pages, num_chunks = ref.work_split(
-        torch.tensor([8, 3, 5, 2, 0]), 5, config)
+        torch.tensor([8, 3, 5, 2, 0]), 5, config, even=False)
     assert chunks_per_row == 4
     assert num_chunks.tolist() == [4, 2, 3, 1, 1]
     assert chunk_pages.tolist() == [2, 2, 2, 2, 2]
+
+
+def test_even_chunks_keep_the_programs_and_shorten_the_longest():
+    """Attend's default (EVEN_CHUNKS): Eq. (4)'s chunk count per row, every chunk but the last
+    of ceil(n / m) pages and the last at most m - 1 shorter, none longer than Eq. (4)'s; e.g.
+    28 pages at C = 24: 14 + 14, not 24 + 4."""
+    config = MoiraConfig(chunk_pages=24, min_chunks_per_row=32, min_programs=4096)
+    counts = torch.arange(0, 3000)
+    _, paper_chunk, paper_chunks = ref.work_split(counts, 256, config, even=False)
+    _, chunk, chunks = ref.work_split(counts, 256, config)
+    assert (chunks == paper_chunks).all()
+    assert (chunk <= paper_chunk).all()
+    last = counts - (chunks - 1) * chunk  # the last chunk's pages
+    busy = counts > 0
+    assert ((last[busy] >= 1) & (last[busy] <= chunk[busy])
+            & (chunk[busy] - last[busy] < chunks[busy])).all()
+    assert (chunk[28], chunks[28], chunk[54], chunks[54]) == (14, 2, 18, 3)
 
 
 def test_capping_j_at_the_block_table_changes_no_chunk():

@@ -37,13 +37,22 @@ PAGES_PER_ITER = 2  # listed pages per inner-loop tile ([PAGES_PER_ITER * 64, D]
 # (True: the output stays a weighted average, about half the error against float32) or as
 # computed in float32 before rounding (False: FA3's convention, so outputs round like FA3's)
 SUM_ROUNDED_WEIGHTS = True
+# a row's chunks of equal length: Eq. (4)'s m = ceil(n / c) chunks, each of ceil(n / m) pages
+# instead of c (the last one shorter). As many programs, none longer than Eq. (4)'s; the
+# longest program of a row of 28 pages reads 14 pages instead of 24 (C = 24), so the last
+# wave's tail is shorter where rows hold a few chunks (8k-16k contexts). False: Eq. (4) as is
+EVEN_CHUNKS = True
 
 
 @triton.jit
-def plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per_row):
-    """(list length n, pages per chunk c, chunks m) of a row: Eq. (4), shared with Merge."""
+def plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per_row,
+             EVEN: tl.constexpr):
+    """(list length n, pages per chunk c, chunks m) of a row: Eq. (4), its chunks made equal
+    with ``EVEN`` (``EVEN_CHUNKS``), shared with Merge (``reference.work_split``)."""
     count = tl.load(page_counts + b * stride_cb + head * stride_ch)
     chunk = tl.maximum(chunk_floor, tl.cdiv(count, chunks_per_row))
+    if EVEN:
+        chunk = tl.maximum(tl.cdiv(count, tl.maximum(tl.cdiv(count, chunk), 1)), 1)
     return count, chunk, tl.maximum(tl.cdiv(count, chunk), 1)
 
 
@@ -125,14 +134,14 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
                    PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr, FUSED_MERGE: tl.constexpr,
                    HAS_STATS: tl.constexpr, SPLITS_PAD: tl.constexpr,
                    SPLITS_PER_LOAD: tl.constexpr, SUM_ROUNDED: tl.constexpr,
-                   PDL: tl.constexpr):
+                   EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     chunk_id = tl.program_id(1)
     b = row // num_kv_heads
     head = row % num_kv_heads
     count, chunk, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
-                                        chunk_floor, chunks_per_row)
+                                        chunk_floor, chunks_per_row, EVEN_CHUNKS)
     if chunk_id >= num_chunks:
         return
 
@@ -198,7 +207,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         PAGE=PAGE_SIZE, PAGES_PER_TILE=PAGES_PER_ITER, FUSED_MERGE=fused, HAS_STATS=has_stats,
         SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
         SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)),
-        SUM_ROUNDED=SUM_ROUNDED_WEIGHTS,
+        SUM_ROUNDED=SUM_ROUNDED_WEIGHTS, EVEN_CHUNKS=EVEN_CHUNKS,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch.options(programmatic_launch),
     )
     return out

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..config import PAGE_SIZE
+from . import attend as attend_module
 from . import launch
 from .attend import plan_row
 from .combine import add_page_stats, merged
@@ -26,14 +27,14 @@ def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_sta
                   num_kv_heads, max_pages, chunk_floor, chunks_per_row,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
                   SPLITS_PER_LOAD: tl.constexpr, HAS_STATS: tl.constexpr, PAGE: tl.constexpr,
-                  PDL: tl.constexpr):
+                  EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     g = tl.program_id(1)
     b = row // num_kv_heads
     head = row % num_kv_heads
     count, _, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
-                                    chunk_floor, chunks_per_row)
+                                    chunk_floor, chunks_per_row, EVEN_CHUNKS)
     if HAS_STATS:
         if g == 0:
             add_page_stats(page_stats, seq_lens, b, count, max_pages, PAGE)
@@ -62,6 +63,7 @@ def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_flo
         chunks_per_row,
         GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
         SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)), HAS_STATS=has_stats,
-        PAGE=PAGE_SIZE, num_warps=4, **launch.options(programmatic_launch),
+        PAGE=PAGE_SIZE, EVEN_CHUNKS=attend_module.EVEN_CHUNKS, num_warps=4,
+        **launch.options(programmatic_launch),
     )
     return out
