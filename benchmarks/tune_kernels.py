@@ -138,13 +138,17 @@ def main():
         default_warps = select_module.num_warps
         # wider passes need more threads to hold the [K_B, pages] comparison tile
         for k_b, warps in itertools.product([2, 4, 8, 16] if "select" in kinds else [],
-                                            [4, 8]):
+                                            [1, 2, 4, 8]):
             select_module.num_warps = lambda block, warps=warps: warps
             micros = bench(lambda: select_module.select(
                 log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS, max_pages=pages,
                 ways=k_b, gamma=0.98, top_k=None))
             record("select", shape, f"coverage K_B={k_b} warps={warps}", micros)
-        for warps in ([4, 8, 16] if not args.quick else [4, 8]) if "select" in kinds else []:
+        # one warp: every reduction within the warp, no block barrier (the sm_90 build of the
+        # coverage kernel has 0 barriers at 1 warp against 38-76 at 4; 255 registers at 2,048
+        # lanes, no spill)
+        select_warps = [1, 2, 4, 8, 16] if not args.quick else [1, 4, 8]
+        for warps in select_warps if "select" in kinds else []:
             select_module.num_warps = lambda block, warps=warps: warps
             select_modes(f" warps={warps}")
         select_module.num_warps = default_warps
