@@ -11,6 +11,7 @@ kernel modules' tuning constants. Prints a table; writes JSON to $OUT/tune.json.
 """
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -24,14 +25,11 @@ import triton
 import moira
 from moira.kernels import attend as attend_module
 from moira.kernels import estimate as estimate_module
-from moira.config import BISECTION_BITS
 from moira.kernels import select as select_module
 
 KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
 SHAPES = [(8192, 32), (32768, 16), (65536, 8), (131072, 4)]
 PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
-# the package's Attend tile (pages per tile, warps, stages): restored after each sweep
-DEFAULT_TILE = (attend_module.PAGES_PER_ITER, attend_module.NUM_WARPS, attend_module.NUM_STAGES)
 
 
 def bench(fn):
@@ -41,6 +39,20 @@ def bench(fn):
     # still being written here would be read half-made
     torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+
+
+@contextlib.contextmanager
+def patched(module, **settings):
+    """A kernel module's tuning constants changed for one measurement, restored afterwards
+    (also when the measurement fails)."""
+    saved = {name: getattr(module, name) for name in settings}
+    for name, value in settings.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def step_inputs(context, batch):
@@ -69,6 +81,11 @@ def main():
     args = parser.parse_args()
     kinds = set(args.kinds.split(","))
     results = []
+    names = {f"{context // 1024}k{batch}" for context, batch in SHAPES}
+    wanted = set(filter(None, args.shapes.split(",")))
+    if wanted - names:
+        parser.error(f"--shapes: unknown {sorted(wanted - names)}; known: {sorted(names)}")
+    out_path = os.path.join(os.environ.get("OUT", "."), "tune.json")
 
     def record(kind, shape, variant, micros, bytes_read=None):
         row = dict(kind=kind, shape=shape, variant=variant, us=round(micros, 2))
@@ -77,8 +94,13 @@ def main():
         results.append(row)
         print(f"{kind:>8} {shape:>9} {variant:<34} {micros:8.1f} us"
               + (f" {row['GBps']:6d} GB/s" if bytes_read else ""), flush=True)
+        # written as results arrive: a variant that fails ends the run, not its results
+        with open(out_path, "w") as f:
+            json.dump(dict(command="python3 " + " ".join(sys.argv),
+                           gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=triton.__version__, date=time.strftime("%Y-%m-%d"),
+                           results=results), f, indent=1)
 
-    wanted = set(filter(None, args.shapes.split(",")))
     for context, batch in SHAPES:
         if wanted and f"{context // 1024}k{batch}" not in wanted:
             continue
@@ -92,16 +114,10 @@ def main():
         summary_bytes = batch * KV_HEADS * pages * 2 * HEAD_DIM * summaries.element_size()
 
         def time_estimate(label, **settings):
-            """Time Estimate with some of its module's settings changed, then restored."""
-            saved = {name: getattr(estimate_module, name) for name in settings}
-            for name, value in settings.items():
-                setattr(estimate_module, name, value)
-            try:
+            """Time Estimate with some of its module's settings changed."""
+            with patched(estimate_module, **settings):
                 micros = bench(lambda: estimate_module.estimate(query, keys, summaries, table,
                                                                 seq_lens, scale, log_masses))
-            finally:
-                for name, value in saved.items():
-                    setattr(estimate_module, name, value)
             record("estimate", shape, label, micros, summary_bytes)
 
         blocks = [16, 32, 64] if not args.quick else [32, 64]
@@ -135,36 +151,31 @@ def main():
                     **kwargs))
                 record("select", shape, f"{mode}{label}", micros)
 
-        default_warps = select_module.num_warps
         # wider passes need more threads to hold the [K_B, pages] comparison tile
         for k_b, warps in itertools.product([2, 4, 8, 16] if "select" in kinds else [],
                                             [1, 2, 4, 8]):
-            select_module.num_warps = lambda block, warps=warps: warps
-            micros = bench(lambda: select_module.select(
-                log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS, max_pages=pages,
-                ways=k_b, gamma=0.98, top_k=None))
+            with patched(select_module, num_warps=lambda block, warps=warps: warps):
+                micros = bench(lambda: select_module.select(
+                    log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS,
+                    max_pages=pages, ways=k_b, gamma=0.98, top_k=None))
             record("select", shape, f"coverage K_B={k_b} warps={warps}", micros)
         # one warp: every reduction within the warp, no block barrier (the sm_90 build of the
         # coverage kernel has 0 barriers at 1 warp against 38-76 at 4; 255 registers at 2,048
         # lanes, no spill)
         select_warps = [1, 2, 4, 8, 16] if not args.quick else [1, 4, 8]
         for warps in select_warps if "select" in kinds else []:
-            select_module.num_warps = lambda block, warps=warps: warps
-            select_modes(f" warps={warps}")
-        select_module.num_warps = default_warps
+            with patched(select_module, num_warps=lambda block, warps=warps: warps):
+                select_modes(f" warps={warps}")
         # a row's G softmaxes head by head (0) or side by side in one tile
-        default_tile = select_module.SOFTMAX_TILE
         for tile in [0, 1 << 14] if "select" in kinds else []:
-            select_module.SOFTMAX_TILE = tile
-            select_modes(f" softmax tile {tile}")
-        select_module.SOFTMAX_TILE = default_tile
-        # how much the bisection's passes cost: 18 bits (K_B = 4: 9 passes instead of 12) keep
-        # the coverage rule (a superset of the exact set, by pages within max share * 2**-18 of
-        # the threshold) -- a timing probe, not a setting
+            with patched(select_module, SOFTMAX_TILE=tile):
+                select_modes(f" softmax tile {tile}")
+        # how much the bisection's passes cost: 18 bits (K_B = 4 or 8, these shapes' schedule:
+        # 9 or 6 passes instead of 12 or 8) keep the coverage rule (a superset of the exact
+        # set, by pages within max share * 2**-18 of the threshold) -- a probe, not a setting
         for bits in [18] if "select" in kinds else []:
-            select_module.BISECTION_BITS = bits
-            select_modes(f" {bits} bits")
-        select_module.BISECTION_BITS = BISECTION_BITS
+            with patched(select_module, BISECTION_BITS=bits):
+                select_modes(f" {bits} bits")
 
         select_module.select(log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS,
                              max_pages=pages, gamma=0.98, top_k=top_k, ways=ways)
@@ -180,34 +191,31 @@ def main():
             variants += [(8, 4096, (4, 2)), (16, 4096, (4, 2)), (24, 4096, (4, 2)),
                          (24, 4096, (4, 4)), (32, 4096, (4, 3))]
         for chunk, min_programs, (warps, stages) in variants if "attend" in kinds else []:
-            attend_module.NUM_WARPS, attend_module.NUM_STAGES = warps, stages
             config = moira.MoiraConfig(chunk_pages=chunk, min_programs=min_programs)
             ws = moira.DecodeWorkspace(batch, pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
                                        device="cuda", config=config)
             name = f"C={chunk} N_T={min_programs} warps={warps} stages={stages}"
-            micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
-                                                sparse_lists, sparse_counts, workspace=ws,
-                                                out=out))
-            record("attend22", shape, name, micros, sparse_bytes)
-            if chunk == 24 and min_programs == 4096:
+            with patched(attend_module, NUM_WARPS=warps, NUM_STAGES=stages):
                 micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
-                                                    full_lists, full_counts, workspace=ws,
+                                                    sparse_lists, sparse_counts, workspace=ws,
                                                     out=out))
-                record("attend100", shape, name, micros,
-                       batch * KV_HEADS * pages * PAGE_KV_BYTES)
-        attend_module.NUM_WARPS, attend_module.NUM_STAGES = DEFAULT_TILE[1:]
+                record("attend22", shape, name, micros, sparse_bytes)
+                if chunk == 24 and min_programs == 4096:
+                    micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
+                                                        full_lists, full_counts, workspace=ws,
+                                                        out=out))
+                    record("attend100", shape, name, micros,
+                           batch * KV_HEADS * pages * PAGE_KV_BYTES)
         # several listed pages per inner-loop tile: more loads in flight per program
         for per_tile, warps, stages in itertools.product(
                 [1, 2, 4] if "tiles" in kinds else [], [4, 8], [2, 3]):
-            attend_module.PAGES_PER_ITER = per_tile
-            attend_module.NUM_WARPS, attend_module.NUM_STAGES = warps, stages
-            micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
-                                                sparse_lists, sparse_counts,
-                                                workspace=workspace, out=out))
+            with patched(attend_module, PAGES_PER_ITER=per_tile, NUM_WARPS=warps,
+                         NUM_STAGES=stages):
+                micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
+                                                    sparse_lists, sparse_counts,
+                                                    workspace=workspace, out=out))
             record("attend22", shape, f"pages/tile={per_tile} warps={warps} stages={stages}",
                    micros, sparse_bytes)
-        attend_module.PAGES_PER_ITER, attend_module.NUM_WARPS, attend_module.NUM_STAGES = \
-            DEFAULT_TILE
         # the balanced global split: programs P and minimum pages per program C
         for programs, floor in itertools.product(
                 [264, 528, 792, 1056, 1584, 2112] if "balanced" in kinds else [], [4, 8, 16]):
@@ -251,27 +259,20 @@ def main():
             record("step22", shape, f"estimate+select+attend+merge, {name}", micros,
                    sparse_bytes + summary_bytes)
         if "step" in kinds:
-            # the default equal chunks per row, and Eq. (4)'s chunks as is (before session 8)
+            # a row's chunks made equal (the default since session 8) and Eq. (4)'s as is
             for even in (True, False):
-                attend_module.EVEN_CHUNKS = even
-                micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
-                                                    sparse_lists, sparse_counts,
-                                                    workspace=workspace, out=out))
-                record("attend22", shape, "defaults" if even else "Eq. (4) chunks as is",
+                with patched(attend_module, EVEN_CHUNKS=even):
+                    micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
+                                                        sparse_lists, sparse_counts,
+                                                        workspace=workspace, out=out))
+                record("attend22", shape, "equal chunks" if even else "Eq. (4) chunks as is",
                        micros, sparse_bytes)
-            attend_module.EVEN_CHUNKS = True
             micros = bench(lambda: moira.sparse_decode(query, keys, values, summaries, table,
                                                        seq_lens, top_k=top_k,
                                                        workspace=workspace, out=out))
             record("step22", shape, "estimate+select+attend+merge, defaults", micros,
                    sparse_bytes + summary_bytes)
 
-    out_dir = os.environ.get("OUT", ".")
-    with open(os.path.join(out_dir, "tune.json"), "w") as f:
-        json.dump(dict(command="python3 " + " ".join(sys.argv), gpu=torch.cuda.get_device_name(),
-                       torch=torch.__version__,
-                       triton=triton.__version__, date=time.strftime("%Y-%m-%d"),
-                       results=results), f, indent=1)
 
 
 if __name__ == "__main__":

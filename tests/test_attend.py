@@ -173,3 +173,35 @@ def test_fused_merge_matches_reference(group, head_dim):
 def test_fused_merge_needs_the_rows_schedule():
     with pytest.raises(ValueError, match="fused_merge folds Merge"):
         MoiraConfig(schedule="balanced", fused_merge=True)
+
+
+@pytest.mark.parametrize("even", [True, False])
+@pytest.mark.parametrize("fused", [False, True])
+def test_equal_chunks_and_eq4_chunks(monkeypatch, even, fused):
+    """Rows whose Eq. (4) chunks are unequal (C = 4, J = 3: 5, 6 and 9 pages are 4 + 1, 4 + 2
+    and 4 + 4 + 1, equal 3 + 2, 3 + 3 and 3 + 3 + 3): both rules (``EVEN_CHUNKS``), with Merge
+    and with the merge folded into Attend, against the reference."""
+    from moira.kernels import attend as attend_module
+
+    monkeypatch.setattr(attend_module, "EVEN_CHUNKS", even)
+    config = MoiraConfig(chunk_pages=4, floor_rows=1, min_chunks_per_row=3, min_programs=8,
+                         fused_merge=fused)
+    num_kv_heads, group, head_dim = 2, 4, 64
+    keys, values = make_cache(40, num_kv_heads, head_dim)
+    table, seq_lens = make_table([64 * 4 + 10, 64 * 6, 64 * 8 + 1, 1], 40)
+    query = make_query(len(seq_lens), num_kv_heads * group, head_dim)
+    page_lists, page_counts = random_lists(seq_lens.cpu(), num_kv_heads, table.shape[1],
+                                           fraction=1.0, shuffle=True)
+    _, eq4_chunk, _ = ref.work_split(page_counts.cpu(), page_counts.numel(), config,
+                                     table.shape[1], even=False)
+    _, equal_chunk, _ = ref.work_split(page_counts.cpu(), page_counts.numel(), config,
+                                       table.shape[1])
+    assert (equal_chunk < eq4_chunk).any()  # the two rules split some row differently
+    workspace = moira.DecodeWorkspace(len(seq_lens), table.shape[1], num_kv_heads * group,
+                                      num_kv_heads, head_dim, device=DEVICE, config=config)
+    out = poisoned(*query.shape, dtype=query.dtype)
+    moira.attend(query, keys, values, table, seq_lens, page_lists, page_counts,
+                 workspace=workspace, out=out)
+    args = [t.cpu() for t in (query, keys, values, table, seq_lens, page_lists, page_counts)]
+    assert_attention_close(out, ref.attend(*args), ref.attend(*args, dtype=query.dtype))
+    assert int(workspace.row_arrivals.abs().sum()) == 0

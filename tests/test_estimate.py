@@ -94,10 +94,13 @@ def test_estimate_bf16_summaries():
 
 
 @pytest.mark.parametrize("group", [1, 4, 7, 8])
-def test_exact_pages_with_heads_side_by_side(monkeypatch, group):
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("lengths", list(SEQ_LENS))
+def test_exact_pages_with_heads_side_by_side(monkeypatch, group, head_dim, lengths):
     """The [64, G] tile form of the sink's and current page's log-sum-exps (a tuning option)
-    against the reference, for every G including padded ones (7 -> 8)."""
+    against the reference, for every G including padded ones (7 -> 8), one-token rows and
+    pages with one valid token."""
     from moira.kernels import estimate as estimate_module
 
     monkeypatch.setattr(estimate_module, "EXACT_HEADS_SIDE_BY_SIDE", True)
-    test_estimate_matches_reference(group, 64, "mixed")
+    test_estimate_matches_reference(group, head_dim, lengths)

@@ -6,7 +6,9 @@ alone. Program (row, j) reads the row's list length n from GPU memory and plans 
     c = max(C, ceil(n / J))      pages per chunk
     m = ceil(n / c)              chunks of this row (at least 1)
 
-and processes pages [j c, min((j + 1) c, n)) or exits if j >= m. All G query heads of the group
+then (``EVEN_CHUNKS``, the default) makes the m chunks equal, c = ceil(n / m), so that no
+program of the row reads more than it must, and processes pages [j c, min((j + 1) c, n)) or
+exits if j >= m. All G query heads of the group
 share each K/V tile (one read of every K/V byte per group). A single-chunk row writes its output
 directly; otherwise each chunk writes its normalized partial output and log-sum-exp for Merge.
 

@@ -174,6 +174,8 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         block_table.stride(0), log_masses.stride(0), log_masses.stride(1),
         num_kv_heads, max_pages, scale, dense_below_pages, per_row,
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, PAGE=PAGE_SIZE,
-        BLOCK_P=PAGES_PER_PROGRAM, TILE_STAGES=TILE_STAGES, SIDE_BY_SIDE=EXACT_HEADS_SIDE_BY_SIDE, num_warps=NUM_WARPS, **launch.options(programmatic_launch),
+        BLOCK_P=PAGES_PER_PROGRAM, TILE_STAGES=TILE_STAGES,
+        SIDE_BY_SIDE=EXACT_HEADS_SIDE_BY_SIDE, num_warps=NUM_WARPS,
+        **launch.options(programmatic_launch),
     )
     return log_masses
