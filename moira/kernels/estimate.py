@@ -113,25 +113,22 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
         keys = tl.load(key_cache + physical * stride_kp + head * stride_kh
                        + tokens[:, None] * stride_kt + dims[None, :] * stride_kd,
                        mask=valid[:, None], other=0.0).to(tl.float32)
-        if SIDE_BY_SIDE:
-            heads = tl.arange(0, GROUP_PAD)
-            logits = tl.zeros([PAGE, GROUP_PAD], dtype=tl.float32)
-            for g in tl.static_range(GROUP):
-                q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) \
-                    * scale
-                logits = tl.where(heads[None, :] == g,
-                                  tl.sum(keys * q_g[None, :], axis=1)[:, None], logits)
-            # a page has a valid token (page <= last): every real head's peak is finite
-            logits = tl.where(valid[:, None], logits, float("-inf"))
-            peak = tl.max(logits, axis=0)
-            lse = peak + tl.log(tl.sum(tl.exp(logits - peak[None, :]), axis=0))
-            tl.store(dst + heads * stride_lg + page, lse, mask=heads < GROUP)
-        else:
-            for g in tl.static_range(GROUP):
-                q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) \
-                    * scale
-                logits = tl.where(valid, tl.sum(keys * q_g[None, :], axis=1), float("-inf"))
+        heads = tl.arange(0, GROUP_PAD)
+        tile = tl.zeros([PAGE, GROUP_PAD], dtype=tl.float32)  # SIDE_BY_SIDE: every head's
+        for g in tl.static_range(GROUP):
+            q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
+            logits = tl.sum(keys * q_g[None, :], axis=1)
+            if SIDE_BY_SIDE:
+                tile = tl.where(heads[None, :] == g, logits[:, None], tile)
+            else:
+                logits = tl.where(valid, logits, float("-inf"))
                 tl.store(dst + g * stride_lg + page, _log_sum_exp(logits))
+        if SIDE_BY_SIDE:
+            # a page has a valid token (page <= last): every real head's peak is finite
+            tile = tl.where(valid[:, None], tile, float("-inf"))
+            peak = tl.max(tile, axis=0)
+            lse = peak + tl.log(tl.sum(tl.exp(tile - peak[None, :]), axis=0))
+            tl.store(dst + heads * stride_lg + page, lse, mask=heads < GROUP)
         return
 
     # this program's tiles of the row: an even share of the row's own tiles
