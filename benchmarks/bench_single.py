@@ -21,6 +21,8 @@ arm is therefore timed over 32 layers captured in one CUDA graph
 - ``*_pdl``: the same with programmatic dependent launch (``MoiraConfig.programmatic_launch``);
   here every kernel of the graph is chained, across layers too, which vLLM's plainly launched
   GEMMs between layers would not allow: an upper bound on what it saves there.
+  ``*_pdl_no_attend`` chains Estimate, Select and Merge only (Attend launched plainly),
+  ``*_pdl_est_sel`` Estimate and Select only (``moira.kernels.launch.CHAINED``).
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/bench_single.py [--contexts 2048,8192,32768]
     python3 benchmarks/bench_single.py --plot benchmarks/results/single-<date>.json  # PNG
@@ -37,6 +39,8 @@ import torch
 import triton
 
 import moira
+from moira.kernels import launch
+from tune_kernels import patched
 
 KV_HEADS, GROUP, HEAD_DIM, PAGE, LAYERS = 8, 4, 128, 64, 32
 WIDTH = 1030  # block-table pages of a 66k-token engine (vllm_tpot.py's single-request shapes)
@@ -188,10 +192,20 @@ def main():
                 "step_floor_off": (s.workspace(moira.MoiraConfig(floor_rows=1)), 0),
                 "step_full_rows": (workspace, s.width), "step_full_rows_c2": (c2, s.width),
                 "step_pdl": (chained, 0), "step_full_rows_pdl": (chained, s.width)}
+        chains = {"": launch.CHAINED, "_no_attend": {"estimate", "select", "merge"},
+                  "_est_sel": {"estimate", "select"}}
+        for suffix, chain in chains.items():
+            if suffix:
+                arms.update({f"step_pdl{suffix}": (chained, 0),
+                             f"step_full_rows_pdl{suffix}": (chained, s.width)})
         for name, (ws, full) in arms.items():
-            timed(name, lambda layer, ws=ws, full=full: moira.sparse_decode(
-                s.queries[layer], *s.caches[layer], s.summaries[layer], s.table, s.seq_lens,
-                keep_fractions=s.fractions, dense_below_pages=full, workspace=ws, out=s.out))
+            chain = next((c for suffix, c in chains.items() if suffix and name.endswith(suffix)),
+                         launch.CHAINED)
+            with patched(launch, CHAINED=frozenset(chain)):  # graphs are captured inside
+                timed(name, lambda layer, ws=ws, full=full: moira.sparse_decode(
+                    s.queries[layer], *s.caches[layer], s.summaries[layer], s.table,
+                    s.seq_lens, keep_fractions=s.fractions, dense_below_pages=full,
+                    workspace=ws, out=s.out))
         if "fa3_dense" in times:
             row["minus_dense"] = {name: round(times[name] - times["fa3_dense"], 2)
                                   for name in arms if name in times}

@@ -125,7 +125,7 @@ def kernels(group, head_dim, block, pdl=False):
          dict(GROUP=group, GROUP_PAD=max(16, group_pad), HEAD_DIM=head_dim, PAGE=PAGE,
               PAGES_PER_TILE=attend.PAGES_PER_ITER, FUSED_MERGE=False, HAS_STATS=False,
               SPLITS_PAD=32, SPLITS_PER_LOAD=32, SUM_ROUNDED=attend.SUM_ROUNDED_WEIGHTS,
-              EVEN_CHUNKS=attend.EVEN_CHUNKS, PDL=pdl),
+              FA3_ORDER=attend.FA3_TILE_ORDER, EVEN_CHUNKS=attend.EVEN_CHUNKS, PDL=pdl),
          attend.NUM_WARPS, attend.NUM_STAGES),
         (f"merge {tag}", merge._merge_kernel,
          dict(GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
@@ -147,6 +147,11 @@ def main():
     spilled = [name for group, head_dim, block, pdl in geometries
                for name, kernel, constexprs, warps, stages in kernels(group, head_dim, block, pdl)
                if build(name, kernel, constexprs, warps, stages)]
+    # Attend with FA3's loop order and normalizer (what vllm_checks.py --fa3-arithmetic runs)
+    for name, kernel, constexprs, warps, stages in kernels(GROUP, HEAD_DIM, 2048):
+        if name.startswith("attend") and build(f"{name} FA3 order", kernel, dict(
+                constexprs, FA3_ORDER=True, SUM_ROUNDED=False), warps, stages):
+            spilled.append(f"{name} FA3 order")
     if spilled:
         sys.exit(f"spills registers: {', '.join(spilled)}")
 

@@ -29,6 +29,7 @@ from moira.kernels import select as select_module
 
 KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
 SHAPES = [(8192, 32), (32768, 16), (65536, 8), (131072, 4)]
+EXTRA_SHAPES = [(16384, 32)]  # timed only when named in --shapes (256-page rows: Select's warps)
 PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 
 
@@ -81,7 +82,7 @@ def main():
     args = parser.parse_args()
     kinds = set(args.kinds.split(","))
     results = []
-    names = {f"{context // 1024}k{batch}" for context, batch in SHAPES}
+    names = {f"{context // 1024}k{batch}" for context, batch in SHAPES + EXTRA_SHAPES}
     wanted = set(filter(None, args.shapes.split(",")))
     if wanted - names:
         parser.error(f"--shapes: unknown {sorted(wanted - names)}; known: {sorted(names)}")
@@ -101,8 +102,9 @@ def main():
                            triton=triton.__version__, date=time.strftime("%Y-%m-%d"),
                            results=results), f, indent=1)
 
-    for context, batch in SHAPES:
-        if wanted and f"{context // 1024}k{batch}" not in wanted:
+    selected = wanted or {f"{context // 1024}k{batch}" for context, batch in SHAPES}
+    for context, batch in SHAPES + EXTRA_SHAPES:
+        if f"{context // 1024}k{batch}" not in selected:
             continue
         shape = f"{context // 1024}k x{batch}"
         query, keys, values, summaries, table, seq_lens = step_inputs(context, batch)

@@ -17,13 +17,15 @@ Modes (Llama-3.1-8B geometry from ``benchmarks/models``, ``--layers`` to cut the
   ``reset_prefix_cache()`` (the first run's pages recomputed; within that run the prompts
   may again share the prefix's pages). The two full runs are compared; run it
   with ``--backend FLASH_ATTN`` too for the yardstick (recomputation changes batch shapes).
-- ``preempt``: the same prompts with a KV cache of ``--blocks`` pages, too small for all of
-  them, so vLLM preempts and recomputes requests (``preemptions`` in the JSON counts them);
+- ``preempt``: the same prompts with a KV cache of ``--blocks`` pages (default: the prompts'
+  pages and one spare per request), too small for what they generate, so vLLM preempts and
+  recomputes requests (``preemptions`` in the JSON counts them);
   compare its tokens with a ``moira`` / ``dense`` run of the same backend (``vllm_compare.py``).
 
 Prompts are random token ids of mixed lengths (partial last pages); ``--max-batched-tokens``
 keeps prefills chunked, so decode rows and prefill rows share steps (mixed steps). Writes the
-tokens, their log-probabilities and the counters to ``--out``.
+tokens, their log-probabilities, the top-2 log-prob gap of every step and the counters to
+``--out``.
 
 ``--weights normal`` (default) redraws vLLM's dummy weights after loading: vLLM fills every
 parameter from U(-1e-3, 1e-3), which makes every logit nearly equal (log-probs all
@@ -72,6 +74,13 @@ def redraw_weights(model):
     return True
 
 
+def top2_gap(step):
+    """Log-prob of the most likely token minus the second's (= their logit gap) at one step,
+    from vLLM's ``{token: Logprob}`` (the sampled token and the top 2)."""
+    best = sorted((entry.logprob for entry in step.values()), reverse=True)
+    return best[0] - best[1] if len(best) > 1 else None
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["dense", "moira", "e2e", "prefix", "preempt"])
@@ -90,6 +99,10 @@ def main():
                         help="Attend sums the float32 softmax weights, as FA3 does, instead of "
                              "the rounded ones (attend.SUM_ROUNDED_WEIGHTS = False): does "
                              "Moira then differ from FA3 only as much as FA3 from itself?")
+    parser.add_argument("--fa3-arithmetic", action="store_true",
+                        help="FA3's normalizer and FA3's loop order and rounding "
+                             "(attend.FA3_TILE_ORDER): session 8's normalizer alone left the "
+                             "1-ulp count where it was")
     parser.add_argument("--compile-mode", type=int, default=3, choices=[0, 3],
                         help="vLLM CompilationMode: 3 (default) torch.compile with vLLM's "
                              "Inductor passes; 0 plain eager PyTorch (with --graph-mode NONE: "
@@ -120,10 +133,11 @@ def main():
     import moira.integrations.vllm as plugin
 
     plugin.register()  # the entry point does this in every process; in-process it is enough
-    if args.fa3_normalizer:  # the engine runs in this process, so the module setting holds
+    if args.fa3_normalizer or args.fa3_arithmetic:  # the engine runs in this process
         from moira.kernels import attend as attend_module
 
         attend_module.SUM_ROUNDED_WEIGHTS = False
+        attend_module.FA3_TILE_ORDER = args.fa3_arithmetic
     from moira.integrations.vllm.state import DenseCheck, PageStatsLog
 
     rng = random.Random(0)
@@ -150,8 +164,12 @@ def main():
         extra["additional_config"] = {"moira": settings}
     start = time.time()
     if args.mode == "preempt":
-        needed = sum(-(-(len(p["prompt_token_ids"]) + args.tokens) // 64) for p in prompts)
-        extra["num_gpu_blocks_override"] = args.blocks or needed // 3
+        # every prompt fits, with one spare page per request, but not what the requests then
+        # generate (--tokens 128: two or three pages each), so running requests run out of
+        # pages and vLLM preempts and later recomputes some. (Session 8's cache, a third of
+        # prompts plus outputs, only delayed admissions: vLLM's preemption counter read 0.)
+        prompt_pages = sum(-(-len(p["prompt_token_ids"]) // 64) for p in prompts)
+        extra["num_gpu_blocks_override"] = args.blocks or prompt_pages + len(prompts) + 1
     llm = LLM(model=model_dir(args.model, args.layers), load_format="dummy",
               skip_tokenizer_init=True, block_size=64, attention_backend=backend,
               max_model_len=len(shared) + max(lengths) + args.tokens + 64,
@@ -169,8 +187,11 @@ def main():
     startup = time.time() - start
     if args.weights == "normal":
         llm.apply_model(redraw_weights)
+    # the two most likely tokens' log-probs at every step: their gap (the logit gap) at a
+    # sequence's first difference says whether rounding alone could flip the choice (the
+    # paper's Appendix B: every first divergence on a top-2 gap of 0-0.25)
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True,
-                            detokenize=False, logprobs=0)
+                            detokenize=False, logprobs=2)
 
     def run(batch):
         t0 = time.time()
@@ -179,9 +200,11 @@ def main():
         rows = []
         for out in outputs:
             completion = out.outputs[0]
-            rows.append(dict(tokens=list(completion.token_ids),
-                             logprobs=[next(iter(step.values())).logprob
-                                       for step in completion.logprobs],
+            tokens = list(completion.token_ids)
+            rows.append(dict(tokens=tokens,
+                             logprobs=[step[token].logprob
+                                       for token, step in zip(tokens, completion.logprobs)],
+                             top2_gap=[top2_gap(step) for step in completion.logprobs],
                              finished=out.finished))
         return rows, seconds
 

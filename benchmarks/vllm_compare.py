@@ -25,6 +25,18 @@ def agreement(a, b):
     return same, first_diff, worst, bitwise
 
 
+def gaps_at_first_difference(a, b):
+    """The top-2 log-prob gap (logit gap) of run ``a`` at each prompt's first differing step,
+    for prompts that differ; None where ``a`` has no gaps recorded (runs before session 9)."""
+    gaps = []
+    for x, diff in zip(a, agreement(a, b)[1]):
+        if diff is not None:
+            if x.get("top2_gap") is None:
+                return None
+            gaps.append(x["top2_gap"][diff])
+    return gaps
+
+
 def first_difference_gap(runs):
     """Issue 4's yardstick on greedy tokens: the first differing step per prompt (a sequence
     that never differs counts as its length) of dense FA3 against Moira at gamma 1, and of
@@ -72,15 +84,20 @@ def main():
     # it differs, the two engines parted before any decode step
     print("| comparison | prompts with identical tokens | first differing step per prompt | "
           "max abs logprob diff before it | bit-identical logprobs | first token's logprob "
-          "bit-identical |\n|---|---|---|---|---|---|")
+          "bit-identical | top-2 logit gap at the first difference |\n"
+          "|---|---|---|---|---|---|---|")
     for a, ka, b, kb, label in pairs:
         if a in runs and b in runs and ka in runs[a] and kb in runs[b]:
             same, first_diff, worst, bitwise = agreement(runs[a][ka], runs[b][kb])
             steps = " ".join("-" if d is None else str(d) for d in first_diff)
             first_same = sum(x["logprobs"][:1] == y["logprobs"][:1]
                              for x, y in zip(runs[a][ka], runs[b][kb]))
+            gaps = gaps_at_first_difference(runs[a][ka], runs[b][kb])
+            near_ties = ("–" if not gaps else
+                         f"max {max(gaps):.3g}, {sum(g <= 0.25 for g in gaps)}/{len(gaps)} "
+                         f"≤ 0.25")
             print(f"| {label} | {same}/{len(runs[a][ka])} | {steps} | {worst:.3g} | "
-                  f"{bitwise} | {first_same}/{len(runs[a][ka])} |")
+                  f"{bitwise} | {first_same}/{len(runs[a][ka])} | {near_ties} |")
     gap = first_difference_gap(runs)
     if gap:
         diff = gap["moira_minus_dense"]

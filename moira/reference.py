@@ -263,7 +263,7 @@ def oracle_coverage(query, key_cache, block_table, seq_lens, gamma, scale=None):
 # --------------------------------------------------------------------------------------------
 
 
-def work_split(page_counts, num_rows, config=MoiraConfig(), max_pages=None, even=True):
+def work_split(page_counts, num_rows, config=MoiraConfig(), max_pages=None, even=False):
     """Eq. (4) as a pure function of the row lengths.
 
     Attend launches J = max(N_J, ceil(N_T / num_rows)) programs per row (at most

@@ -101,6 +101,25 @@ def test_fa3_normalizer_convention_matches_reference(monkeypatch, schedule):
     check_attend(*mixed_rows(), SMALL_SPLIT.replace(schedule=schedule))
 
 
+@pytest.mark.parametrize("schedule, pages_per_iter", [("rows", 2), ("rows", 1),
+                                                      ("balanced", 2)])
+def test_fa3_tile_order_matches_reference(monkeypatch, schedule, pages_per_iter):
+    """FA3's loop order and rounding (tiles last to first, the max over raw scores, the scale
+    in the exponent's multiply-add) with its normalizer: still exact attention, on both
+    schedules, one-page and partial tiles included; and it is another computation (its
+    outputs round differently from the default order's somewhere)."""
+    from moira.kernels import attend as attend_module
+
+    monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
+    inputs = mixed_rows()
+    config = SMALL_SPLIT.replace(schedule=schedule)
+    default = moira.attend(*inputs, config=config)
+    monkeypatch.setattr(attend_module, "FA3_TILE_ORDER", True)
+    monkeypatch.setattr(attend_module, "SUM_ROUNDED_WEIGHTS", False)
+    check_attend(*inputs, config)
+    assert not torch.equal(moira.attend(*inputs, config=config), default)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_attend_default_config_and_dtypes(dtype):
     num_kv_heads, group, head_dim = 2, 4, 128
@@ -195,7 +214,7 @@ def test_equal_chunks_and_eq4_chunks(monkeypatch, even, fused):
     _, eq4_chunk, _ = ref.work_split(page_counts.cpu(), page_counts.numel(), config,
                                      table.shape[1], even=False)
     _, equal_chunk, _ = ref.work_split(page_counts.cpu(), page_counts.numel(), config,
-                                       table.shape[1])
+                                       table.shape[1], even=True)
     assert (equal_chunk < eq4_chunk).any()  # the two rules split some row differently
     workspace = moira.DecodeWorkspace(len(seq_lens), table.shape[1], num_kv_heads * group,
                                       num_kv_heads, head_dim, device=DEVICE, config=config)

@@ -309,3 +309,27 @@ def test_serve_slices_are_the_whole_runs_prompts_and_pool_into_one_row(tmp_path)
         json.dumps(slice_run("moira", 1, (20.0,), 4.0)))
     assert sorted(run["requests"] for run in report.load(str(tmp_path))
                   if run["label"] == "moira") == [1, 2, 2]
+
+
+def test_gaps_at_first_difference_read_the_reference_runs_top2_gap_where_prompts_part():
+    compare = load("vllm_compare")
+    reference = [dict(tokens=[1, 2, 3], logprobs=[0.0] * 3, top2_gap=[2.0, 0.1, 3.0]),
+                 dict(tokens=[4, 5, 6], logprobs=[0.0] * 3, top2_gap=[0.5, 0.7, 0.2])]
+    other = [dict(tokens=[1, 9, 3], logprobs=[0.0] * 3),  # parts at step 1
+             dict(tokens=[4, 5, 6], logprobs=[0.0] * 3)]  # never parts
+    assert compare.gaps_at_first_difference(reference, other) == [0.1]
+    assert compare.gaps_at_first_difference(reference, reference) == []
+    # runs written before the gaps were recorded give no reading, not a wrong one
+    assert compare.gaps_at_first_difference(other, reference) is None
+
+
+def test_top2_gap_is_the_best_minus_the_second_log_prob():
+    checks = load("vllm_checks")
+
+    class Logprob:
+        def __init__(self, logprob):
+            self.logprob = logprob
+
+    assert checks.top2_gap({7: Logprob(-0.2), 3: Logprob(-1.7)}) == pytest.approx(1.5)
+    assert checks.top2_gap({3: Logprob(-1.7), 7: Logprob(-0.2)}) == pytest.approx(1.5)
+    assert checks.top2_gap({7: Logprob(0.0)}) is None

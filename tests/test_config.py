@@ -61,5 +61,7 @@ def test_programmatic_launch_is_off_in_the_interpreter_and_only_for_the_rows_sch
         MoiraConfig(programmatic_launch=True, schedule="balanced")
     # the CPU interpreter cannot run griddepcontrol: the launchers then launch plainly
     expected = dict(PDL=False) if interpreting() else dict(PDL=True, launch_pdl=True)
-    assert launch.options(True) == expected
-    assert launch.options(False) == dict(PDL=False)
+    assert launch.options(True, "attend") == expected
+    assert launch.options(False, "attend") == dict(PDL=False)
+    # a kernel left out of the chain launches plainly even with programmatic launch on
+    assert launch.options(True, "not chained") == dict(PDL=False)

@@ -55,13 +55,13 @@ def test_work_split_paper_example():
 
 
 def test_even_chunks_keep_the_programs_and_shorten_the_longest():
-    """Attend's default (EVEN_CHUNKS): Eq. (4)'s chunk count per row, every chunk but the last
+    """Attend's ``EVEN_CHUNKS`` option: Eq. (4)'s chunk count per row, every chunk but the last
     of ceil(n / m) pages and the last at most m - 1 shorter, none longer than Eq. (4)'s; e.g.
     28 pages at C = 24: 14 + 14, not 24 + 4."""
     config = MoiraConfig(chunk_pages=24, min_chunks_per_row=32, min_programs=4096)
     counts = torch.arange(0, 3000)
     _, paper_chunk, paper_chunks = ref.work_split(counts, 256, config, even=False)
-    _, chunk, chunks = ref.work_split(counts, 256, config)
+    _, chunk, chunks = ref.work_split(counts, 256, config, even=True)
     assert (chunks == paper_chunks).all()
     assert (chunk <= paper_chunk).all()
     last = counts - (chunks - 1) * chunk  # the last chunk's pages

@@ -6,9 +6,8 @@ alone. Program (row, j) reads the row's list length n from GPU memory and plans 
     c = max(C, ceil(n / J))      pages per chunk
     m = ceil(n / c)              chunks of this row (at least 1)
 
-then (``EVEN_CHUNKS``, the default) makes the m chunks equal, c = ceil(n / m), so that no
-program of the row reads more than it must, and processes pages [j c, min((j + 1) c, n)) or
-exits if j >= m. All G query heads of the group
+and processes pages [j c, min((j + 1) c, n)) or exits if j >= m. (``EVEN_CHUNKS``, off,
+makes the m chunks equal instead, c = ceil(n / m): timed slower at 8k x 32.) All G query heads of the group
 share each K/V tile (one read of every K/V byte per group). A single-chunk row writes its output
 directly; otherwise each chunk writes its normalized partial output and log-sum-exp for Merge.
 
@@ -39,11 +38,18 @@ PAGES_PER_ITER = 2  # listed pages per inner-loop tile ([PAGES_PER_ITER * 64, D]
 # (True: the output stays a weighted average, about half the error against float32) or as
 # computed in float32 before rounding (False: FA3's convention, so outputs round like FA3's)
 SUM_ROUNDED_WEIGHTS = True
+# the order and rounding of FA3's main loop (its hdim-128 paged decode also reads 128-token
+# tiles): tiles from the last to the first, the running max over raw scores and the scale
+# folded into the exponent's fused multiply-add. Exact attention either way; the bf16 weights
+# that multiply V are rounded at the same running maxima as FA3's when the split boundaries
+# agree, so a row's output should round like FA3's more often (the engine's dense check:
+# vllm_checks.py --fa3-arithmetic). False: first to last tile, max in the log2 domain
+FA3_TILE_ORDER = False
 # a row's chunks of equal length: Eq. (4)'s m = ceil(n / c) chunks, each of ceil(n / m) pages
-# instead of c (the last one shorter). As many programs, none longer than Eq. (4)'s; the
-# longest program of a row of 28 pages reads 14 pages instead of 24 (C = 24), so the last
-# wave's tail is shorter where rows hold a few chunks (8k-16k contexts). False: Eq. (4) as is
-EVEN_CHUNKS = True
+# instead of c (the last one shorter). As many programs, none longer than Eq. (4)'s, but timed
+# on the H200 (session 9, tune_kernels.py --kinds step, 22% of every row) 7% slower at 8k x 32
+# (72.2 against 67.4 us) and equal at 32k-131k (within 0.3%): off, Eq. (4) as is
+EVEN_CHUNKS = False
 
 
 @triton.jit
@@ -59,6 +65,56 @@ def plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per
 
 
 @triton.jit
+def attend_tile(q, key_cache, value_cache, row_pages, row_table, seq_len, head, i, last,
+                running_max, running_sum, acc, tile_page, offset, dims,
+                stride_kp, stride_kt, stride_kh, stride_kd,
+                stride_vp, stride_vt, stride_vh, stride_vd, max_pages, qk_scale_log2,
+                PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr, SUM_ROUNDED: tl.constexpr,
+                FA3_ORDER: tl.constexpr):
+    """One tile of listed pages ``[i, i + PAGES_PER_TILE)`` (those before ``last``) folded into
+    the online softmax: ``(running_max, running_sum, acc)``. The running max is in the log2
+    domain, or with ``FA3_ORDER`` in raw scores, the scale folded into the exponent."""
+    if PAGES_PER_TILE == 1:  # one page: its list entry and physical id are scalars
+        logical = tl.load(row_pages + i)
+        valid = logical * PAGE + offset < seq_len  # masks the current page's tail
+        page = tl.load(row_table + logical, mask=logical < max_pages, other=0).to(tl.int64)
+    else:  # several pages: one list entry per token
+        slot = i + tile_page
+        listed = slot < last
+        logical = tl.load(row_pages + slot, mask=listed, other=0)
+        valid = listed & (logical * PAGE + offset < seq_len)
+        page = tl.load(row_table + logical, mask=listed & (logical < max_pages),
+                       other=0).to(tl.int64)
+    key_rows = page * stride_kp + offset * stride_kt
+    value_rows = page * stride_vp + offset * stride_vt
+    keys = tl.load(key_cache + head * stride_kh + key_rows[:, None]
+                   + dims[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+    values = tl.load(value_cache + head * stride_vh + value_rows[:, None]
+                     + dims[None, :] * stride_vd, mask=valid[:, None], other=0.0)
+    if FA3_ORDER:  # FA3's rounding: exp2(s * scale - max(s) * scale), one fused multiply-add
+        logits = tl.where(valid[None, :], tl.dot(q, tl.trans(keys)), float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max * qk_scale_log2)
+        rescale = tl.where(running_max == float("-inf"), 0.0,
+                           tl.exp2((running_max - new_max) * qk_scale_log2))
+        weights = tl.exp2(tl.fma(logits, qk_scale_log2, -shift[:, None]))
+    else:
+        logits = tl.dot(q, tl.trans(keys)) * qk_scale_log2
+        logits = tl.where(valid[None, :], logits, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # fully masked so far
+        rescale = tl.exp2(running_max - shift)
+        weights = tl.exp2(logits - shift[:, None])
+    probs = weights.to(values.dtype)
+    if SUM_ROUNDED:  # the same rounded weights that multiply V (SUM_ROUNDED_WEIGHTS)
+        running_sum = running_sum * rescale + tl.sum(probs.to(tl.float32), axis=1)
+    else:
+        running_sum = running_sum * rescale + tl.sum(weights, axis=1)
+    acc = acc * rescale[:, None] + tl.dot(probs, values)
+    return new_max, running_sum, acc
+
+
+@triton.jit
 def attend_segment(query, key_cache, value_cache, block_table, seq_lens, page_lists, b, head,
                    first, last,
                    stride_qb, stride_qh, stride_qd,
@@ -67,9 +123,10 @@ def attend_segment(query, key_cache, value_cache, block_table, seq_lens, page_li
                    stride_bt, stride_pb, stride_ph, max_pages, qk_scale_log2,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
-                   SUM_ROUNDED: tl.constexpr):
+                   SUM_ROUNDED: tl.constexpr, FA3_ORDER: tl.constexpr):
     """Attention of the G query heads of row (b, head) over its listed pages ``[first, last)``:
-    ``(output [GROUP_PAD, D] float32, lse [GROUP_PAD])``; zeros and lse = -inf without keys."""
+    ``(output [GROUP_PAD, D] float32, lse [GROUP_PAD])``; zeros and lse = -inf without keys.
+    Tiles run first to last, or with ``FA3_ORDER`` last to first (``FA3_TILE_ORDER``)."""
     groups = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(query + b.to(tl.int64) * stride_qb + (head * GROUP + groups)[:, None] * stride_qh
@@ -81,40 +138,27 @@ def attend_segment(query, key_cache, value_cache, block_table, seq_lens, page_li
     tile_page = tokens // PAGE  # which of the tile's pages a token belongs to
     offset = tokens % PAGE
 
-    running_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # log2 domain
+    running_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    for i in range(first, last, PAGES_PER_TILE):
-        if PAGES_PER_TILE == 1:  # one page: its list entry and physical id are scalars
-            logical = tl.load(row_pages + i)
-            valid = logical * PAGE + offset < seq_len  # masks the current page's tail
-            page = tl.load(row_table + logical, mask=logical < max_pages, other=0).to(tl.int64)
-        else:  # several pages: one list entry per token
-            slot = i + tile_page
-            listed = slot < last
-            logical = tl.load(row_pages + slot, mask=listed, other=0)
-            valid = listed & (logical * PAGE + offset < seq_len)
-            page = tl.load(row_table + logical, mask=listed & (logical < max_pages),
-                           other=0).to(tl.int64)
-        key_rows = page * stride_kp + offset * stride_kt
-        value_rows = page * stride_vp + offset * stride_vt
-        keys = tl.load(key_cache + head * stride_kh + key_rows[:, None]
-                       + dims[None, :] * stride_kd, mask=valid[:, None], other=0.0)
-        values = tl.load(value_cache + head * stride_vh + value_rows[:, None]
-                         + dims[None, :] * stride_vd, mask=valid[:, None], other=0.0)
-        logits = tl.dot(q, tl.trans(keys)) * qk_scale_log2
-        logits = tl.where(valid[None, :], logits, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # fully masked so far
-        rescale = tl.exp2(running_max - shift)
-        weights = tl.exp2(logits - shift[:, None])
-        probs = weights.to(values.dtype)
-        if SUM_ROUNDED:  # the same rounded weights that multiply V (SUM_ROUNDED_WEIGHTS)
-            running_sum = running_sum * rescale + tl.sum(probs.to(tl.float32), axis=1)
-        else:
-            running_sum = running_sum * rescale + tl.sum(weights, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(probs, values)
-        running_max = new_max
+    if FA3_ORDER:
+        last_tile = first + (tl.cdiv(last - first, PAGES_PER_TILE) - 1) * PAGES_PER_TILE
+        for t in range(0, tl.cdiv(last - first, PAGES_PER_TILE)):
+            running_max, running_sum, acc = attend_tile(
+                q, key_cache, value_cache, row_pages, row_table, seq_len, head,
+                last_tile - t * PAGES_PER_TILE, last, running_max, running_sum, acc,
+                tile_page, offset, dims, stride_kp, stride_kt, stride_kh, stride_kd,
+                stride_vp, stride_vt, stride_vh, stride_vd, max_pages, qk_scale_log2,
+                PAGE, PAGES_PER_TILE, SUM_ROUNDED, FA3_ORDER)
+        running_max = running_max * qk_scale_log2  # to the log2 domain, as below
+    else:
+        for i in range(first, last, PAGES_PER_TILE):
+            running_max, running_sum, acc = attend_tile(
+                q, key_cache, value_cache, row_pages, row_table, seq_len, head, i, last,
+                running_max, running_sum, acc, tile_page, offset, dims,
+                stride_kp, stride_kt, stride_kh, stride_kd,
+                stride_vp, stride_vt, stride_vh, stride_vd, max_pages, qk_scale_log2,
+                PAGE, PAGES_PER_TILE, SUM_ROUNDED, FA3_ORDER)
 
     empty = running_sum == 0.0
     running_sum = tl.where(empty, 1.0, running_sum)
@@ -136,7 +180,7 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
                    PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr, FUSED_MERGE: tl.constexpr,
                    HAS_STATS: tl.constexpr, SPLITS_PAD: tl.constexpr,
                    SPLITS_PER_LOAD: tl.constexpr, SUM_ROUNDED: tl.constexpr,
-                   EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr):
+                   FA3_ORDER: tl.constexpr, EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     chunk_id = tl.program_id(1)
@@ -153,7 +197,7 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
         tl.minimum(start + chunk, count), stride_qb, stride_qh, stride_qd,
         stride_kp, stride_kt, stride_kh, stride_kd, stride_vp, stride_vt, stride_vh, stride_vd,
         stride_bt, stride_pb, stride_ph, max_pages, qk_scale_log2,
-        GROUP, GROUP_PAD, HEAD_DIM, PAGE, PAGES_PER_TILE, SUM_ROUNDED)
+        GROUP, GROUP_PAD, HEAD_DIM, PAGE, PAGES_PER_TILE, SUM_ROUNDED, FA3_ORDER)
     groups = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
     heads = head * GROUP + groups
@@ -209,7 +253,8 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         PAGE=PAGE_SIZE, PAGES_PER_TILE=PAGES_PER_ITER, FUSED_MERGE=fused, HAS_STATS=has_stats,
         SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
         SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)),
-        SUM_ROUNDED=SUM_ROUNDED_WEIGHTS, EVEN_CHUNKS=EVEN_CHUNKS,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch.options(programmatic_launch),
+        SUM_ROUNDED=SUM_ROUNDED_WEIGHTS, FA3_ORDER=FA3_TILE_ORDER, EVEN_CHUNKS=EVEN_CHUNKS,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        **launch.options(programmatic_launch, "attend"),
     )
     return out

@@ -173,6 +173,6 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, PAGE=PAGE_SIZE,
         BLOCK_P=PAGES_PER_PROGRAM, TILE_STAGES=TILE_STAGES,
         SIDE_BY_SIDE=EXACT_HEADS_SIDE_BY_SIDE, num_warps=NUM_WARPS,
-        **launch.options(programmatic_launch),
+        **launch.options(programmatic_launch, "estimate"),
     )
     return log_masses

@@ -21,10 +21,20 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from . import interpreting
 
 
-def options(programmatic: bool) -> dict:
-    """Keywords for a decode-step kernel launch: the ``PDL`` constexpr its programs branch on,
-    and Triton's ``launch_pdl`` (the interpreter runs neither)."""
-    on = bool(programmatic) and not interpreting()
+# the kernels chained when programmatic launch is on; the others launch plainly (their
+# programs neither trigger nor wait, and the stream orders them). A tuning knob, timed by
+# bench_single.py's *_pdl_no_attend / *_pdl_est_sel arms. All four: in vLLM a chained kernel
+# can only overlap the decode-step kernel before it (the GEMMs between layers launch plainly),
+# and the bench's chain of Estimate and Select alone, which is what leaving Attend out leaves
+# in vLLM, saved nothing (session 9: rows read in full 16.8 / 22.3 / 30.5 us per layer at 2k /
+# 8k / 16k against 16.7 / 22.2 / 30.6 plain)
+CHAINED = frozenset({"estimate", "select", "attend", "merge"})
+
+
+def options(programmatic: bool, kernel: str) -> dict:
+    """Keywords for the launch of decode-step ``kernel``: the ``PDL`` constexpr its programs
+    branch on, and Triton's ``launch_pdl`` (the interpreter runs neither)."""
+    on = bool(programmatic) and kernel in CHAINED and not interpreting()
     return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
 
 

@@ -64,6 +64,6 @@ def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_flo
         GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
         SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)), HAS_STATS=has_stats,
         PAGE=PAGE_SIZE, EVEN_CHUNKS=attend_module.EVEN_CHUNKS, num_warps=4,
-        **launch.options(programmatic_launch),
+        **launch.options(programmatic_launch, "merge"),
     )
     return out

@@ -49,10 +49,14 @@ SOFTMAX_TILE = 16384
 
 
 def num_warps(block):
-    """Warps per row program: the fewest that hold the row's shares in registers. Timed on the
-    H200 (session 8, ``tune_kernels.py --kinds select,wide``), 4 warps beat 8 at every shape up
-    to 2,048 lanes (5.1 against 6.2 us at 8k x 32, 9.1 against 9.5 at 131k x 4, and 5.1
-    against 8.2 for a 129-page row in a 2,048-page table, whose tier is one lane per thread)."""
+    """Warps per row program. Select is a chain of dependent row-wide reductions, so a small
+    row is fastest in one warp (no block barriers: shuffles only) and a wide one needs more
+    warps to hold and reduce its shares. Timed on the H200 (``tune_kernels.py --kinds
+    select,wide``): 128 lanes (8k x 32) 1 / 2 / 4 / 8 warps 4.0 / 4.4 / 5.1 / 6.2 us (session
+    9); 256 (16k x 32) 4.8 / 6.2 / 7.3 / 8.5; 512 (32k x 16) 7.7 / 7.1 / 6.2 / 8.2; 2,048
+    (131k x 4) 28.1 / 12.6 / 9.1 / 9.4; 4 warps beat 8 up to 2,048 lanes (session 8)."""
+    if block <= 256:
+        return 1
     return 4 if block <= 2048 else (8 if block <= 8192 else 16)
 
 
@@ -223,6 +227,6 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
         FIXED_COUNT=top_k is not None or fractions, FRACTIONS=fractions,
         ROW_GAMMAS=gammas is not None and not fractions, PAGE=PAGE_SIZE,
         GROUP_PAD=triton.next_power_of_2(group), SOFTMAX_TILE=SOFTMAX_TILE,
-        num_warps=num_warps(block), **launch.options(programmatic_launch),
+        num_warps=num_warps(block), **launch.options(programmatic_launch, "select"),
     )
     return page_lists, page_counts
