@@ -123,6 +123,41 @@ def pairs_table(pair_runs):
     return "\n".join(lines)
 
 
+def single_pairs_table(pair_runs):
+    """Batch-1 shapes in interleaved pairs (``ARMS="dense moira pdl" tpot_pairs.sh``): per
+    (model, shape) and arm, each pair's TPOT relative to that pair's dense engine and their
+    mean, since one engine per arm has differed from the next by ~3% at batch 1."""
+    arms = [("fallback", "Moira, short rows read in full"), ("pdl", "the same, programmatic launch")]
+    present = [(kind, label) for kind, label in arms
+               if any(key[1] == kind for runs in pair_runs for key in runs)]
+    cells = {}
+    for runs in pair_runs:
+        for (model, kind), dense in runs.items():
+            if kind != "dense":
+                continue
+            dense_ms = tpot_by_shape(dense)
+            for arm, _ in present:
+                run = runs.get((model, arm))
+                for shape, ms in (tpot_by_shape(run).items() if run else []):
+                    if shape.endswith("k1") and shape in dense_ms:
+                        cells.setdefault((model, shape, arm), []).append(
+                            (dense_ms[shape], ms, ms / dense_ms[shape] - 1))
+    lines = ["| model | shape | dense FA3 (ms) | " + " | ".join(
+        f"{label} (ms) | vs dense per pair | mean" for _, label in present) + " |",
+        "|---|---|---|" + "---|---|---|" * len(present)]
+    for model, shape in sorted({(m, s) for m, s, _ in cells},
+                               key=lambda k: (k[0], SHAPES.index(k[1]))):
+        first = cells.get((model, shape, present[0][0]), [])
+        row = [model, shape, " / ".join(f"{dense:.2f}" for dense, _, _ in first)]
+        for arm, _ in present:
+            pairs = cells.get((model, shape, arm), [])
+            row += [" / ".join(f"{ms:.2f}" for _, ms, _ in pairs) or "–",
+                    " / ".join(f"{rel:+.1%}" for _, _, rel in pairs) or "–",
+                    f"**{statistics.mean(rel for _, _, rel in pairs):+.1%}**" if pairs else "–"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def single_table(runs):
     """Batch-1 shapes (issue 5, item 4): Moira's TPOT relative to dense, with every row
     selecting (``dense_below_tokens`` 0) and with short rows read in full (N > 0)."""
@@ -208,7 +243,10 @@ def main():
                              "(benchmarks/tpot_pairs.sh): per-pair and mean speedups, no plot")
     args = parser.parse_args()
     if args.pairs:
-        text = pairs_table([load([folder]) for folder in args.folders])
+        pair_runs = [load([folder]) for folder in args.folders]
+        batch1 = all(shape.endswith("k1") for runs in pair_runs for run in runs.values()
+                     for shape in tpot_by_shape(run))
+        text = (single_pairs_table if batch1 else pairs_table)(pair_runs)
         print(text)
         if args.readme:
             readme_dir = os.path.dirname(os.path.abspath(args.readme))

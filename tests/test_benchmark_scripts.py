@@ -333,3 +333,24 @@ def test_top2_gap_is_the_best_minus_the_second_log_prob():
     assert checks.top2_gap({7: Logprob(-0.2), 3: Logprob(-1.7)}) == pytest.approx(1.5)
     assert checks.top2_gap({3: Logprob(-1.7), 7: Logprob(-0.2)}) == pytest.approx(1.5)
     assert checks.top2_gap({7: Logprob(0.0)}) is None
+
+
+def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tmp_path):
+    import json
+
+    report = load("tpot_report")
+    for pair, (dense, moira, pdl) in enumerate([(5.0, 5.2, 5.1), (4.0, 4.2, 4.12)], start=1):
+        folder = tmp_path / f"pair{pair}"
+        folder.mkdir()
+        for name, tpot, extra in (("dense", dense, dict(backend="dense")),
+                                  ("moira", moira, dict(backend="moira",
+                                                        dense_below_tokens=20480)),
+                                  ("pdl", pdl, dict(backend="moira", dense_below_tokens=20480,
+                                                    programmatic_launch=True))):
+            run = dict(model="llama-3.1-8b", gamma=0.98, **extra,
+                       results=[dict(shape="2k1", tpot_ms=tpot, imposed_read_fraction=0.4)])
+            (folder / f"{name}.json").write_text(json.dumps(run))
+    text = report.single_pairs_table([report.load([str(tmp_path / f"pair{i}")])
+                                      for i in (1, 2)])
+    assert "| llama-3.1-8b | 2k1 | 5.00 / 4.00 | 5.20 / 4.20 | +4.0% / +5.0% | **+4.5%** | " \
+        "5.10 / 4.12 | +2.0% / +3.0% | **+2.5%** |" in text
