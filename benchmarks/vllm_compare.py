@@ -92,7 +92,8 @@ def main():
             steps = " ".join("-" if d is None else str(d) for d in first_diff)
             first_same = sum(x["logprobs"][:1] == y["logprobs"][:1]
                              for x, y in zip(runs[a][ka], runs[b][kb]))
-            gaps = gaps_at_first_difference(runs[a][ka], runs[b][kb])
+            gaps = [gap for gap in gaps_at_first_difference(runs[a][ka], runs[b][kb]) or []
+                    if gap is not None]  # None: a step with one candidate token
             near_ties = ("–" if not gaps else
                          f"max {max(gaps):.3g}, {sum(g <= 0.25 for g in gaps)}/{len(gaps)} "
                          f"≤ 0.25")

@@ -106,18 +106,22 @@ def test_fa3_normalizer_convention_matches_reference(monkeypatch, schedule):
 def test_fa3_tile_order_matches_reference(monkeypatch, schedule, pages_per_iter):
     """FA3's loop order and rounding (tiles last to first, the max over raw scores, the scale
     in the exponent's multiply-add) with its normalizer: still exact attention, on both
-    schedules, one-page and partial tiles included; and it is another computation (its
-    outputs round differently from the default order's somewhere)."""
+    schedules, one-page and partial tiles included; and on the rows schedule, whose chunks
+    hold several tiles, it is another computation: with the same normalizer its outputs round
+    differently from the default order's somewhere (the balanced schedule's short segments
+    here are about one tile, where the two orders coincide in the interpreter, whose fma is a
+    multiply and an add)."""
     from moira.kernels import attend as attend_module
 
     monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
+    monkeypatch.setattr(attend_module, "SUM_ROUNDED_WEIGHTS", False)
     inputs = mixed_rows()
     config = SMALL_SPLIT.replace(schedule=schedule)
-    default = moira.attend(*inputs, config=config)
+    default_order = moira.attend(*inputs, config=config)
     monkeypatch.setattr(attend_module, "FA3_TILE_ORDER", True)
-    monkeypatch.setattr(attend_module, "SUM_ROUNDED_WEIGHTS", False)
     check_attend(*inputs, config)
-    assert not torch.equal(moira.attend(*inputs, config=config), default)
+    if schedule == "rows":
+        assert not torch.equal(moira.attend(*inputs, config=config), default_order)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

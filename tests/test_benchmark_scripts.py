@@ -352,5 +352,12 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
             (folder / f"{name}.json").write_text(json.dumps(run))
     text = report.single_pairs_table([report.load([str(tmp_path / f"pair{i}")])
                                       for i in (1, 2)])
+    assert "every row selecting" not in text  # no such run: no column standing in for it
     assert "| llama-3.1-8b | 2k1 | 5.00 / 4.00 | 5.20 / 4.20 | +4.0% / +5.0% | **+4.5%** | " \
         "5.10 / 4.12 | +2.0% / +3.0% | **+2.5%** |" in text
+    # a run with every row selecting gets its own column, first
+    run = dict(model="llama-3.1-8b", gamma=0.98, backend="moira", dense_below_tokens=0,
+               results=[dict(shape="2k1", tpot_ms=6.0, imposed_read_fraction=0.4)])
+    (tmp_path / "pair1" / "selecting.json").write_text(json.dumps(run))
+    text = report.single_pairs_table([report.load([str(tmp_path / "pair1")])])
+    assert "| 2k1 | 5.00 | 6.00 | +20.0% | **+20.0%** | 5.20 | +4.0% |" in text

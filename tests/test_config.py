@@ -63,5 +63,13 @@ def test_programmatic_launch_is_off_in_the_interpreter_and_only_for_the_rows_sch
     expected = dict(PDL=False) if interpreting() else dict(PDL=True, launch_pdl=True)
     assert launch.options(True, "attend") == expected
     assert launch.options(False, "attend") == dict(PDL=False)
-    # a kernel left out of the chain launches plainly even with programmatic launch on
-    assert launch.options(True, "not chained") == dict(PDL=False)
+
+def test_a_kernel_left_out_of_the_programmatic_chain_launches_plainly(monkeypatch):
+    from moira.kernels import launch
+
+    monkeypatch.setattr(launch, "interpreting", lambda: False)  # as on a GPU
+    assert launch.options(True, "attend") == dict(PDL=True, launch_pdl=True)
+    monkeypatch.setattr(launch, "CHAINED", frozenset({"estimate", "select", "merge"}))
+    assert launch.options(True, "attend") == dict(PDL=False)
+    assert launch.options(True, "merge") == dict(PDL=True, launch_pdl=True)
+    assert launch.options(False, "merge") == dict(PDL=False)

@@ -7,9 +7,10 @@ alone. Program (row, j) reads the row's list length n from GPU memory and plans 
     m = ceil(n / c)              chunks of this row (at least 1)
 
 and processes pages [j c, min((j + 1) c, n)) or exits if j >= m. (``EVEN_CHUNKS``, off,
-makes the m chunks equal instead, c = ceil(n / m): timed slower at 8k x 32.) All G query heads of the group
-share each K/V tile (one read of every K/V byte per group). A single-chunk row writes its output
-directly; otherwise each chunk writes its normalized partial output and log-sum-exp for Merge.
+makes the m chunks equal instead, c = ceil(n / m): timed slower at 8k x 32.) All G query
+heads of the group share each K/V tile (one read of every K/V byte per group). A
+single-chunk row writes its output directly; otherwise each chunk writes its normalized
+partial output and log-sum-exp for Merge.
 
 With the merge folded in (``fused_merge``), each chunk of a split row then counts itself in
 ``arrivals[row]`` with one atomic (release: its partials are visible before the count;
@@ -43,7 +44,9 @@ SUM_ROUNDED_WEIGHTS = True
 # folded into the exponent's fused multiply-add. Exact attention either way; the bf16 weights
 # that multiply V are rounded at the same running maxima as FA3's when the split boundaries
 # agree, so a row's output should round like FA3's more often (the engine's dense check:
-# vllm_checks.py --fa3-arithmetic). False: first to last tile, max in the log2 domain
+# vllm_checks.py --fa3-arithmetic). False: first to last tile, max in the log2 domain. The
+# sm_90 build with it has 255 registers (147 without; the descending loop alone: 152, and a
+# plain multiply-subtract instead of tl.fma builds the same 255): a numerics experiment
 FA3_TILE_ORDER = False
 # a row's chunks of equal length: Eq. (4)'s m = ceil(n / c) chunks, each of ceil(n / m) pages
 # instead of c (the last one shorter). As many programs, none longer than Eq. (4)'s, but timed
@@ -94,10 +97,9 @@ def attend_tile(q, key_cache, value_cache, row_pages, row_table, seq_len, head, 
     if FA3_ORDER:  # FA3's rounding: exp2(s * scale - max(s) * scale), one fused multiply-add
         logits = tl.where(valid[None, :], tl.dot(q, tl.trans(keys)), float("-inf"))
         new_max = tl.maximum(running_max, tl.max(logits, axis=1))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max * qk_scale_log2)
-        rescale = tl.where(running_max == float("-inf"), 0.0,
-                           tl.exp2((running_max - new_max) * qk_scale_log2))
-        weights = tl.exp2(tl.fma(logits, qk_scale_log2, -shift[:, None]))
+        finite_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # fully masked so far
+        rescale = tl.exp2((running_max - finite_max) * qk_scale_log2)  # 0 before any key
+        weights = tl.exp2(tl.fma(logits, qk_scale_log2, -(finite_max * qk_scale_log2)[:, None]))
     else:
         logits = tl.dot(q, tl.trans(keys)) * qk_scale_log2
         logits = tl.where(valid[None, :], logits, float("-inf"))
