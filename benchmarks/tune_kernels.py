@@ -138,6 +138,12 @@ def main():
         for side_by_side in [True, False] if "estimate" in kinds else []:
             time_estimate(f"exact heads {'side by side' if side_by_side else 'chained'}",
                           EXACT_HEADS_SIDE_BY_SIDE=side_by_side)
+        # the middle pages' mvar as two matrix products, at each input precision, 4 and 8 warps
+        for precision, warps in itertools.product(
+                ["row sums", "tf32x3", "tf32", "ieee"] if "estimate" in kinds else [], [4, 8]):
+            time_estimate(f"mvar {precision} warps={warps}", NUM_WARPS=warps,
+                          MVAR_DOT=precision != "row sums",
+                          MVAR_DOT_PRECISION=precision if precision != "row sums" else "tf32x3")
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)

@@ -19,7 +19,7 @@ SEQ_LENS = {
 @pytest.mark.parametrize("group", [1, 4, 7, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("lengths", list(SEQ_LENS))
-def test_estimate_matches_reference(group, head_dim, lengths):
+def test_estimate_matches_reference(group, head_dim, lengths, rtol=1e-5, atol=1e-4):
     num_kv_heads, num_pages = 2, 300
     keys, _ = make_cache(num_pages, num_kv_heads, head_dim, layout="packed")
     table, seq_lens = make_table(SEQ_LENS[lengths], num_pages)
@@ -37,7 +37,7 @@ def test_estimate_matches_reference(group, head_dim, lengths):
     for b, length in enumerate(seq_lens.tolist()):
         pages = ref.num_pages(length, max_pages)
         torch.testing.assert_close(got[b, :, :, :pages], expected[b, :, :, :pages],
-                                   rtol=1e-5, atol=1e-4)
+                                   rtol=rtol, atol=atol)
         assert torch.isnan(got[b, :, :, pages:]).all()  # past the row: not written
 
 
@@ -104,3 +104,18 @@ def test_exact_pages_with_heads_side_by_side(monkeypatch, group, head_dim, lengt
 
     monkeypatch.setattr(estimate_module, "EXACT_HEADS_SIDE_BY_SIDE", True)
     test_estimate_matches_reference(group, head_dim, lengths)
+
+
+@pytest.mark.parametrize("group", [1, 4, 7, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("lengths", ["mixed", "two-pages-partial"])
+@pytest.mark.parametrize("precision", ["tf32x3", "ieee", "tf32"])
+def test_mvar_as_matrix_products(monkeypatch, group, head_dim, lengths, precision):
+    """The middle pages' mvar as [pages, D] @ [D, G padded to 16] products (a tuning option)
+    against the reference, padded groups (7 -> 16) and a row spanning two programs included.
+    One tf32 product rounds the scaled query to 10 mantissa bits (2^-11 relative per term):
+    its tolerance is that error over D terms of this test's sizes."""
+    monkeypatch.setattr(estimate_module, "MVAR_DOT", True)
+    monkeypatch.setattr(estimate_module, "MVAR_DOT_PRECISION", precision)
+    tolerance = dict(rtol=2e-3, atol=2e-3) if precision == "tf32" else {}
+    test_estimate_matches_reference(group, head_dim, lengths, **tolerance)

@@ -53,6 +53,16 @@ TILE_STAGES = 1
 # Off until timed: it costs registers (118 -> 127 at G = 4, still 4 blocks per SM; 128 -> 155
 # at G = 8, 3 blocks)
 EXACT_HEADS_SIDE_BY_SIDE = False
+# the middle pages' mvar as two matrix products, [pages, D] @ [D, G] for the means and the
+# variances (G padded to 16), instead of G row-wise multiply-adds and cross-thread sums per
+# tile. Why: Estimate sits at 41-44% of the SMs' issue rate and 27-35% of DRAM bandwidth (ncu,
+# session 9), a chain of reductions per head. MVAR_DOT_PRECISION is tl.dot's input precision:
+# "tf32x3" (three tf32 products: float32's accuracy; the bf16 summaries are exact in tf32, but
+# the sm_90 build takes 255 registers), "tf32" (one product: the scaled query rounded to 10
+# mantissa bits, ~5e-4 relative per term; 115 registers) or "ieee" (float32 on the FMA units;
+# 113 registers, 48 KB of shared memory). Off until timed
+MVAR_DOT = False
+MVAR_DOT_PRECISION = "tf32x3"
 
 
 def programs_per_row(rows, max_pages):
@@ -77,9 +87,10 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
                      stride_sp, stride_sh, stride_ss, stride_sd,
                      stride_bt, stride_lr, stride_lg,
                      num_kv_heads, max_pages, scale, dense_below_pages, mvar_programs,
-                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     PAGE: tl.constexpr, BLOCK_P: tl.constexpr, TILE_STAGES: tl.constexpr,
-                     SIDE_BY_SIDE: tl.constexpr, PDL: tl.constexpr):
+                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_DOT: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
+                     TILE_STAGES: tl.constexpr, SIDE_BY_SIDE: tl.constexpr,
+                     MVAR_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     block = tl.program_id(1)
@@ -131,6 +142,11 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
             tl.store(dst + heads * stride_lg + page, lse, mask=heads < GROUP)
         return
 
+    if MVAR_DOT:  # the group's scaled queries as the columns of [D, 16 or more]
+        columns = tl.arange(0, GROUP_DOT)
+        scaled = tl.load(query_row + columns[None, :] * stride_qh + dims[:, None] * stride_qd,
+                         mask=columns[None, :] < GROUP, other=0.0).to(tl.float32) * scale
+        halved_squares = 0.5 * scaled * scaled
     # this program's tiles of the row: an even share of the row's own tiles
     tiles = tl.cdiv(pages_in_row, BLOCK_P)
     share = tl.cdiv(tiles, mvar_programs)
@@ -144,12 +160,18 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
             + dims[None, :] * stride_sd
         mean = tl.load(src, mask=middle[:, None], other=0.0).to(tl.float32)
         var = tl.load(src + stride_ss, mask=middle[:, None], other=0.0).to(tl.float32)
-        # mvar: G is small, so plain FMAs and a row sum (a tl.dot would pad G to 16)
-        for g in tl.static_range(GROUP):
-            q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
-            est = tl.sum(mean * q_g[None, :] + var * (0.5 * q_g * q_g)[None, :], axis=1) \
-                + math.log(PAGE)
-            tl.store(dst + g * stride_lg + pages, est, mask=middle)
+        if MVAR_DOT:
+            est = tl.dot(mean, scaled, input_precision=DOT_PRECISION) \
+                + tl.dot(var, halved_squares, input_precision=DOT_PRECISION) + math.log(PAGE)
+            tl.store(dst + columns[None, :] * stride_lg + pages[:, None], est,
+                     mask=middle[:, None] & (columns[None, :] < GROUP))
+        else:  # G is small: plain FMAs and a row sum per head
+            for g in tl.static_range(GROUP):
+                q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) \
+                    * scale
+                est = tl.sum(mean * q_g[None, :] + var * (0.5 * q_g * q_g)[None, :], axis=1) \
+                    + math.log(PAGE)
+                tl.store(dst + g * stride_lg + pages, est, mask=middle)
 
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
@@ -170,9 +192,11 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         *query.stride(), *key_cache.stride(), *summaries.stride(),
         block_table.stride(0), log_masses.stride(0), log_masses.stride(1),
         num_kv_heads, max_pages, scale, dense_below_pages, per_row,
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, PAGE=PAGE_SIZE,
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
+        GROUP_DOT=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=PAGE_SIZE,
         BLOCK_P=PAGES_PER_PROGRAM, TILE_STAGES=TILE_STAGES,
-        SIDE_BY_SIDE=EXACT_HEADS_SIDE_BY_SIDE, num_warps=NUM_WARPS,
+        SIDE_BY_SIDE=EXACT_HEADS_SIDE_BY_SIDE, MVAR_DOT=MVAR_DOT,
+        DOT_PRECISION=MVAR_DOT_PRECISION, num_warps=NUM_WARPS,
         **launch.options(programmatic_launch, "estimate"),
     )
     return log_masses
