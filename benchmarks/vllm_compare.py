@@ -94,9 +94,13 @@ def main():
                              for x, y in zip(runs[a][ka], runs[b][kb]))
             gaps = [gap for gap in gaps_at_first_difference(runs[a][ka], runs[b][kb]) or []
                     if gap is not None]  # None: a step with one candidate token
+            # and how common such near-ties are at all in the reference run: with random
+            # weights the logits are flat, so a share of every run's steps are near-ties
+            every_gap = [g for x in runs[a][ka] for g in x.get("top2_gap") or [] if g is not None]
             near_ties = ("–" if not gaps else
                          f"max {max(gaps):.3g}, {sum(g <= 0.25 for g in gaps)}/{len(gaps)} "
-                         f"≤ 0.25")
+                         f"≤ 0.25 (of all steps: "
+                         f"{sum(g <= 0.25 for g in every_gap) / len(every_gap):.1%})")
             print(f"| {label} | {same}/{len(runs[a][ka])} | {steps} | {worst:.3g} | "
                   f"{bitwise} | {first_same}/{len(runs[a][ka])} | {near_ties} |")
     gap = first_difference_gap(runs)
