@@ -74,6 +74,17 @@ def redraw_weights(model):
     return True
 
 
+def token_ids(rng, count, text_ids=None):
+    """``count`` prompt token ids: random ids (random weights), or a slice of ``text_ids`` at a
+    random offset (trained weights, real text)."""
+    if text_ids is None:
+        return [rng.randrange(100, 120000) for _ in range(count)]
+    if count > len(text_ids):
+        raise ValueError(f"the text has {len(text_ids)} tokens, fewer than a prompt's {count}")
+    start = rng.randrange(len(text_ids) - count + 1)
+    return list(text_ids[start:start + count])
+
+
 def top2_gap(step):
     """Log-prob of the most likely token minus the second's (= their logit gap) at one step,
     from vLLM's ``{token: Logprob}`` (the sampled token and the top 2)."""
@@ -112,12 +123,25 @@ def main():
                              "step is never padded to a larger batch (padding changes the GEMMs' "
                              "shapes, hence their rounding, between graph and eager steps); 0: "
                              "vLLM's default sizes")
+    parser.add_argument("--fa3-max-splits", type=int, default=None,
+                        help="cap FA3's split count in CUDA graphs (vLLM's attention_config "
+                             "flash_attn_max_num_splits_for_cuda_graph, default 32). With 1, a "
+                             "`dense` run reduces each row in one pass: the same engine and "
+                             "batches, only attention's rounding changed (the yardstick for "
+                             "Moira at gamma 1; save it as dense_splits1.json)")
     parser.add_argument("--no-check", action="store_true", help="moira: skip the dense check")
     parser.add_argument("--weights", choices=["normal", "dummy"], default="normal")
+    parser.add_argument("--hf-model", default=None,
+                        help="a Hugging Face folder of trained weights (e.g. SmolLM2-135M as "
+                             "../shared/data/get-model --hf writes it) instead of --model's "
+                             "random ones; prompts are then slices of --text")
+    parser.add_argument("--text", default=None,
+                        help="with --hf-model: a .txt or {'text': ...} .json file")
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
     parser.add_argument("--prefix", type=int, default=3000, help="prefix: shared tokens")
     parser.add_argument("--blocks", type=int, default=0,
-                        help="preempt: KV cache pages (0: a third of what the prompts need)")
+                        help="preempt: KV cache pages (0: the prompts' pages and one spare "
+                             "per request)")
     parser.add_argument("--dense-below-tokens", type=int, default=None,
                         help="the plugin's dense_below_tokens (default: the plugin's); 0 makes "
                              "every row select, so prefix/preempt exercise the summaries")
@@ -125,6 +149,8 @@ def main():
                         help="vLLM's gpu_memory_utilization (lower it to share the GPU)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check.json"))
     args = parser.parse_args()
+    if args.hf_model and (args.layers or not args.text):
+        parser.error("--hf-model takes the model as it is (no --layers) and needs --text")
 
     import torch
     from vllm import LLM, SamplingParams
@@ -145,10 +171,16 @@ def main():
         lengths = [args.context] * args.batch
     else:
         lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.prompts)]
-    shared = [rng.randrange(100, 120000) for _ in range(args.prefix if args.mode == "prefix"
-                                                          else 0)]
-    prompts = [TokensPrompt(prompt_token_ids=shared + [rng.randrange(100, 120000)
-                                                       for _ in range(n)])
+    text_ids = None
+    if args.hf_model:
+        from transformers import AutoTokenizer
+
+        from moira.evaluation.tasks import read_text
+
+        text_ids = AutoTokenizer.from_pretrained(args.hf_model)(
+            read_text(args.text), add_special_tokens=False)["input_ids"]
+    shared = token_ids(rng, args.prefix if args.mode == "prefix" else 0, text_ids)
+    prompts = [TokensPrompt(prompt_token_ids=shared + token_ids(rng, n, text_ids))
                for n in lengths]
     moira_backend = args.mode != "dense"
     backend = args.backend or ("CUSTOM" if moira_backend else "FLASH_ATTN")
@@ -170,7 +202,11 @@ def main():
         # prompts plus outputs, only delayed admissions: vLLM's preemption counter read 0.)
         prompt_pages = sum(-(-len(p["prompt_token_ids"]) // 64) for p in prompts)
         extra["num_gpu_blocks_override"] = args.blocks or prompt_pages + len(prompts) + 1
-    llm = LLM(model=model_dir(args.model, args.layers), load_format="dummy",
+    if args.fa3_max_splits is not None:
+        extra["attention_config"] = {"flash_attn_max_num_splits_for_cuda_graph":
+                                     args.fa3_max_splits}
+    llm = LLM(model=args.hf_model or model_dir(args.model, args.layers),
+              load_format="auto" if args.hf_model else "dummy", dtype="bfloat16",
               skip_tokenizer_init=True, block_size=64, attention_backend=backend,
               max_model_len=len(shared) + max(lengths) + args.tokens + 64,
               enable_prefix_caching=args.mode == "prefix",
@@ -185,7 +221,7 @@ def main():
                      if args.capture_sizes else {})}, seed=0,
               disable_log_stats=False, **extra)
     startup = time.time() - start
-    if args.weights == "normal":
+    if args.weights == "normal" and not args.hf_model:
         llm.apply_model(redraw_weights)
     # the two most likely tokens' log-probs at every step: their gap (the logit gap) at a
     # sequence's first difference says whether rounding alone could flip the choice (the

@@ -37,24 +37,39 @@ def gaps_at_first_difference(a, b):
     return gaps
 
 
+# the runs compared with dense FA3 at the same batch, each a perturbation of attention alone
+YARDSTICKS = {"moira_graph": "dense vs Moira gamma=1",
+              "dense_splits1": "dense vs dense with FA3 at one split"}
+
+
 def first_difference_gap(runs):
     """Issue 4's yardstick on greedy tokens: the first differing step per prompt (a sequence
     that never differs counts as its length) of dense FA3 against Moira at gamma 1, and of
     dense against itself at another batch size; the mean of each and the 95% paired bootstrap
-    interval of (Moira pair - dense pair). None without the runs."""
+    interval of (Moira pair - dense pair). Where a ``dense_splits1`` run is present (dense FA3
+    capped at one split, same batch: attention's rounding alone changed), the same for it,
+    and Moira's pair against it. None without the runs."""
     from moira.evaluation.experiments import paired_bootstrap
 
-    if not ("dense" in runs and "moira_graph" in runs and "halves" in runs["dense"]):
+    if not ("dense" in runs and "halves" in runs["dense"]
+            and any(name in runs for name in YARDSTICKS)):
         return None
 
     def steps(a, b):
         return [len(x["tokens"]) if d is None else d for x, d in zip(a, agreement(a, b)[1])]
 
     dense_pair = steps(runs["dense"]["full"], runs["dense"]["halves"])
-    moira_pair = steps(runs["dense"]["full"], runs["moira_graph"]["full"])
-    return dict(prompts=len(dense_pair), dense=sum(dense_pair) / len(dense_pair),
-                moira=sum(moira_pair) / len(moira_pair),
-                moira_minus_dense=paired_bootstrap(dense_pair, moira_pair))
+    result = dict(prompts=len(dense_pair), dense=sum(dense_pair) / len(dense_pair))
+    pairs = {name: steps(runs["dense"]["full"], runs[name]["full"])
+             for name in YARDSTICKS if name in runs}
+    for name, pair in pairs.items():
+        key = "moira" if name == "moira_graph" else name
+        result[key] = sum(pair) / len(pair)
+        result[f"{key}_minus_dense"] = paired_bootstrap(dense_pair, pair)
+    if len(pairs) == 2:
+        result["moira_minus_dense_splits1"] = paired_bootstrap(pairs["dense_splits1"],
+                                                              pairs["moira_graph"])
+    return result
 
 
 def main():
@@ -65,6 +80,8 @@ def main():
     pairs = [("dense", "full", "dense", "halves",
               f"dense batch {prompts} vs two batches of {prompts // 2}"),
              ("dense", "full", "moira_graph", "full", "dense FA3 vs Moira gamma=1 (FULL graphs)"),
+             ("dense", "full", "dense_splits1", "full",
+              "dense FA3 vs dense FA3 at one split (same batch: attention's rounding alone)"),
              ("dense", "full", "dense_eager", "full",
               "dense FULL graphs vs dense eager (graph mode NONE): the control"),
              ("moira_graph", "full", "moira_eager", "full",
@@ -105,11 +122,20 @@ def main():
                   f"{bitwise} | {first_same}/{len(runs[a][ka])} | {near_ties} |")
     gap = first_difference_gap(runs)
     if gap:
-        diff = gap["moira_minus_dense"]
         print(f"\nfirst differing step, mean over {gap['prompts']} prompts: dense vs dense at "
-              f"another batch size {gap['dense']:.1f}, dense vs Moira gamma=1 {gap['moira']:.1f};"
-              f" Moira pair minus dense pair {diff['mean']:+.1f} [{diff['low']:+.1f}, "
-              f"{diff['high']:+.1f}] (95% paired bootstrap)")
+              f"another batch size {gap['dense']:.1f}")
+
+        def interval(diff):
+            return f"{diff['mean']:+.1f} [{diff['low']:+.1f}, {diff['high']:+.1f}]"
+
+        for name, label in YARDSTICKS.items():
+            key = "moira" if name == "moira_graph" else name
+            if key in gap:
+                print(f"{label}: {gap[key]:.1f}; minus the dense pair "
+                      f"{interval(gap[key + '_minus_dense'])} (95% paired bootstrap)")
+        if "moira_minus_dense_splits1" in gap:
+            print(f"Moira pair minus the one-split pair "
+                  f"{interval(gap['moira_minus_dense_splits1'])}")
     for name, run in runs.items():
         check = run.get("dense_check")
         if check:

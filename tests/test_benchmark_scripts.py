@@ -148,6 +148,33 @@ def test_first_difference_gap_pairs_prompts_and_counts_agreement_as_full_length(
     assert gap["moira_minus_dense"]["mean"] == pytest.approx(0.0)
     assert gap["moira_minus_dense"]["low"] <= 0 <= gap["moira_minus_dense"]["high"]
     assert compare.first_difference_gap(dict(dense=dict(full=dense))) is None
+    assert "dense_splits1" not in gap and "moira_minus_dense_splits1" not in gap
+    # with FA3 at one split as a second yardstick: its pair, and Moira's pair against it
+    splits1 = run([1, 2, 3, 4], [5, 0, 7, 8], [9, 9, 9, 0])  # none, 1, 3
+    gap = compare.first_difference_gap(dict(dense=dict(full=dense, halves=halves),
+                                            moira_graph=dict(full=moira),
+                                            dense_splits1=dict(full=splits1)))
+    assert gap["dense_splits1"] == pytest.approx((4 + 1 + 3) / 3)
+    assert gap["dense_splits1_minus_dense"]["mean"] == pytest.approx((8 - 7) / 3)
+    assert gap["moira_minus_dense_splits1"]["mean"] == pytest.approx((7 - 8) / 3)
+    alone = compare.first_difference_gap(dict(dense=dict(full=dense, halves=halves),
+                                              dense_splits1=dict(full=splits1)))
+    assert "moira" not in alone and alone["dense_splits1"] == gap["dense_splits1"]
+
+
+def test_prompt_token_ids_are_random_ids_or_a_slice_of_the_text():
+    import random
+
+    checks = load("vllm_checks")
+    ids = checks.token_ids(random.Random(0), 50)
+    assert len(ids) == 50 and all(100 <= i < 120000 for i in ids)
+    text = list(range(1000, 1100))
+    sliced = checks.token_ids(random.Random(1), 30, text)
+    start = text.index(sliced[0])
+    assert sliced == text[start:start + 30]
+    assert checks.token_ids(random.Random(2), 100, text) == text  # the whole text fits once
+    with pytest.raises(ValueError, match="fewer than a prompt"):
+        checks.token_ids(random.Random(0), 101, text)
 
 
 def test_step_report_puts_each_backend_and_the_papers_rows_under_each_shape():
