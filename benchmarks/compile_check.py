@@ -72,9 +72,11 @@ def check_waits_first(name, ptx):
 def build(name, kernel, constexprs, num_warps, num_stages=3):
     signature, constexprs, attrs = specialize(kernel, constexprs)
     pdl = bool(constexprs.get("PDL"))
+    options = dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
+    if kernel is estimate._estimate_select_kernel and estimate.FUSED_SELECT_MAX_REGISTERS:
+        options["maxnreg"] = estimate.FUSED_SELECT_MAX_REGISTERS  # as its launcher passes it
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
-                              options=dict(num_warps=num_warps, num_stages=num_stages,
-                                           launch_pdl=pdl))
+                              options=options)
     if pdl:
         check_waits_first(name, compiled.asm["ptx"])
     usage = sass = ""
@@ -132,6 +134,16 @@ def kernels(group, head_dim, block, pdl=False):
          dict(GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
               HAS_STATS=True, PAGE=PAGE, EVEN_CHUNKS=attend.EVEN_CHUNKS, PDL=pdl), 4, 3),
     ]
+    if block <= 2048:  # Select folded into Estimate's launch (fused_select), on its warps
+        fused_lanes = min(block, 32 * estimate.NUM_WARPS)
+        decode_step += [
+            (f"estimate+select {mode} {tag} lanes={block}", estimate._estimate_select_kernel,
+             dict(decode_step[0][2], BLOCK=block, BLOCK_2=max(fused_lanes, block // 2),
+                  BLOCK_4=max(fused_lanes, block // 4), BLOCK_8=max(fused_lanes, block // 8),
+                  WAYS=4, PASSES=12, FIXED_COUNT=fixed, FRACTIONS=fractions, ROW_GAMMAS=False,
+                  SOFTMAX_TILE=select.SOFTMAX_TILE),
+             estimate.NUM_WARPS, 3)
+            for mode, fixed, fractions in (("coverage", False, False), ("fractions", True, True))]
     if pdl:
         return decode_step
     return decode_step + [
@@ -151,7 +163,7 @@ def main():
     # the options in tune_kernels.py's sweeps: Estimate's mvar on the tensor cores, and
     # Attend with FA3's loop order and normalizer (what vllm_checks.py --fa3-arithmetic runs)
     for name, kernel, constexprs, warps, stages in kernels(GROUP, HEAD_DIM, 2048):
-        for precision in ("tf32x3", "tf32", "ieee") if name.startswith("estimate") else ():
+        for precision in ("tf32x3", "tf32", "ieee") if name.startswith("estimate ") else ():
             if build(f"{name} mvar dot {precision}", kernel, dict(
                     constexprs, MVAR_DOT=True, DOT_PRECISION=precision), warps, stages):
                 spilled.append(f"{name} mvar dot {precision}")

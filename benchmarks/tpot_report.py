@@ -53,6 +53,8 @@ def load(folders):
                 key = (run["model"], "fallback")
             if run.get("programmatic_launch"):  # the same, kernels chained by PDL: another
                 key = (run["model"], "pdl")
+            if run.get("fused_select"):  # the same, Estimate and Select in one launch
+                key = (run["model"], "fsel")
             if key in runs:
                 raise SystemExit(f"{folder}: two runs for {key} ({name})")
             runs[key] = run
@@ -102,24 +104,36 @@ def pairs_table(pair_runs):
     """Interleaved pairs (issue 5: dense, Moira, dense, Moira engines one after another): one
     ``load`` result per pair; per (model, shape) each pair's speedup and their mean, the
     protocol of the paper's Table 3 (its pairs' speedups differ by at most 0.13)."""
-    cells = {}
+    cells, fused = {}, {}
     for runs in pair_runs:
         for row in table(runs)[1]:
             speedup = row["g0.98"]["speedup"]
             if speedup:
                 cells.setdefault((row["model"], row["shape"]), []).append(
                     (row["dense_ms"], row["g0.98"]["ms"], speedup, row["g0.98"]["paper"]))
+            variant = runs.get((row["model"], "fsel"))  # Estimate + Select in one launch
+            ms = tpot_by_shape(variant).get(row["shape"]) if variant else None
+            if ms:
+                fused.setdefault((row["model"], row["shape"]), []).append(row["dense_ms"] / ms)
     lines = ["| model | shape | dense FA3 (ms) | Moira γ=0.98 (ms) | speedup per pair | "
              "mean speedup | paper |", "|---|---|---|---|---|---|---|"]
+    if fused:
+        lines[0] += " the same, Estimate + Select in one launch: speedup per pair | mean |"
+        lines[1] += "---|---|"
     for model, shape in sorted(cells, key=lambda k: (k[0], SHAPES.index(k[1]))):
         pairs = cells[(model, shape)]
         paper = pairs[0][3]
-        lines.append(f"| {model} | {shape} | "
-                     + " / ".join(f"{dense:.2f}" for dense, _, _, _ in pairs) + " | "
-                     + " / ".join(f"{ms:.2f}" for _, ms, _, _ in pairs) + " | "
-                     + " / ".join(f"{speedup:.2f}×" for _, _, speedup, _ in pairs) + " | "
-                     + f"**{statistics.mean(p[2] for p in pairs):.2f}×** | "
-                     + (f"{paper:.2f}×" if paper else "–") + " |")
+        line = (f"| {model} | {shape} | "
+                + " / ".join(f"{dense:.2f}" for dense, _, _, _ in pairs) + " | "
+                + " / ".join(f"{ms:.2f}" for _, ms, _, _ in pairs) + " | "
+                + " / ".join(f"{speedup:.2f}×" for _, _, speedup, _ in pairs) + " | "
+                + f"**{statistics.mean(p[2] for p in pairs):.2f}×** | "
+                + (f"{paper:.2f}×" if paper else "–") + " |")
+        if fused:
+            mine = fused.get((model, shape), [])
+            line += " " + (" / ".join(f"{x:.2f}×" for x in mine) or "–") + " | " + (
+                f"**{statistics.mean(mine):.2f}×** |" if mine else "– |")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -129,7 +143,8 @@ def single_pairs_table(pair_runs):
     mean, since one engine per arm has differed from the next by ~3% at batch 1."""
     arms = [(0.98, "Moira, every row selecting"),
             ("fallback", "Moira, rows of ≤ N tokens read in full"),
-            ("pdl", "the same, programmatic launch")]
+            ("pdl", "the same, programmatic launch"),
+            ("fsel", "the same, Estimate + Select in one launch")]
     dense_cells, cells = {}, {}
     for runs in pair_runs:
         for (model, kind), dense in runs.items():

@@ -159,6 +159,27 @@ def main():
                     **kwargs))
                 record("select", shape, f"{mode}{label}", micros)
 
+        # Estimate then Select, against Select run by each row's last Estimate program in
+        # Estimate's launch (fused_select), at its register cap and at ptxas's own choice
+        arrivals = workspace.estimate_arrivals
+        for mode, kwargs in ([("coverage", dict(gamma=0.98, top_k=None)),
+                              ("top22%", dict(gamma=0.98, top_k=top_k))]
+                             if "select" in kinds and estimate_module.fits_one_launch(pages)
+                             else []):
+            def apart():
+                estimate_module.estimate(query, keys, summaries, table, seq_lens, scale,
+                                         log_masses)
+                select_module.select(log_masses, seq_lens, lists, counts,
+                                     num_kv_heads=KV_HEADS, max_pages=pages, ways=ways, **kwargs)
+            record("est+sel", shape, f"{mode}, two launches", bench(apart), summary_bytes)
+            for cap in (estimate_module.FUSED_SELECT_MAX_REGISTERS, None):
+                with patched(estimate_module, FUSED_SELECT_MAX_REGISTERS=cap):
+                    micros = bench(lambda: estimate_module.estimate_select(
+                        query, keys, summaries, table, seq_lens, scale, log_masses, lists,
+                        counts, arrivals, ways=ways, **kwargs))
+                record("est+sel", shape, f"{mode}, one launch, maxnreg {cap}", micros,
+                       summary_bytes)
+
         # wider passes need more threads to hold the [K_B, pages] comparison tile
         for k_b, warps in itertools.product([2, 4, 8, 16] if "select" in kinds else [],
                                             [1, 2, 4, 8]):
@@ -280,6 +301,14 @@ def main():
                                                        workspace=workspace, out=out))
             record("step22", shape, "estimate+select+attend+merge, defaults", micros,
                    sparse_bytes + summary_bytes)
+            fused = moira.DecodeWorkspace(batch, pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
+                                          device="cuda", config=moira.MoiraConfig(
+                                              fused_select=True))
+            micros = bench(lambda: moira.sparse_decode(query, keys, values, summaries, table,
+                                                       seq_lens, top_k=top_k,
+                                                       workspace=fused, out=out))
+            record("step22", shape, "estimate+select+attend+merge, Select in Estimate's launch",
+                   micros, sparse_bytes + summary_bytes)
 
 
 

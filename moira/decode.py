@@ -33,6 +33,8 @@ from .kernels.attend import attend as _launch_attend
 from .kernels.balanced import attend_balanced as _launch_attend_balanced
 from .kernels.balanced import merge_balanced as _launch_merge_balanced
 from .kernels.estimate import estimate as _launch_estimate
+from .kernels.estimate import estimate_select as _launch_estimate_select
+from .kernels.estimate import fits_one_launch
 from .kernels.merge import merge as _launch_merge
 from .kernels.select import select as _launch_select
 from .kernels.summarize import summarize_filled_slots, summarize_pages
@@ -204,6 +206,8 @@ class DecodeWorkspace:
         self.partial_lse = torch.empty(slots * self.group, dtype=f32, device=device)
         # fused merge: chunks of each row counted in; the merging chunk resets its row to 0
         self.row_arrivals = torch.zeros(max_rows, dtype=i32, device=device)
+        # fused select: Estimate programs of each row counted in; the selecting one resets it
+        self.estimate_arrivals = torch.zeros(max_rows, dtype=i32, device=device)
 
     @classmethod
     def for_step(cls, query, key_cache, block_table, config=None):
@@ -384,7 +388,8 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
                   gamma=None, top_k=None, keep_fractions=None, dense_below_pages=None,
                   scale=None, return_pages=False, config=None, workspace=None, out=None,
                   page_stats=None, planned_batch=None):
-    """One sparse decode step: Estimate -> Select -> Attend -> Merge.
+    """One sparse decode step: Estimate -> Select -> Attend -> Merge (Estimate and Select in
+    one launch with ``config.fused_select``, block tables of up to 2,048 pages).
 
     The step also summarizes each row's current page if it is full (``seq_lens`` a multiple of
     64: this step's token filled it), so decode steps need no ``update_summaries`` call; steps
@@ -470,15 +475,20 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     out = torch.empty_like(query) if out is None else out
 
     log_masses, page_lists, page_counts = workspace.selection_buffers(batch, max_pages)
-    _launch_estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-                     dense_below_pages=config.dense_below_pages,
-                     programmatic_launch=config.programmatic_launch)
-    _launch_select(log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
-                   max_pages=max_pages, gamma=config.gamma,
-                   top_k=None if keep_fractions is not None else config.top_k,
-                   ways=config.bisection_ways_for(max_pages), keep_fractions=keep_fractions,
-                   gammas=gammas, dense_below_pages=config.dense_below_pages,
-                   programmatic_launch=config.programmatic_launch)
+    select = dict(gamma=config.gamma, top_k=None if keep_fractions is not None else config.top_k,
+                  ways=config.bisection_ways_for(max_pages), keep_fractions=keep_fractions,
+                  gammas=gammas, dense_below_pages=config.dense_below_pages,
+                  programmatic_launch=config.programmatic_launch)
+    if config.fused_select and fits_one_launch(max_pages):
+        _launch_estimate_select(query, key_cache, summaries, block_table, seq_lens, scale,
+                                log_masses, page_lists, page_counts,
+                                workspace.estimate_arrivals, **select)
+    else:
+        _launch_estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
+                         dense_below_pages=config.dense_below_pages,
+                         programmatic_launch=config.programmatic_launch)
+        _launch_select(log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
+                       max_pages=max_pages, **select)
     _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
                       page_counts, scale, workspace, out, page_stats, planned_batch)
     return (out, page_lists, page_counts) if return_pages else out

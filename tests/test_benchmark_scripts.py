@@ -229,6 +229,15 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
     text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
     assert "| llama-3.1-8b | 130k4 | 20.00 / 21.00 | 10.00 / 7.00 | 2.00× / 3.00× | **2.50×** " \
         "| 2.64× |" in text
+    assert "one launch" not in text
+    # a third engine per pair with Estimate and Select in one launch: its own columns, each
+    # pair's speedup against that pair's dense engine
+    for pair, tpot in ((1, 8.0), (2, 10.5)):
+        run = dict(backend="moira", model="llama-3.1-8b", gamma=0.98, fused_select=True,
+                   results=[dict(shape="130k4", tpot_ms=tpot, imposed_read_fraction=0.15)])
+        (tmp_path / f"pair{pair}" / "f.json").write_text(json.dumps(run))
+    text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+    assert "| 2.00× / 3.00× | **2.50×** | 2.64× | 2.50× / 2.00× | **2.25×** |" in text
 
 
 def test_every_kernel_compiles_for_the_h200_without_spilling():

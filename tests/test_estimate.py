@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import pytest
@@ -119,3 +120,84 @@ def test_mvar_as_matrix_products(monkeypatch, group, head_dim, lengths, precisio
     monkeypatch.setattr(estimate_module, "MVAR_DOT_PRECISION", precision)
     tolerance = dict(rtol=2e-3, atol=2e-3) if precision == "tf32" else {}
     test_estimate_matches_reference(group, head_dim, lengths, **tolerance)
+
+
+SELECT_MODES = {
+    "coverage": dict(gamma=0.98, top_k=None),
+    "fixed count": dict(gamma=0.98, top_k=5),
+    "fractions": dict(gamma=0.98, top_k=None, keep_fractions=[0.3, 0.6]),
+    "row gammas": dict(gamma=0.98, top_k=None, gammas=[0.9, 0.99]),
+    "short rows": dict(gamma=0.98, top_k=None, dense_below_pages=3),
+}
+
+
+@pytest.mark.parametrize("group, head_dim", [(1, 64), (4, 128), (7, 64), (8, 128)])
+@pytest.mark.parametrize("mode", list(SELECT_MODES))
+def test_select_in_estimates_launch_matches_the_two_launches(group, head_dim, mode):
+    """Estimate with Select folded in (the row's last Estimate program selects) writes the same
+    log-masses, lists and counts as Estimate then Select, bit for bit, in every mode; rows of
+    0, 1, 2 and 3 pages (short rows), one spanning several mvar programs, and its counters end
+    at zero (a CUDA graph replays them)."""
+    from moira.config import MoiraConfig
+    from moira.kernels.select import select
+
+    num_kv_heads, num_pages = 2, 450
+    lengths = [0, 64, 65, 64 * 2 + 7, 64 * 70 + 5, 64 * 9]
+    keys, _ = make_cache(num_pages, num_kv_heads, head_dim, layout="packed")
+    table, seq_lens = make_table(lengths, num_pages)
+    query = make_query(len(lengths), num_kv_heads * group, head_dim)
+    summaries = ref.summarize(keys.cpu(), table.cpu(), seq_lens.cpu()).to(DEVICE)
+    max_pages, rows = table.shape[1], len(lengths) * num_kv_heads
+    settings = dict(SELECT_MODES[mode])
+    for name in ("keep_fractions", "gammas"):
+        if name in settings:
+            settings[name] = torch.tensor(settings[name], device=DEVICE)
+    settings["ways"] = MoiraConfig().bisection_ways_for(max_pages)
+    scale = 1 / math.sqrt(head_dim)
+
+    def buffers():
+        return (poisoned(rows, group, max_pages, dtype=torch.float32),
+                torch.full((len(lengths), num_kv_heads, max_pages), -7, dtype=torch.int32,
+                           device=DEVICE),
+                torch.full((len(lengths), num_kv_heads), -7, dtype=torch.int32, device=DEVICE))
+
+    dense_below = settings.get("dense_below_pages", 0)
+    masses, lists, counts = buffers()
+    estimate(query, keys, summaries, table, seq_lens, scale, masses,
+             dense_below_pages=dense_below)
+    select(masses, seq_lens, lists, counts, num_kv_heads=num_kv_heads, max_pages=max_pages,
+           **settings)
+    fused_masses, fused_lists, fused_counts = buffers()
+    arrivals = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):  # the second call relies on the first having reset the counters
+        estimate_module.estimate_select(query, keys, summaries, table, seq_lens, scale,
+                                        fused_masses, fused_lists, fused_counts, arrivals,
+                                        **settings)
+        assert int(arrivals.abs().sum()) == 0
+        assert torch.equal(fused_counts.cpu(), counts.cpu())
+        for b, h in itertools.product(range(len(lengths)), range(num_kv_heads)):
+            count = int(counts[b, h])
+            assert torch.equal(fused_lists[b, h, :count].cpu(), lists[b, h, :count].cpu())
+        torch.testing.assert_close(fused_masses.cpu(), masses.cpu(), rtol=0, atol=0,
+                                   equal_nan=True)
+    if mode == "short rows":  # rows of up to 3 pages kept whole, and not estimated
+        assert counts[1:4].cpu().tolist() == [[1, 1], [2, 2], [3, 3]]
+    assert counts[0].cpu().tolist() == [0, 0]
+
+
+def test_select_runs_in_estimates_launch_only_for_tables_up_to_2048_pages():
+    assert estimate_module.fits_one_launch(2048)
+    assert not estimate_module.fits_one_launch(2049)
+    num_kv_heads, group, head_dim = 1, 1, 64
+    keys, _ = make_cache(4, num_kv_heads, head_dim)
+    table = torch.zeros(1, 2049, dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([64], dtype=torch.int32, device=DEVICE)
+    query = make_query(1, group, head_dim)
+    summaries = torch.zeros(4, num_kv_heads, 2, head_dim, device=DEVICE)
+    masses = poisoned(1, group, 2049, dtype=torch.float32)
+    lists = torch.zeros(1, 1, 2049, dtype=torch.int32, device=DEVICE)
+    counts = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="up to 2,048 pages"):
+        estimate_module.estimate_select(query, keys, summaries, table, seq_lens, 0.1, masses,
+                                        lists, counts, torch.zeros(1, dtype=torch.int32),
+                                        gamma=0.98, top_k=None, ways=2)

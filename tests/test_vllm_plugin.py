@@ -27,6 +27,9 @@ def test_settings_come_from_additional_config_then_environment():
     assert short.config.dense_below_pages == 0  # set per step: full_read_pages
     fused = MoiraSettings.from_sources(None, {"MOIRA_FUSED_MERGE": "1"})
     assert fused.config.fused_merge
+    assert MoiraSettings.from_sources(None, {"MOIRA_FUSED_SELECT": "1"}).config.fused_select
+    assert MoiraSettings.from_sources({"moira": {"fused_select": True}}, {}).config.fused_select
+    assert not MoiraSettings().config.fused_select
     chained = MoiraSettings.from_sources({"moira": {"programmatic_launch": True}}, {})
     assert chained.config.programmatic_launch
     assert MoiraSettings.from_sources(None, {"MOIRA_PROGRAMMATIC_LAUNCH": "1"}
@@ -49,6 +52,8 @@ def test_settings_come_from_additional_config_then_environment():
     ({"moira": {"schedule": "even"}}, {}, "schedule must be 'rows'"),
     ({"moira": {"calibration": 3}}, {}, "calibration must be the path"),
     ({"moira": {"fused_merge": "yes"}}, {}, "fused_merge must be True or False"),
+    ({"moira": {"fused_select": "yes"}}, {}, "fused_select must be True or False"),
+    (None, {"MOIRA_FUSED_SELECT": "true"}, "use 0 or 1"),
     ({"moira": {"dense_below_tokens": -64}}, {}, "dense_below_tokens must be an int >= 0"),
     ({"moira": {"dense_below_tokens": 1.5}}, {}, "dense_below_tokens must be an int >= 0"),
     ({"moira": {"fused_merge": True, "schedule": "balanced"}}, {}, "fused_merge folds"),
