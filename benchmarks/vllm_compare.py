@@ -158,6 +158,13 @@ def main():
                           f"{total['moira_over_1_head_ulp'] / n:.2e} of elements > 1 ulp; FA3 "
                           f"one split vs FA3 max |diff| {worst['fa3_split_max_abs']:.3g}, "
                           f"{total['fa3_split_over_1_head_ulp'] / n:.2e} > 1 ulp")
+                if total.get("moira_exact_abs_sum"):  # since session 10: against float32
+                    print(f"{name}: against exact float32 attention over every page, mean "
+                          f"|error| Moira {total['moira_exact_abs_sum'] / n:.3e}, FA3 "
+                          f"{total['fa3_exact_abs_sum'] / n:.3e}, FA3 one split "
+                          f"{total['fa3_split_exact_abs_sum'] / n:.3e}; largest "
+                          f"{worst['moira_exact_max_abs']:.3g} / {worst['fa3_exact_max_abs']:.3g}"
+                          f" / {worst['fa3_split_exact_max_abs']:.3g}")
             else:  # the first format: (max ulps, > 1 ulp, compared, other differing, compared)
                 totals = [sum(v[i] for v in layers) for i in range(5)]
                 worst = max(v[0] for v in layers)

@@ -24,6 +24,7 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
                                                    FlashAttentionMetadata,
                                                    FlashAttentionMetadataBuilder)
 
+from ... import reference
 from ...config import PAGE_SIZE
 from ...decode import DecodeWorkspace, sparse_decode, update_summaries
 from .settings import (SUPPORTED_HEAD_DIMS, SUPPORTED_KV_CACHE_DTYPES, MoiraSettings, explain,
@@ -324,6 +325,10 @@ class MoiraAttentionImpl(FlashAttentionImpl):
                           out=output[:rows], page_stats=state.page_stats)
         if metadata.dense is not None:
             start, end = metadata.num_decode_tokens, metadata.num_actual_tokens
+            # the truth both kernels round: float32 attention over every page (the spec)
+            exact = reference.dense_attention(query[:rows], key_cache, value_cache,
+                                              metadata.block_table, metadata.seq_lens,
+                                              scale=self.scale) if rows else None
             DenseCheck.add(state.layer_name, output[:rows], dense[:rows],
-                           dense_one_split[:rows], output[start:end], dense[start:end])
+                           dense_one_split[:rows], output[start:end], dense[start:end], exact)
         return output

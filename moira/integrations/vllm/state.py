@@ -110,18 +110,23 @@ class DenseCheck:
     Ulps are counted at each element's own magnitude (strict: an element near zero has a tiny
     spacing) and, as the paper's Appendix B states its bound, at the scale of the head's output
     (the bf16 spacing at the largest |value| of that head's vector); ``*_max_abs`` is the
-    largest absolute difference."""
+    largest absolute difference. With ``decode_exact`` (float32 attention over every page, the
+    package's reference), each of Moira, FA3 and FA3 in one split is also measured against the
+    exact result (``*_exact_abs_sum``, ``*_exact_max_abs``): which of the two kernels rounds
+    closer to the truth, not only how far apart they are."""
 
     NAMES = ("moira_max_ulps", "moira_over_1_ulp", "moira_over_4_ulps", "decode_elements",
              "fa3_split_max_ulps", "fa3_split_over_1_ulp", "fa3_split_over_4_ulps",
              "other_rows_differing", "other_elements",
              "moira_max_abs", "moira_over_1_head_ulp", "fa3_split_max_abs",
-             "fa3_split_over_1_head_ulp")
+             "fa3_split_over_1_head_ulp",
+             "moira_exact_abs_sum", "fa3_exact_abs_sum", "fa3_split_exact_abs_sum",
+             "moira_exact_max_abs", "fa3_exact_max_abs", "fa3_split_exact_max_abs")
     layers: dict[str, torch.Tensor] = {}
 
     @classmethod
     def add(cls, layer_name, decode_out, decode_dense, decode_dense_one_split, other_out,
-            other_dense):
+            other_dense, decode_exact=None):
         counters = cls.layers.get(layer_name)
         if counters is None:
             not_capturing(f"the dense-check counters of {layer_name}")
@@ -141,6 +146,12 @@ class DenseCheck:
         counters[3] += decode_out.numel()
         counters[7] += (other_out != other_dense).sum()
         counters[8] += other_out.numel()
+        if decode_exact is not None and decode_exact.numel():
+            for total, worst, value in ((13, 16, decode_out), (14, 17, decode_dense),
+                                        (15, 18, decode_dense_one_split)):
+                error = (value.float() - decode_exact.float()).abs()
+                counters[total] += error.sum().double()
+                counters[worst] = torch.maximum(counters[worst], error.max().double())
 
     @classmethod
     def read(cls) -> dict[str, dict[str, float]]:
