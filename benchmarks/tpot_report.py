@@ -113,10 +113,12 @@ def pairs_table(pair_runs):
                     (row["dense_ms"], row["g0.98"]["ms"], speedup, row["g0.98"]["paper"]))
             variant = runs.get((row["model"], "fsel"))  # Estimate + Select in one launch
             ms = tpot_by_shape(variant).get(row["shape"]) if variant else None
-            if ms:
-                fused.setdefault((row["model"], row["shape"]), []).append(row["dense_ms"] / ms)
+            # a pair without the run keeps its place ("–"), so each value names its pair
+            fused.setdefault((row["model"], row["shape"]), []).append(
+                row["dense_ms"] / ms if ms else None)
     lines = ["| model | shape | dense FA3 (ms) | Moira γ=0.98 (ms) | speedup per pair | "
              "mean speedup | paper |", "|---|---|---|---|---|---|---|"]
+    fused = {key: pairs for key, pairs in fused.items() if any(pairs)}
     if fused:
         lines[0] += " the same, Estimate + Select in one launch: speedup per pair | mean |"
         lines[1] += "---|---|"
@@ -131,8 +133,9 @@ def pairs_table(pair_runs):
                 + (f"{paper:.2f}×" if paper else "–") + " |")
         if fused:
             mine = fused.get((model, shape), [])
-            line += " " + (" / ".join(f"{x:.2f}×" for x in mine) or "–") + " | " + (
-                f"**{statistics.mean(mine):.2f}×** |" if mine else "– |")
+            present = [x for x in mine if x is not None]
+            line += " " + (" / ".join("–" if x is None else f"{x:.2f}×" for x in mine) or "–") \
+                + " | " + (f"**{statistics.mean(present):.2f}×** |" if present else "– |")
         lines.append(line)
     return "\n".join(lines)
 
@@ -144,7 +147,7 @@ def single_pairs_table(pair_runs):
     arms = [(0.98, "Moira, every row selecting"),
             ("fallback", "Moira, rows of ≤ N tokens read in full"),
             ("pdl", "the same, programmatic launch"),
-            ("fsel", "the same, Estimate + Select in one launch")]
+            ("fsel", "rows of ≤ N tokens read in full, Estimate + Select in one launch")]
     dense_cells, cells = {}, {}
     for runs in pair_runs:
         for (model, kind), dense in runs.items():

@@ -172,7 +172,7 @@ def main():
                 select_module.select(log_masses, seq_lens, lists, counts,
                                      num_kv_heads=KV_HEADS, max_pages=pages, ways=ways, **kwargs)
             record("est+sel", shape, f"{mode}, two launches", bench(apart), summary_bytes)
-            for cap in (estimate_module.FUSED_SELECT_MAX_REGISTERS, None):
+            for cap in dict.fromkeys((estimate_module.FUSED_SELECT_MAX_REGISTERS, None)):
                 with patched(estimate_module, FUSED_SELECT_MAX_REGISTERS=cap):
                     micros = bench(lambda: estimate_module.estimate_select(
                         query, keys, summaries, table, seq_lens, scale, log_masses, lists,

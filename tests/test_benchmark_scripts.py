@@ -238,6 +238,10 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
         (tmp_path / f"pair{pair}" / "f.json").write_text(json.dumps(run))
     text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
     assert "| 2.00× / 3.00× | **2.50×** | 2.64× | 2.50× / 2.00× | **2.25×** |" in text
+    # only the second pair has it: the first pair's place shows "–"
+    (tmp_path / "pair1" / "f.json").unlink()
+    text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+    assert "| 2.64× | – / 2.00× | **2.00×** |" in text
 
 
 def test_every_kernel_compiles_for_the_h200_without_spilling():
@@ -397,3 +401,11 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
     (tmp_path / "pair1" / "selecting.json").write_text(json.dumps(run))
     text = report.single_pairs_table([report.load([str(tmp_path / "pair1")])])
     assert "| 2k1 | 5.00 | 6.00 | +20.0% | **+20.0%** | 5.20 | +4.0% |" in text
+    # an engine with Estimate and Select in one launch: its own column, last
+    run = dict(model="llama-3.1-8b", gamma=0.98, backend="moira", dense_below_tokens=20480,
+               fused_select=True,
+               results=[dict(shape="2k1", tpot_ms=5.05, imposed_read_fraction=0.4)])
+    (tmp_path / "pair1" / "fsel.json").write_text(json.dumps(run))
+    text = report.single_pairs_table([report.load([str(tmp_path / "pair1")])])
+    assert "Estimate + Select in one launch (ms) |" in text.splitlines()[0]
+    assert text.splitlines()[2].endswith("| 5.05 | +1.0% | **+1.0%** |")

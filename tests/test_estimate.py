@@ -127,6 +127,11 @@ SELECT_MODES = {
     "fixed count": dict(gamma=0.98, top_k=5),
     "fractions": dict(gamma=0.98, top_k=None, keep_fractions=[0.3, 0.6]),
     "row gammas": dict(gamma=0.98, top_k=None, gammas=[0.9, 0.99]),
+    # per (request, KV head): [6 requests, 2 KV heads]
+    "fractions per request": dict(gamma=0.98, top_k=None, keep_fractions=[
+        [0.3, 0.6], [0.5, 0.2], [0.9, 0.1], [0.25, 0.75], [0.4, 0.15], [0.7, 0.35]]),
+    "row gammas per request": dict(gamma=0.98, top_k=None, gammas=[
+        [0.9, 0.99], [0.95, 0.8], [0.99, 0.9], [0.85, 0.97], [0.92, 0.999], [0.6, 0.98]]),
     "short rows": dict(gamma=0.98, top_k=None, dense_below_pages=3),
 }
 
@@ -135,9 +140,27 @@ SELECT_MODES = {
 @pytest.mark.parametrize("mode", list(SELECT_MODES))
 def test_select_in_estimates_launch_matches_the_two_launches(group, head_dim, mode):
     """Estimate with Select folded in (the row's last Estimate program selects) writes the same
-    log-masses, lists and counts as Estimate then Select, bit for bit, in every mode; rows of
-    0, 1, 2 and 3 pages (short rows), one spanning several mvar programs, and its counters end
-    at zero (a CUDA graph replays them)."""
+    log-masses, lists and counts as Estimate then Select in every mode; rows of 0, 1, 2 and 3
+    pages (short rows), one spanning several mvar programs, and its counters end at zero (a
+    CUDA graph replays them). Bit for bit here; on a GPU the fused Select reduces a row on
+    Estimate's four warps, Select's own launch on one for tables up to 256 pages, so lists
+    could part at a float tie (none on these inputs)."""
+    check_fused_select(group, head_dim, mode)
+
+
+@pytest.mark.parametrize("mode", ["coverage", "fractions per request"])
+def test_select_in_estimates_launch_waits_for_the_rows_slowest_program(monkeypatch, mode):
+    """Two mvar programs per row with unequal shares (the first two of the long row's three
+    tiles, the second one): on a GPU the row's last program by index usually finishes first,
+    so a kernel that let the last *index* select instead of the last *arrival* would read
+    unwritten (NaN-poisoned) log-masses. The interpreter runs programs in order and cannot
+    show such a race; the GPU run of this test can."""
+    monkeypatch.setattr(estimate_module, "TARGET_PROGRAMS", 1)
+    monkeypatch.setattr(estimate_module, "MAX_TILES_PER_PROGRAM", 2)
+    check_fused_select(4, 128, mode)
+
+
+def check_fused_select(group, head_dim, mode):
     from moira.config import MoiraConfig
     from moira.kernels.select import select
 

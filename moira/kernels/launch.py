@@ -11,8 +11,9 @@ that is what keeps the chain ordered (a kernel cannot finish before the one ahea
 Attend, which may launch while Estimate still runs, cannot read lists Select has not written,
 nor K/V before the cache write that precedes Estimate). Nothing may move above the wait. Off by
 default (``MoiraConfig.programmatic_launch``): the paper measured no clear TPOT change at batch
-shapes, and at batch 1 in vLLM (session 9, one engine per arm) it gave -1.4 / -1.1% TPOT at
-2k / 8k tokens but +2.2% at 16k, not yet settled by interleaved pairs.
+shapes, and at batch 1 in vLLM it gave -1.4 / -1.1% TPOT at 2k / 8k tokens but +2.2% at 16k
+against plain Moira (session 9, one engine per arm), then +1.3 / +1.3% and -2.8% in
+interleaved pairs (session 10): no stable gain.
 """
 
 import triton
