@@ -475,20 +475,21 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     out = torch.empty_like(query) if out is None else out
 
     log_masses, page_lists, page_counts = workspace.selection_buffers(batch, max_pages)
-    select = dict(gamma=config.gamma, top_k=None if keep_fractions is not None else config.top_k,
-                  ways=config.bisection_ways_for(max_pages), keep_fractions=keep_fractions,
-                  gammas=gammas, dense_below_pages=config.dense_below_pages,
-                  programmatic_launch=config.programmatic_launch)
+    selection = dict(gamma=config.gamma,
+                     top_k=None if keep_fractions is not None else config.top_k,
+                     ways=config.bisection_ways_for(max_pages), keep_fractions=keep_fractions,
+                     gammas=gammas, dense_below_pages=config.dense_below_pages,
+                     programmatic_launch=config.programmatic_launch)
     if config.fused_select and fits_one_launch(max_pages):
         _launch_estimate_select(query, key_cache, summaries, block_table, seq_lens, scale,
                                 log_masses, page_lists, page_counts,
-                                workspace.estimate_arrivals, **select)
+                                workspace.estimate_arrivals, **selection)
     else:
         _launch_estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
                          dense_below_pages=config.dense_below_pages,
                          programmatic_launch=config.programmatic_launch)
         _launch_select(log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
-                       max_pages=max_pages, **select)
+                       max_pages=max_pages, **selection)
     _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
                       page_counts, scale, workspace, out, page_stats, planned_batch)
     return (out, page_lists, page_counts) if return_pages else out
