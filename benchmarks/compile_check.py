@@ -135,14 +135,14 @@ def kernels(group, head_dim, block, pdl=False):
               HAS_STATS=True, PAGE=PAGE, EVEN_CHUNKS=attend.EVEN_CHUNKS, PDL=pdl), 4, 3),
     ]
     if block <= 2048:  # Select folded into Estimate's launch (fused_select), on its warps
-        fused_lanes = min(block, 32 * estimate.NUM_WARPS)
+        fused_lanes = min(block, 32 * estimate.fused_num_warps(block))
         decode_step += [
             (f"estimate+select {mode} {tag} lanes={block}", estimate._estimate_select_kernel,
              dict(decode_step[0][2], BLOCK=block, BLOCK_2=max(fused_lanes, block // 2),
                   BLOCK_4=max(fused_lanes, block // 4), BLOCK_8=max(fused_lanes, block // 8),
                   WAYS=4, PASSES=12, FIXED_COUNT=fixed, FRACTIONS=fractions, ROW_GAMMAS=False,
                   SOFTMAX_TILE=select.SOFTMAX_TILE),
-             estimate.NUM_WARPS, 3)
+             estimate.fused_num_warps(block), 3)
             for mode, fixed, fractions in (("coverage", False, False), ("fractions", True, True))]
     if pdl:
         return decode_step

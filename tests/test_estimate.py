@@ -143,7 +143,7 @@ def test_select_in_estimates_launch_matches_the_two_launches(group, head_dim, mo
     log-masses, lists and counts as Estimate then Select in every mode; rows of 0, 1, 2 and 3
     pages (short rows), one spanning several mvar programs, and its counters end at zero (a
     CUDA graph replays them). Bit for bit here; on a GPU the fused Select reduces a row on
-    Estimate's four warps, Select's own launch on one for tables up to 256 pages, so lists
+    the launch's two warps, Select's own launch on one for tables up to 256 pages, so lists
     could part at a float tie (none on these inputs)."""
     check_fused_select(group, head_dim, mode)
 
