@@ -9,7 +9,8 @@ Modes (Llama-3.1-8B geometry from ``benchmarks/models``, ``--layers`` to cut the
 - ``moira``: Moira backend with ``check_dense`` on, so every step also runs dense FA3 on the
   same batch and counts where Moira differs (decode rows in bf16 ulps, other rows bitwise).
   ``--graph-mode NONE`` runs the same compiled model without CUDA graphs (eager steps);
-  ``--compile-mode 0`` runs it without torch.compile too.
+  ``--compile-mode 0`` runs it without torch.compile (then with FULL_DECODE_ONLY graphs:
+  vLLM runs a piecewise mode eager without torch.compile).
 - ``e2e``: a long run (``--context``, ``--batch``) with page-read statistics.
 - ``prefix``: prefix caching on; the prompts share a ``--prefix``-token prefix. The first
   prompt runs alone, then all of them (the others' prefix pages come from the cache, so
@@ -92,6 +93,19 @@ def top2_gap(step):
     return best[0] - best[1] if len(best) > 1 else None
 
 
+def graph_mode(compile_mode, asked, fa3_max_splits=None):
+    """The cudagraph_mode to ask vLLM for. Without torch.compile vLLM turns a piecewise mode
+    into NONE (eager) on its own, so that is refused rather than run as something else."""
+    mode = asked or ("FULL_AND_PIECEWISE" if compile_mode else "FULL_DECODE_ONLY")
+    if compile_mode == 0 and "PIECEWISE" in mode:
+        raise ValueError(f"--graph-mode {mode} needs torch.compile (vLLM would run the engine "
+                         "eager); with --compile-mode 0 use FULL_DECODE_ONLY or NONE")
+    if fa3_max_splits is not None and mode == "NONE":
+        raise ValueError("--fa3-max-splits caps FA3 in full CUDA graphs only; drop "
+                         "--graph-mode NONE")
+    return mode
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["dense", "moira", "e2e", "prefix", "preempt"])
@@ -105,7 +119,12 @@ def main():
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--gamma", type=float, default=1.0)
     parser.add_argument("--backend", default=None, help="override: FLASH_ATTN or CUSTOM")
-    parser.add_argument("--graph-mode", default="FULL_AND_PIECEWISE")
+    parser.add_argument("--graph-mode", default=None,
+                        help="vLLM cudagraph_mode; default FULL_AND_PIECEWISE, or "
+                             "FULL_DECODE_ONLY with --compile-mode 0 (vLLM turns a piecewise "
+                             "mode into NONE without torch.compile: sessions 9-11 ran their "
+                             "--compile-mode 0 engines eager that way). The JSON records the "
+                             "mode the engine actually ran")
     parser.add_argument("--fa3-normalizer", action="store_true",
                         help="Attend sums the float32 softmax weights, as FA3 does, instead of "
                              "the rounded ones (attend.SUM_ROUNDED_WEIGHTS = False): does "
@@ -124,8 +143,9 @@ def main():
                              "shapes, hence their rounding, between graph and eager steps); 0: "
                              "vLLM's default sizes")
     parser.add_argument("--fa3-max-splits", type=int, default=None,
-                        help="cap FA3's split count in CUDA graphs (vLLM's attention_config "
-                             "flash_attn_max_num_splits_for_cuda_graph, default 32). With 1, a "
+                        help="cap FA3's split count in full CUDA graphs (vLLM's "
+                             "attention_config flash_attn_max_num_splits_for_cuda_graph, "
+                             "default 32; eager steps use FA3's own heuristic). With 1, a "
                              "`dense` run reduces each row in one pass: the same engine and "
                              "batches, only attention's rounding changed (the yardstick for "
                              "Moira at gamma 1; save it as dense_splits1.json)")
@@ -151,6 +171,10 @@ def main():
     args = parser.parse_args()
     if args.hf_model and (args.layers or not args.text):
         parser.error("--hf-model takes the model as it is (no --layers) and needs --text")
+    try:
+        args.graph_mode = graph_mode(args.compile_mode, args.graph_mode, args.fa3_max_splits)
+    except ValueError as error:
+        parser.error(str(error))
 
     import torch
     from vllm import LLM, SamplingParams
@@ -244,7 +268,10 @@ def main():
                              finished=out.finished))
         return rows, seconds
 
+    # the mode vLLM settled on (it may override the one asked for)
+    graph_mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name
     result = dict(mode=args.mode, backend=backend, args=vars(args), lengths=lengths,
+                  cudagraph_mode=graph_mode,
                   startup_s=round(startup, 1), gpu=torch.cuda.get_device_name(),
                   command="python3 " + " ".join(sys.argv))
     DenseCheck.layers.clear()

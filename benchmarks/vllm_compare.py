@@ -77,9 +77,12 @@ def main():
     runs = {name[:-5]: json.load(open(os.path.join(folder, name)))
             for name in sorted(os.listdir(folder)) if name.endswith(".json")}
     prompts = len(runs["dense"]["full"]) if "dense" in runs else 0
+    # runs before session 11 did not record it; their --compile-mode 0 engines ran eager
+    moira_graphs = runs.get("moira_graph", {}).get("cudagraph_mode", "graph mode not recorded")
     pairs = [("dense", "full", "dense", "halves",
               f"dense batch {prompts} vs two batches of {prompts // 2}"),
-             ("dense", "full", "moira_graph", "full", "dense FA3 vs Moira gamma=1 (FULL graphs)"),
+             ("dense", "full", "moira_graph", "full",
+              f"dense FA3 vs Moira gamma=1 ({moira_graphs})"),
              ("dense", "full", "dense_splits1", "full",
               "dense FA3 vs dense FA3 at one split (same batch: attention's rounding alone)"),
              ("dense", "full", "dense_eager", "full",
@@ -136,6 +139,9 @@ def main():
         if "moira_minus_dense_splits1" in gap:
             print(f"Moira pair minus the one-split pair "
                   f"{interval(gap['moira_minus_dense_splits1'])}")
+    modes = {name: run.get("cudagraph_mode", "not recorded") for name, run in runs.items()}
+    print("\nCUDA graph mode each engine ran: "
+          + ", ".join(f"{name} {mode}" for name, mode in modes.items()))
     for name, run in runs.items():
         check = run.get("dense_check")
         if check:
@@ -152,6 +158,10 @@ def main():
                       f"{total['fa3_split_over_4_ulps'] / n:.2e} > 4 ulps; other rows: "
                       f"{int(total['other_rows_differing'])} of "
                       f"{int(total['other_elements'])} elements not bit-identical")
+                if "other_rows_differing_one_split" in total:  # since session 11
+                    print(f"{name}: other rows in one split, the engine's FA3 call (the batch "
+                          f"without its decode rows) vs FA3 over the whole batch: "
+                          f"{int(total['other_rows_differing_one_split'])} elements differ")
                 if "moira_max_abs" in total:  # since session 8: the paper's measure too
                     print(f"{name}: at the scale of each head's output (the paper's 1-ulp "
                           f"bound): Moira vs FA3 max |diff| {worst['moira_max_abs']:.3g}, "

@@ -363,6 +363,17 @@ def test_gaps_at_first_difference_read_the_reference_runs_top2_gap_where_prompts
     assert compare.gaps_at_first_difference(other, reference) is None
 
 
+def test_engine_checks_never_ask_vllm_for_a_graph_mode_it_would_turn_into_eager():
+    checks = load("vllm_checks")
+    assert checks.graph_mode(3, None) == "FULL_AND_PIECEWISE"
+    assert checks.graph_mode(0, None) == "FULL_DECODE_ONLY"
+    assert checks.graph_mode(0, "NONE") == "NONE"
+    with pytest.raises(ValueError, match="needs torch.compile"):
+        checks.graph_mode(0, "FULL_AND_PIECEWISE")
+    with pytest.raises(ValueError, match="full CUDA graphs only"):
+        checks.graph_mode(3, "NONE", fa3_max_splits=1)
+
+
 def test_top2_gap_is_the_best_minus_the_second_log_prob():
     checks = load("vllm_checks")
 

@@ -139,12 +139,13 @@ SELECT_MODES = {
 @pytest.mark.parametrize("group, head_dim", [(1, 64), (4, 128), (7, 64), (8, 128)])
 @pytest.mark.parametrize("mode", list(SELECT_MODES))
 def test_select_in_estimates_launch_matches_the_two_launches(group, head_dim, mode):
-    """Estimate with Select folded in (the row's last Estimate program selects) writes the same
-    log-masses, lists and counts as Estimate then Select in every mode; rows of 0, 1, 2 and 3
-    pages (short rows), one spanning several mvar programs, and its counters end at zero (a
-    CUDA graph replays them). Bit for bit here; on a GPU the fused Select reduces a row on
-    the launch's two warps, Select's own launch on one for tables up to 256 pages, so lists
-    could part at a float tie (none on these inputs)."""
+    """Estimate with Select folded in (the row's last Estimate program selects) writes the
+    log-masses of Estimate's own launch, and the lists and counts Select's own launch derives
+    from those log-masses, in every mode; rows of 0, 1, 2 and 3 pages (short rows), one
+    spanning several mvar programs, and its counters end at zero (a CUDA graph replays them).
+    Log-masses bit for bit in the interpreter; on a GPU within a float32 ulp or two (the fused
+    launch runs on fewer warps, so its channel sums round in another order: the H200 showed
+    4.8e-7 on values near 4.5), hence Select's own launch runs on the fused log-masses."""
     check_fused_select(group, head_dim, mode)
 
 
@@ -192,17 +193,21 @@ def check_fused_select(group, head_dim, mode):
            **settings)
     fused_masses, fused_lists, fused_counts = buffers()
     arrivals = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
+    mass_tolerance = dict(rtol=4e-7, atol=1e-6) if DEVICE == "cuda" else dict(rtol=0, atol=0)
     for _ in range(2):  # the second call relies on the first having reset the counters
         estimate_module.estimate_select(query, keys, summaries, table, seq_lens, scale,
                                         fused_masses, fused_lists, fused_counts, arrivals,
                                         **settings)
         assert int(arrivals.abs().sum()) == 0
+        torch.testing.assert_close(fused_masses.cpu(), masses.cpu(), equal_nan=True,
+                                   **mass_tolerance)
+        _, lists, counts = buffers()
+        select(fused_masses, seq_lens, lists, counts, num_kv_heads=num_kv_heads,
+               max_pages=max_pages, **settings)
         assert torch.equal(fused_counts.cpu(), counts.cpu())
         for b, h in itertools.product(range(len(lengths)), range(num_kv_heads)):
             count = int(counts[b, h])
             assert torch.equal(fused_lists[b, h, :count].cpu(), lists[b, h, :count].cpu())
-        torch.testing.assert_close(fused_masses.cpu(), masses.cpu(), rtol=0, atol=0,
-                                   equal_nan=True)
     if mode == "short rows":  # rows of up to 3 pages kept whole, and not estimated
         assert counts[1:4].cpu().tolist() == [[1, 1], [2, 2], [3, 3]]
     assert counts[0].cpu().tolist() == [0, 0]

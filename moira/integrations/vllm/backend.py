@@ -305,9 +305,14 @@ class MoiraAttentionImpl(FlashAttentionImpl):
         key_cache, value_cache = self._key_value_caches(kv_cache)
         if metadata.prefill is not None:  # FA3 on every row after the decode rows
             start = metadata.num_decode_tokens
-            super().forward(layer, query[start:], None if key is None else key[start:],
-                            None if value is None else value[start:], kv_cache,
-                            metadata.prefill, output[start:])
+            prefill_args = (layer, query[start:], None if key is None else key[start:],
+                            None if value is None else value[start:], kv_cache)
+            super().forward(*prefill_args, metadata.prefill, output[start:])
+            if metadata.dense is not None:  # the same rows in one split (see DenseCheck)
+                prefill_one_split = torch.empty_like(output[start:])
+                super().forward(*prefill_args, dataclasses.replace(
+                    metadata.prefill, max_num_splits=1, scheduler_metadata=None),
+                    prefill_one_split)
             # K/V are in the cache (vLLM writes them before forward): summarize the pages
             # these rows' slots completed
             update_summaries(key_cache, metadata.prefill.slot_mapping, summaries)
@@ -329,6 +334,9 @@ class MoiraAttentionImpl(FlashAttentionImpl):
             exact = reference.dense_attention(query[:rows], key_cache, value_cache,
                                               metadata.block_table, metadata.seq_lens,
                                               scale=self.scale) if rows else None
+            one_split = ((prefill_one_split[:end - start], dense_one_split[start:end])
+                         if metadata.prefill is not None else (None, None))
             DenseCheck.add(state.layer_name, output[:rows], dense[:rows],
-                           dense_one_split[:rows], output[start:end], dense[start:end], exact)
+                           dense_one_split[:rows], output[start:end], dense[start:end], exact,
+                           *one_split)
         return output

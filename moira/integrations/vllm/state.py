@@ -113,7 +113,12 @@ class DenseCheck:
     largest absolute difference. With ``decode_exact`` (float32 attention over every page, the
     package's reference), each of Moira, FA3 and FA3 in one split is also measured against the
     exact result (``*_exact_abs_sum``, ``*_exact_max_abs``): which of the two kernels rounds
-    closer to the truth, not only how far apart they are."""
+    closer to the truth, not only how far apart they are. With ``other_one_split`` (the other
+    rows as the engine computes them, FA3 on the batch without its decode rows, but in one
+    split) and ``other_dense_one_split`` (the same rows of FA3 over the whole batch in one
+    split), ``other_rows_differing_one_split`` counts where those two differ: zero means any
+    difference of the other rows comes from FA3 choosing its split count per launch (the rows
+    are the same, the batch around them is not), nothing else."""
 
     NAMES = ("moira_max_ulps", "moira_over_1_ulp", "moira_over_4_ulps", "decode_elements",
              "fa3_split_max_ulps", "fa3_split_over_1_ulp", "fa3_split_over_4_ulps",
@@ -121,12 +126,13 @@ class DenseCheck:
              "moira_max_abs", "moira_over_1_head_ulp", "fa3_split_max_abs",
              "fa3_split_over_1_head_ulp",
              "moira_exact_abs_sum", "fa3_exact_abs_sum", "fa3_split_exact_abs_sum",
-             "moira_exact_max_abs", "fa3_exact_max_abs", "fa3_split_exact_max_abs")
+             "moira_exact_max_abs", "fa3_exact_max_abs", "fa3_split_exact_max_abs",
+             "other_rows_differing_one_split")
     layers: dict[str, torch.Tensor] = {}
 
     @classmethod
     def add(cls, layer_name, decode_out, decode_dense, decode_dense_one_split, other_out,
-            other_dense, decode_exact=None):
+            other_dense, decode_exact=None, other_one_split=None, other_dense_one_split=None):
         counters = cls.layers.get(layer_name)
         if counters is None:
             not_capturing(f"the dense-check counters of {layer_name}")
@@ -146,6 +152,8 @@ class DenseCheck:
         counters[3] += decode_out.numel()
         counters[7] += (other_out != other_dense).sum()
         counters[8] += other_out.numel()
+        if other_one_split is not None:
+            counters[19] += (other_one_split != other_dense_one_split).sum()
         if decode_exact is not None and decode_exact.numel():
             for total, worst, value in ((13, 16, decode_out), (14, 17, decode_dense),
                                         (15, 18, decode_dense_one_split)):
