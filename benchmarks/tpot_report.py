@@ -38,6 +38,9 @@ def tpot_by_shape(run):
     return {shape: statistics.median(values) for shape, values in by_shape.items()}
 
 
+VARIANTS = (("programmatic_launch", "pdl"), ("fused_select", "fsel"), ("fused_merge", "fmerge"))
+
+
 def load(folders):
     runs = {}
     for folder, name in sorted((folder, name) for folder in folders
@@ -45,16 +48,16 @@ def load(folders):
         if name.endswith(".json"):
             with open(os.path.join(folder, name)) as f:
                 run = json.load(f)
-            if run["backend"] == "moira" and (run.get("schedule", "rows") != "rows"
-                                              or run.get("fused_merge")):
+            if run["backend"] == "moira" and run.get("schedule", "rows") != "rows":
                 continue  # the table compares the default kernels; variants: their own folder
             key = (run["model"], "dense" if run["backend"] == "dense" else run["gamma"])
             if run.get("dense_below_tokens"):  # short requests read in full: its own column
                 key = (run["model"], "fallback")
-            if run.get("programmatic_launch"):  # the same, kernels chained by PDL: another
-                key = (run["model"], "pdl")
-            if run.get("fused_select"):  # the same, Estimate and Select in one launch
-                key = (run["model"], "fsel")
+            # kernel variants of the same (programmatic launch, Select in Estimate's launch,
+            # Merge in Attend's): a column each, named by the tpot_pairs.sh arm
+            variant = "+".join(arm for flag, arm in VARIANTS if run.get(flag))
+            if variant:
+                key = (run["model"], variant)
             if key in runs:
                 raise SystemExit(f"{folder}: two runs for {key} ({name})")
             runs[key] = run
@@ -147,7 +150,9 @@ def single_pairs_table(pair_runs):
     arms = [(0.98, "Moira, every row selecting"),
             ("fallback", "Moira, rows of ≤ N tokens read in full"),
             ("pdl", "the same, programmatic launch"),
-            ("fsel", "rows of ≤ N tokens read in full, Estimate + Select in one launch")]
+            ("fsel", "rows of ≤ N tokens read in full, Estimate + Select in one launch"),
+            ("fmerge", "rows of ≤ N tokens read in full, Merge in Attend's launch"),
+            ("fsel+fmerge", "rows of ≤ N tokens read in full, both in one launch")]
     dense_cells, cells = {}, {}
     for runs in pair_runs:
         for (model, kind), dense in runs.items():

@@ -420,3 +420,13 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
     text = report.single_pairs_table([report.load([str(tmp_path / "pair1")])])
     assert "Estimate + Select in one launch (ms) |" in text.splitlines()[0]
     assert text.splitlines()[2].endswith("| 5.05 | +1.0% | **+1.0%** |")
+    # Merge in Attend's launch, alone and with Select in Estimate's: a column each, in that order
+    for name, flags, tpot in (("fmerge", dict(fused_merge=True), 5.10),
+                              ("fboth", dict(fused_merge=True, fused_select=True), 5.01)):
+        run = dict(model="llama-3.1-8b", gamma=0.98, backend="moira", dense_below_tokens=20480,
+                   **flags, results=[dict(shape="2k1", tpot_ms=tpot, imposed_read_fraction=0.4)])
+        (tmp_path / "pair1" / f"{name}.json").write_text(json.dumps(run))
+    text = report.single_pairs_table([report.load([str(tmp_path / "pair1")])])
+    assert "Merge in Attend's launch (ms) |" in text.splitlines()[0]
+    assert text.splitlines()[2].endswith(
+        "| 5.05 | +1.0% | **+1.0%** | 5.10 | +2.0% | **+2.0%** | 5.01 | +0.2% | **+0.2%** |")

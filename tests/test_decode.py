@@ -23,24 +23,28 @@ def cpu(*tensors):
     return [t.cpu() for t in tensors]
 
 
-@pytest.mark.parametrize("group, head_dim, programmatic_launch, fused_select",
-                         [(group, head_dim, False, False) for group in (1, 4, 7, 8)
+PDL, FUSED_SELECT = dict(programmatic_launch=True), dict(fused_select=True)
+
+
+@pytest.mark.parametrize("group, head_dim, options",
+                         [(group, head_dim, {}) for group in (1, 4, 7, 8)
                           for head_dim in (64, 128)]
                          # on a GPU, one eager step with griddepcontrol between the kernels
                          # (the interpreter launches plainly; the race test is in
                          # test_cuda_graph.py)
-                         + [(4, 128, True, False)]
+                         + [(4, 128, PDL)]
                          # Select run by each row's last Estimate program, in one launch
-                         + [(1, 64, False, True), (7, 128, False, True), (4, 128, True, True)])
-def test_sparse_decode_matches_reference(group, head_dim, programmatic_launch, fused_select):
+                         + [(1, 64, FUSED_SELECT), (7, 128, FUSED_SELECT),
+                            (4, 128, {**PDL, **FUSED_SELECT}),
+                            # and Merge in Attend's launch too: two launches per layer
+                            (8, 64, dict(fused_select=True, fused_merge=True))])
+def test_sparse_decode_matches_reference(group, head_dim, options):
     ctx, summaries = structured_step(group=group, head_dim=head_dim)
     inputs = (ctx.query, ctx.key_cache, ctx.value_cache, summaries, ctx.block_table,
               ctx.seq_lens)
     out = poisoned(*ctx.query.shape)
     out, page_lists, page_counts = moira.sparse_decode(
-        *inputs, gamma=0.9, config=SMALL_SPLIT.replace(programmatic_launch=programmatic_launch,
-                                                       fused_select=fused_select),
-        return_pages=True, out=out)
+        *inputs, gamma=0.9, config=SMALL_SPLIT.replace(**options), return_pages=True, out=out)
 
     expected_lists, expected_counts = ref.select(
         ref.estimate(*cpu(ctx.query, ctx.key_cache, summaries, ctx.block_table, ctx.seq_lens)),
