@@ -54,7 +54,8 @@ def load(folders):
             if run.get("dense_below_tokens"):  # short requests read in full: its own column
                 key = (run["model"], "fallback")
             # kernel variants of the same (programmatic launch, Select in Estimate's launch,
-            # Merge in Attend's): a column each, named by the tpot_pairs.sh arm
+            # Merge in Attend's): a column each, "+"-joined when combined (the tpot_pairs.sh
+            # arm fboth is "fsel+fmerge"); the batch-shape pairs table shows "fsel" only
             variant = "+".join(arm for flag, arm in VARIANTS if run.get(flag))
             if variant:
                 key = (run["model"], variant)

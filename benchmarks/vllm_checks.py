@@ -9,8 +9,9 @@ Modes (Llama-3.1-8B geometry from ``benchmarks/models``, ``--layers`` to cut the
 - ``moira``: Moira backend with ``check_dense`` on, so every step also runs dense FA3 on the
   same batch and counts where Moira differs (decode rows in bf16 ulps, other rows bitwise).
   ``--graph-mode NONE`` runs the same compiled model without CUDA graphs (eager steps);
-  ``--compile-mode 0`` runs it without torch.compile (then with FULL_DECODE_ONLY graphs:
-  vLLM runs a piecewise mode eager without torch.compile).
+  ``--compile-mode 0`` runs it without torch.compile (graph mode then FULL_DECODE_ONLY:
+  vLLM would run a piecewise mode eager). With the dense check on, the backend allows no full
+  graphs, so those engines run eager whatever the mode (the JSON's ``cudagraph_mode``).
 - ``e2e``: a long run (``--context``, ``--batch``) with page-read statistics.
 - ``prefix``: prefix caching on; the prompts share a ``--prefix``-token prefix. The first
   prompt runs alone, then all of them (the others' prefix pages come from the cache, so
@@ -97,6 +98,7 @@ def graph_mode(compile_mode, asked, fa3_max_splits=None):
     """The cudagraph_mode to ask vLLM for. Without torch.compile vLLM turns a piecewise mode
     into NONE (eager) on its own, so that is refused rather than run as something else."""
     mode = asked or ("FULL_AND_PIECEWISE" if compile_mode else "FULL_DECODE_ONLY")
+    mode = mode.upper()  # as vLLM reads it
     if compile_mode == 0 and "PIECEWISE" in mode:
         raise ValueError(f"--graph-mode {mode} needs torch.compile (vLLM would run the engine "
                          "eager); with --compile-mode 0 use FULL_DECODE_ONLY or NONE")
@@ -122,9 +124,9 @@ def main():
     parser.add_argument("--graph-mode", default=None,
                         help="vLLM cudagraph_mode; default FULL_AND_PIECEWISE, or "
                              "FULL_DECODE_ONLY with --compile-mode 0 (vLLM turns a piecewise "
-                             "mode into NONE without torch.compile: sessions 9-11 ran their "
-                             "--compile-mode 0 engines eager that way). The JSON records the "
-                             "mode the engine actually ran")
+                             "mode into NONE without torch.compile: the compile-mode-0 runs "
+                             "of sessions 9-11 that kept the old default FULL_AND_PIECEWISE "
+                             "ran eager that way). The JSON records the mode the engine ran")
     parser.add_argument("--fa3-normalizer", action="store_true",
                         help="Attend sums the float32 softmax weights, as FA3 does, instead of "
                              "the rounded ones (attend.SUM_ROUNDED_WEIGHTS = False): does "
@@ -269,9 +271,9 @@ def main():
         return rows, seconds
 
     # the mode vLLM settled on (it may override the one asked for)
-    graph_mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name
+    ran_mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name
     result = dict(mode=args.mode, backend=backend, args=vars(args), lengths=lengths,
-                  cudagraph_mode=graph_mode,
+                  cudagraph_mode=ran_mode,
                   startup_s=round(startup, 1), gpu=torch.cuda.get_device_name(),
                   command="python3 " + " ".join(sys.argv))
     DenseCheck.layers.clear()

@@ -77,7 +77,8 @@ def main():
     runs = {name[:-5]: json.load(open(os.path.join(folder, name)))
             for name in sorted(os.listdir(folder)) if name.endswith(".json")}
     prompts = len(runs["dense"]["full"]) if "dense" in runs else 0
-    # runs before session 11 did not record it; their --compile-mode 0 engines ran eager
+    # runs before session 11 did not record it (their args say what was asked for; at compile
+    # mode 0 vLLM ran FULL_AND_PIECEWISE as NONE)
     moira_graphs = runs.get("moira_graph", {}).get("cudagraph_mode", "graph mode not recorded")
     pairs = [("dense", "full", "dense", "halves",
               f"dense batch {prompts} vs two batches of {prompts // 2}"),

@@ -363,7 +363,8 @@ def test_gaps_at_first_difference_read_the_reference_runs_top2_gap_where_prompts
     assert compare.gaps_at_first_difference(other, reference) is None
 
 
-def test_engine_checks_never_ask_vllm_for_a_graph_mode_it_would_turn_into_eager():
+def test_engine_checks_never_ask_vllm_for_a_graph_mode_it_would_turn_into_eager(monkeypatch,
+                                                                                 capsys):
     checks = load("vllm_checks")
     assert checks.graph_mode(3, None) == "FULL_AND_PIECEWISE"
     assert checks.graph_mode(0, None) == "FULL_DECODE_ONLY"
@@ -372,6 +373,14 @@ def test_engine_checks_never_ask_vllm_for_a_graph_mode_it_would_turn_into_eager(
         checks.graph_mode(0, "FULL_AND_PIECEWISE")
     with pytest.raises(ValueError, match="full CUDA graphs only"):
         checks.graph_mode(3, "NONE", fa3_max_splits=1)
+    with pytest.raises(ValueError, match="needs torch.compile"):
+        checks.graph_mode(0, "piecewise")
+    # through the script's own argument handling, before anything imports vLLM
+    monkeypatch.setattr(sys, "argv", ["vllm_checks.py", "dense", "--compile-mode", "0",
+                                      "--graph-mode", "PIECEWISE"])
+    with pytest.raises(SystemExit) as exit_info:
+        checks.main()
+    assert exit_info.value.code == 2 and "needs torch.compile" in capsys.readouterr().err
 
 
 def test_top2_gap_is_the_best_minus_the_second_log_prob():

@@ -105,7 +105,8 @@ class DenseCheck:
     """Per-layer float64 counters (``NAMES``) comparing, on every batch, Moira's decode rows with
     dense FA3's and, as the yardstick, FA3 with its split heuristic with FA3 in one split (two
     correct kernels that differ only in summation order); the other rows (prefill, computed by
-    FA3 in both) must be bit-identical.
+    FA3 in both: in the engine on the batch without its decode rows, here on the whole batch)
+    are counted bitwise (0 in every Llama-geometry run; not on SmolLM2-135M, session 11).
 
     Ulps are counted at each element's own magnitude (strict: an element near zero has a tiny
     spacing) and, as the paper's Appendix B states its bound, at the scale of the head's output
@@ -116,9 +117,10 @@ class DenseCheck:
     closer to the truth, not only how far apart they are. With ``other_one_split`` (the other
     rows as the engine computes them, FA3 on the batch without its decode rows, but in one
     split) and ``other_dense_one_split`` (the same rows of FA3 over the whole batch in one
-    split), ``other_rows_differing_one_split`` counts where those two differ: zero means any
-    difference of the other rows comes from FA3 choosing its split count per launch (the rows
-    are the same, the batch around them is not), nothing else."""
+    split, without the engine's ahead-of-time schedule), ``other_rows_differing_one_split``
+    counts where those two differ: zero means a difference of the other rows comes from how FA3
+    schedules each launch for its batch (split count or the engine's AOT schedule), not from
+    the rows themselves."""
 
     NAMES = ("moira_max_ulps", "moira_over_1_ulp", "moira_over_4_ulps", "decode_elements",
              "fa3_split_max_ulps", "fa3_split_over_1_ulp", "fa3_split_over_4_ulps",
