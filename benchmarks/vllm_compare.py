@@ -176,6 +176,11 @@ def main():
                           f"{total['fa3_split_exact_abs_sum'] / n:.3e}; largest "
                           f"{worst['moira_exact_max_abs']:.3g} / {worst['fa3_exact_max_abs']:.3g}"
                           f" / {worst['fa3_split_exact_max_abs']:.3g}")
+                if "moira_exact_outward_sum" in total:  # since session 11: a lean, if any
+                    print(f"{name}: mean error along the exact value's sign (> 0: away from "
+                          f"zero) Moira {total['moira_exact_outward_sum'] / n:+.3e}, FA3 "
+                          f"{total['fa3_exact_outward_sum'] / n:+.3e}, FA3 one split "
+                          f"{total['fa3_split_exact_outward_sum'] / n:+.3e}")
             else:  # the first format: (max ulps, > 1 ulp, compared, other differing, compared)
                 totals = [sum(v[i] for v in layers) for i in range(5)]
                 worst = max(v[0] for v in layers)

@@ -184,7 +184,8 @@ def test_bf16_ulps_and_dense_check_counters():
         moira_over_1_head_ulp=1.0, fa3_split_max_abs=0.0625, fa3_split_over_1_head_ulp=1.0,
         moira_exact_abs_sum=0.0, fa3_exact_abs_sum=0.0, fa3_split_exact_abs_sum=0.0,
         moira_exact_max_abs=0.0, fa3_exact_max_abs=0.0, fa3_split_exact_max_abs=0.0,
-        other_rows_differing_one_split=0.0)}
+        other_rows_differing_one_split=0.0, moira_exact_outward_sum=0.0,
+        fa3_exact_outward_sum=0.0, fa3_split_exact_outward_sum=0.0)}
     DenseCheck.layers.clear()
     # against the exact (float32) result: each kernel's own error, summed and at its largest
     exact = torch.tensor([1.0, 1.0, -2.015625, 0.0])
@@ -195,6 +196,11 @@ def test_bf16_ulps_and_dense_check_counters():
     assert counters["fa3_split_exact_abs_sum"] == pytest.approx(0.0625 + 0.015625)
     assert (counters["moira_exact_max_abs"], counters["fa3_exact_max_abs"],
             counters["fa3_split_exact_max_abs"]) == (0.015625, 0.015625, 0.0625)
+    # along the exact value's sign: Moira +0.0078 (1 -> 1.0078) and +0.0156 (-2.0156 ->
+    # -2.03125), both away from zero; FA3 -0.0156 (-2.0156 -> -2.0, toward zero)
+    assert counters["moira_exact_outward_sum"] == pytest.approx(0.0078125 + 0.015625)
+    assert counters["fa3_exact_outward_sum"] == pytest.approx(-0.015625)
+    assert counters["fa3_split_exact_outward_sum"] == pytest.approx(0.0625 - 0.015625)
     DenseCheck.layers.clear()
     # the other rows in one split, as the engine computes them and in FA3's whole-batch call
     DenseCheck.add("l0", value, reference, far, torch.ones(3), torch.ones(3), None,

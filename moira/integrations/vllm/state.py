@@ -114,7 +114,9 @@ class DenseCheck:
     largest absolute difference. With ``decode_exact`` (float32 attention over every page, the
     package's reference), each of Moira, FA3 and FA3 in one split is also measured against the
     exact result (``*_exact_abs_sum``, ``*_exact_max_abs``): which of the two kernels rounds
-    closer to the truth, not only how far apart they are. With ``other_one_split`` (the other
+    closer to the truth, not only how far apart they are; ``*_exact_outward_sum`` sums the
+    error along the exact value's sign, (value - exact) * sign(exact): a kernel whose outputs
+    lean toward or away from zero shows a sum far from zero where unbiased rounding cancels. With ``other_one_split`` (the other
     rows as the engine computes them, FA3 on the batch without its decode rows, but in one
     split) and ``other_dense_one_split`` (the same rows of FA3 over the whole batch in one
     split, without the engine's ahead-of-time schedule), ``other_rows_differing_one_split``
@@ -129,7 +131,8 @@ class DenseCheck:
              "fa3_split_over_1_head_ulp",
              "moira_exact_abs_sum", "fa3_exact_abs_sum", "fa3_split_exact_abs_sum",
              "moira_exact_max_abs", "fa3_exact_max_abs", "fa3_split_exact_max_abs",
-             "other_rows_differing_one_split")
+             "other_rows_differing_one_split",
+             "moira_exact_outward_sum", "fa3_exact_outward_sum", "fa3_split_exact_outward_sum")
     layers: dict[str, torch.Tensor] = {}
 
     @classmethod
@@ -157,11 +160,13 @@ class DenseCheck:
         if other_one_split is not None:
             counters[19] += (other_one_split != other_dense_one_split).sum()
         if decode_exact is not None and decode_exact.numel():
-            for total, worst, value in ((13, 16, decode_out), (14, 17, decode_dense),
-                                        (15, 18, decode_dense_one_split)):
-                error = (value.float() - decode_exact.float()).abs()
-                counters[total] += error.sum().double()
-                counters[worst] = torch.maximum(counters[worst], error.max().double())
+            for total, worst, outward, value in ((13, 16, 20, decode_out),
+                                                 (14, 17, 21, decode_dense),
+                                                 (15, 18, 22, decode_dense_one_split)):
+                error = value.float() - decode_exact.float()
+                counters[total] += error.abs().sum().double()
+                counters[worst] = torch.maximum(counters[worst], error.abs().max().double())
+                counters[outward] += (error * decode_exact.float().sign()).sum().double()
 
     @classmethod
     def read(cls) -> dict[str, dict[str, float]]:
