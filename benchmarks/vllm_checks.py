@@ -152,6 +152,10 @@ def main():
                              "batches, only attention's rounding changed (the yardstick for "
                              "Moira at gamma 1; save it as dense_splits1.json)")
     parser.add_argument("--no-check", action="store_true", help="moira: skip the dense check")
+    parser.add_argument("--prefill-one-split", action="store_true",
+                        help="the plugin's prefill_one_split: FA3 runs mixed steps' prefill "
+                             "rows in one split (with the dense check: are they then "
+                             "bit-identical to FA3 over the whole batch?)")
     parser.add_argument("--weights", choices=["normal", "dummy"], default="normal")
     parser.add_argument("--hf-model", default=None,
                         help="a Hugging Face folder of trained weights (e.g. SmolLM2-135M as "
@@ -219,6 +223,8 @@ def main():
         settings = {"gamma": args.gamma, "check_dense": check, "stats_interval": 5.0}
         if args.dense_below_tokens is not None:
             settings["dense_below_tokens"] = args.dense_below_tokens
+        if args.prefill_one_split:
+            settings["prefill_one_split"] = True
         extra["additional_config"] = {"moira": settings}
     start = time.time()
     if args.mode == "preempt":

@@ -163,6 +163,10 @@ def main():
                     print(f"{name}: other rows in one split, the engine's FA3 call (the batch "
                           f"without its decode rows) vs FA3 over the whole batch: "
                           f"{int(total['other_rows_differing_one_split'])} elements differ")
+                if "other_rows_split_in_whole_batch" in total:
+                    print(f"{name}: other rows, FA3 over the whole batch vs itself in one "
+                          f"split: {int(total['other_rows_split_in_whole_batch'])} elements "
+                          f"differ (0: dense vLLM ran them in one split)")
                 if "moira_max_abs" in total:  # since session 8: the paper's measure too
                     print(f"{name}: at the scale of each head's output (the paper's 1-ulp "
                           f"bound): Moira vs FA3 max |diff| {worst['moira_max_abs']:.3g}, "

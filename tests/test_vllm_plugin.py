@@ -28,6 +28,10 @@ def test_settings_come_from_additional_config_then_environment():
     fused = MoiraSettings.from_sources(None, {"MOIRA_FUSED_MERGE": "1"})
     assert fused.config.fused_merge
     assert MoiraSettings.from_sources(None, {"MOIRA_FUSED_SELECT": "1"}).config.fused_select
+    assert MoiraSettings.from_sources(None, {"MOIRA_PREFILL_ONE_SPLIT": "1"}).prefill_one_split
+    assert not MoiraSettings().prefill_one_split
+    with pytest.raises(ValueError, match="prefill_one_split must be true or false"):
+        MoiraSettings.from_sources({"moira": {"prefill_one_split": "yes"}}, {})
     assert MoiraSettings.from_sources({"moira": {"fused_select": True}}, {}).config.fused_select
     assert not MoiraSettings().config.fused_select
     chained = MoiraSettings.from_sources({"moira": {"programmatic_launch": True}}, {})
@@ -185,7 +189,8 @@ def test_bf16_ulps_and_dense_check_counters():
         moira_exact_abs_sum=0.0, fa3_exact_abs_sum=0.0, fa3_split_exact_abs_sum=0.0,
         moira_exact_max_abs=0.0, fa3_exact_max_abs=0.0, fa3_split_exact_max_abs=0.0,
         other_rows_differing_one_split=0.0, moira_exact_outward_sum=0.0,
-        fa3_exact_outward_sum=0.0, fa3_split_exact_outward_sum=0.0)}
+        fa3_exact_outward_sum=0.0, fa3_split_exact_outward_sum=0.0,
+        other_rows_split_in_whole_batch=0.0)}
     DenseCheck.layers.clear()
     # against the exact (float32) result: each kernel's own error, summed and at its largest
     exact = torch.tensor([1.0, 1.0, -2.015625, 0.0])
@@ -206,6 +211,8 @@ def test_bf16_ulps_and_dense_check_counters():
     DenseCheck.add("l0", value, reference, far, torch.ones(3), torch.ones(3), None,
                    torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.5, 3.5]))
     assert DenseCheck.read()["l0"]["other_rows_differing_one_split"] == 2.0
+    # and the whole batch's own call (ones) against its one-split call (1, 2.5, 3.5): two
+    assert DenseCheck.read()["l0"]["other_rows_split_in_whole_batch"] == 2.0
     DenseCheck.layers.clear()
 
 

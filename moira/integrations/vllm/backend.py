@@ -206,6 +206,9 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         if num_decodes < cam.num_reqs:
             prefill = super().build(0, _rows_from(cam, num_decodes, num_decode_tokens),
                                     fast_build)
+            if self.settings.prefill_one_split:  # no AOT schedule: it was made for any split
+                prefill = dataclasses.replace(prefill, max_num_splits=1,
+                                              scheduler_metadata=None)
         keep_fractions = None
         if self.imposed is not None and num_decodes:
             keep_fractions = self.imposed.fill(cam.seq_lens[:num_decodes])

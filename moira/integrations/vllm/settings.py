@@ -37,6 +37,11 @@ key                environment variable     meaning
 ``programmatic_launch``  ``MOIRA_PROGRAMMATIC_LAUNCH``  launch the decode kernels with
                                             programmatic dependent launch (``rows`` only;
                                             default off; ``moira/kernels/launch.py``)
+``prefill_one_split``  ``MOIRA_PREFILL_ONE_SPLIT``  FA3 computes a mixed step's prefill rows
+                                            in one split instead of its own split choice for
+                                            the batch without the decode rows (which can
+                                            differ from dense vLLM's choice for the whole
+                                            batch; default off until measured)
 ``dense_below_tokens``  ``MOIRA_DENSE_BELOW_TOKENS``  a decode step of B requests reads
                                             every page of its rows of at most this / B
                                             tokens, skipping Estimate's and Select's work:
@@ -70,6 +75,7 @@ class MoiraSettings:
     fused_merge: bool = False
     fused_select: bool = False
     programmatic_launch: bool = False
+    prefill_one_split: bool = False
     dense_below_tokens: int = 20480
     calibration: str | None = None
 
@@ -78,6 +84,7 @@ class MoiraSettings:
             "imposed_fraction": "MOIRA_IMPOSED_FRACTION", "schedule": "MOIRA_SCHEDULE",
             "fused_merge": "MOIRA_FUSED_MERGE", "fused_select": "MOIRA_FUSED_SELECT",
             "programmatic_launch": "MOIRA_PROGRAMMATIC_LAUNCH",
+            "prefill_one_split": "MOIRA_PREFILL_ONE_SPLIT",
             "dense_below_tokens": "MOIRA_DENSE_BELOW_TOKENS",
             "calibration": "MOIRA_CALIBRATION"}
 
@@ -103,9 +110,10 @@ class MoiraSettings:
             if self.top_k is not None or self.imposed_fraction is not None:
                 raise ValueError("moira calibration sets per-head coverage targets; it does "
                                  "not combine with top_k or imposed_fraction")
-        if not isinstance(self.check_dense, bool):
-            raise ValueError(f"moira check_dense must be true or false, got "
-                             f"{self.check_dense!r}")
+        for name in ("check_dense", "prefill_one_split"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"moira {name} must be true or false, got "
+                                 f"{getattr(self, name)!r}")
 
     @property
     def imposed_knots(self) -> tuple[tuple[int, float], ...]:
@@ -147,7 +155,8 @@ class MoiraSettings:
                 values[key] = given[key]
             elif environ.get(variable, "") != "":
                 text = environ[variable]
-                if key in ("check_dense", "fused_merge", "fused_select", "programmatic_launch"):
+                if key in ("check_dense", "fused_merge", "fused_select", "programmatic_launch",
+                           "prefill_one_split"):
                     if text not in ("0", "1"):
                         raise ValueError(f"{variable}={text!r}: use 0 or 1")
                     values[key] = text == "1"

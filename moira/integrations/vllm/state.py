@@ -122,7 +122,9 @@ class DenseCheck:
     split, without the engine's ahead-of-time schedule), ``other_rows_differing_one_split``
     counts where those two differ: zero means a difference of the other rows comes from how FA3
     schedules each launch for its batch (split count or the engine's AOT schedule), not from
-    the rows themselves."""
+    the rows themselves. ``other_rows_split_in_whole_batch`` counts the other rows' elements
+    where FA3 over the whole batch differs from itself in one split: zero means dense vLLM ran
+    them in one split, so ``prefill_one_split`` makes them bit-identical."""
 
     NAMES = ("moira_max_ulps", "moira_over_1_ulp", "moira_over_4_ulps", "decode_elements",
              "fa3_split_max_ulps", "fa3_split_over_1_ulp", "fa3_split_over_4_ulps",
@@ -132,7 +134,8 @@ class DenseCheck:
              "moira_exact_abs_sum", "fa3_exact_abs_sum", "fa3_split_exact_abs_sum",
              "moira_exact_max_abs", "fa3_exact_max_abs", "fa3_split_exact_max_abs",
              "other_rows_differing_one_split",
-             "moira_exact_outward_sum", "fa3_exact_outward_sum", "fa3_split_exact_outward_sum")
+             "moira_exact_outward_sum", "fa3_exact_outward_sum", "fa3_split_exact_outward_sum",
+             "other_rows_split_in_whole_batch")
     layers: dict[str, torch.Tensor] = {}
 
     @classmethod
@@ -159,6 +162,7 @@ class DenseCheck:
         counters[8] += other_out.numel()
         if other_one_split is not None:
             counters[19] += (other_one_split != other_dense_one_split).sum()
+            counters[23] += (other_dense != other_dense_one_split).sum()
         if decode_exact is not None and decode_exact.numel():
             for total, worst, outward, value in ((13, 16, 20, decode_out),
                                                  (14, 17, 21, decode_dense),
