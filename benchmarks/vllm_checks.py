@@ -175,6 +175,8 @@ def main():
                         help="vLLM's gpu_memory_utilization (lower it to share the GPU)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check.json"))
     args = parser.parse_args()
+    if args.prefill_one_split and (args.mode == "dense" or args.backend == "FLASH_ATTN"):
+        parser.error("--prefill-one-split is a setting of Moira's backend; dense runs ignore it")
     if args.hf_model and (args.layers or not args.text):
         parser.error("--hf-model takes the model as it is (no --layers) and needs --text")
     try:

@@ -4,6 +4,7 @@ between runs, Moira's dense-check counters, and pages read.
     python benchmarks/vllm_compare.py benchmarks/results/vllm-checks-2026-11-29
 """
 
+import gzip
 import json
 import os
 import sys
@@ -72,10 +73,21 @@ def first_difference_gap(runs):
     return result
 
 
+def load_runs(folder):
+    """``vllm_checks.py`` results by run name: ``NAME.json`` as written on the GPU host, or
+    ``NAME.json.gz`` as committed (token ids and log-probs compress about fivefold)."""
+    runs = {}
+    for name in sorted(os.listdir(folder)):
+        for suffix, opener in ((".json", open), (".json.gz", gzip.open)):
+            if name.endswith(suffix):
+                with opener(os.path.join(folder, name), "rt") as f:
+                    runs[name[:-len(suffix)]] = json.load(f)
+    return runs
+
+
 def main():
     folder = sys.argv[1]
-    runs = {name[:-5]: json.load(open(os.path.join(folder, name)))
-            for name in sorted(os.listdir(folder)) if name.endswith(".json")}
+    runs = load_runs(folder)
     prompts = len(runs["dense"]["full"]) if "dense" in runs else 0
     # runs before session 11 did not record it (their args say what was asked for; at compile
     # mode 0 vLLM ran FULL_AND_PIECEWISE as NONE)
@@ -163,10 +175,11 @@ def main():
                     print(f"{name}: other rows in one split, the engine's FA3 call (the batch "
                           f"without its decode rows) vs FA3 over the whole batch: "
                           f"{int(total['other_rows_differing_one_split'])} elements differ")
-                if "other_rows_split_in_whole_batch" in total:
+                if "other_rows_split_in_whole_batch" in total and total["other_elements"]:
                     print(f"{name}: other rows, FA3 over the whole batch vs itself in one "
                           f"split: {int(total['other_rows_split_in_whole_batch'])} elements "
-                          f"differ (0: dense vLLM ran them in one split)")
+                          f"differ (0 here and above: prefill_one_split should make them "
+                          f"bit-identical)")
                 if "moira_max_abs" in total:  # since session 8: the paper's measure too
                     print(f"{name}: at the scale of each head's output (the paper's 1-ulp "
                           f"bound): Moira vs FA3 max |diff| {worst['moira_max_abs']:.3g}, "

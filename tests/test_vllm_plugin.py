@@ -193,26 +193,35 @@ def test_bf16_ulps_and_dense_check_counters():
         other_rows_split_in_whole_batch=0.0)}
     DenseCheck.layers.clear()
     # against the exact (float32) result: each kernel's own error, summed and at its largest
-    exact = torch.tensor([1.0, 1.0, -2.015625, 0.0])
+    # (the last element: exact small and positive, every kernel 0: an error toward zero that
+    # a sign taken from the kernels' outputs instead of the exact value would not count)
+    exact = torch.tensor([1.0, 1.0, -2.015625, 0.01])
     DenseCheck.add("l0", value, reference, far, torch.ones(3), torch.ones(3), exact)
     counters = DenseCheck.read()["l0"]
-    assert counters["moira_exact_abs_sum"] == pytest.approx(0.0078125 + 0.015625)
-    assert counters["fa3_exact_abs_sum"] == pytest.approx(0.015625)
-    assert counters["fa3_split_exact_abs_sum"] == pytest.approx(0.0625 + 0.015625)
+    assert counters["moira_exact_abs_sum"] == pytest.approx(0.0078125 + 0.015625 + 0.01)
+    assert counters["fa3_exact_abs_sum"] == pytest.approx(0.015625 + 0.01)
+    assert counters["fa3_split_exact_abs_sum"] == pytest.approx(0.0625 + 0.015625 + 0.01)
     assert (counters["moira_exact_max_abs"], counters["fa3_exact_max_abs"],
             counters["fa3_split_exact_max_abs"]) == (0.015625, 0.015625, 0.0625)
     # along the exact value's sign: Moira +0.0078 (1 -> 1.0078) and +0.0156 (-2.0156 ->
-    # -2.03125), both away from zero; FA3 -0.0156 (-2.0156 -> -2.0, toward zero)
-    assert counters["moira_exact_outward_sum"] == pytest.approx(0.0078125 + 0.015625)
-    assert counters["fa3_exact_outward_sum"] == pytest.approx(-0.015625)
-    assert counters["fa3_split_exact_outward_sum"] == pytest.approx(0.0625 - 0.015625)
+    # -2.03125), both away from zero; FA3 -0.0156 (-2.0156 -> -2.0, toward zero); and all
+    # three -0.01 (0.01 -> 0)
+    assert counters["moira_exact_outward_sum"] == pytest.approx(0.0078125 + 0.015625 - 0.01)
+    assert counters["fa3_exact_outward_sum"] == pytest.approx(-0.015625 - 0.01)
+    assert counters["fa3_split_exact_outward_sum"] == pytest.approx(0.0625 - 0.015625 - 0.01)
     DenseCheck.layers.clear()
     # the other rows in one split, as the engine computes them and in FA3's whole-batch call
-    DenseCheck.add("l0", value, reference, far, torch.ones(3), torch.ones(3), None,
-                   torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.5, 3.5]))
-    assert DenseCheck.read()["l0"]["other_rows_differing_one_split"] == 2.0
-    # and the whole batch's own call (ones) against its one-split call (1, 2.5, 3.5): two
-    assert DenseCheck.read()["l0"]["other_rows_split_in_whole_batch"] == 2.0
+    # (the three counted pairs differ in 3, 2 and 1 places, every other pairing in 3 or 4, so
+    # a counter comparing the wrong two fails)
+    engine, whole_batch = torch.ones(4), torch.tensor([1.0, 2.5, 9.0, 4.0])
+    engine_one_split, whole_batch_one_split = (torch.tensor([7.0, 6.0, 3.5, 4.0]),
+                                               torch.tensor([1.0, 2.5, 3.5, 4.0]))
+    DenseCheck.add("l0", value, reference, far, engine, whole_batch, None, engine_one_split,
+                   whole_batch_one_split)
+    counters = DenseCheck.read()["l0"]
+    assert counters["other_rows_differing"] == 3.0  # the engine's call vs the whole batch's
+    assert counters["other_rows_differing_one_split"] == 2.0  # the same, both in one split
+    assert counters["other_rows_split_in_whole_batch"] == 1.0  # whole batch vs itself
     DenseCheck.layers.clear()
 
 

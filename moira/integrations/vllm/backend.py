@@ -204,9 +204,13 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
                                                        cam.max_query_len)
         prefill = None
         if num_decodes < cam.num_reqs:
+            # a mixed step's prefill rows in one split: no AOT schedule (FA3 checks its size,
+            # made for its own split choice); a step without decode rows is FA3's whole batch
+            # as in dense vLLM and keeps its choice
+            one_split = self.settings.prefill_one_split and num_decodes > 0
             prefill = super().build(0, _rows_from(cam, num_decodes, num_decode_tokens),
-                                    fast_build)
-            if self.settings.prefill_one_split:  # no AOT schedule: it was made for any split
+                                    fast_build or one_split)
+            if one_split:
                 prefill = dataclasses.replace(prefill, max_num_splits=1,
                                               scheduler_metadata=None)
         keep_fractions = None

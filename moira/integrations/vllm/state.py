@@ -116,15 +116,16 @@ class DenseCheck:
     exact result (``*_exact_abs_sum``, ``*_exact_max_abs``): which of the two kernels rounds
     closer to the truth, not only how far apart they are; ``*_exact_outward_sum`` sums the
     error along the exact value's sign, (value - exact) * sign(exact): a kernel whose outputs
-    lean toward or away from zero shows a sum far from zero where unbiased rounding cancels. With ``other_one_split`` (the other
-    rows as the engine computes them, FA3 on the batch without its decode rows, but in one
-    split) and ``other_dense_one_split`` (the same rows of FA3 over the whole batch in one
-    split, without the engine's ahead-of-time schedule), ``other_rows_differing_one_split``
-    counts where those two differ: zero means a difference of the other rows comes from how FA3
+    lean toward or away from zero shows a sum far from zero where unbiased rounding cancels.
+    With ``other_one_split`` (the other rows as the engine computes them, FA3 on the batch
+    without its decode rows, but in one split, without the engine's ahead-of-time schedule)
+    and ``other_dense_one_split`` (the same rows of FA3 over the whole batch in one split),
+    ``other_rows_differing_one_split`` counts where those two differ: zero means a difference of the other rows comes from how FA3
     schedules each launch for its batch (split count or the engine's AOT schedule), not from
     the rows themselves. ``other_rows_split_in_whole_batch`` counts the other rows' elements
-    where FA3 over the whole batch differs from itself in one split: zero means dense vLLM ran
-    them in one split, so ``prefill_one_split`` makes them bit-identical."""
+    where FA3 over the whole batch differs from itself in one split: with both counters zero,
+    ``prefill_one_split`` should make the other rows bit-identical (with it on,
+    ``other_rows_differing`` is the direct measure)."""
 
     NAMES = ("moira_max_ulps", "moira_over_1_ulp", "moira_over_4_ulps", "decode_elements",
              "fa3_split_max_ulps", "fa3_split_over_1_ulp", "fa3_split_over_4_ulps",
@@ -170,7 +171,7 @@ class DenseCheck:
                 error = value.float() - decode_exact.float()
                 counters[total] += error.abs().sum().double()
                 counters[worst] = torch.maximum(counters[worst], error.abs().max().double())
-                counters[outward] += (error * decode_exact.float().sign()).sum().double()
+                counters[outward] += (error * decode_exact.float().sign()).double().sum()
 
     @classmethod
     def read(cls) -> dict[str, dict[str, float]]:
