@@ -122,8 +122,9 @@ class DenseCheck:
     and ``other_dense_one_split`` (the same rows of FA3 over the whole batch in one split),
     ``other_rows_differing_one_split`` counts where those two differ: zero means a difference
     of the other rows comes from how FA3 schedules each launch for its batch (split count or
-    the engine's AOT schedule), not from the rows themselves. ``other_rows_split_in_whole_batch`` counts the other rows' elements
-    where FA3 over the whole batch differs from itself in one split: with both counters zero,
+    the engine's AOT schedule), not from the rows themselves.
+    ``other_rows_split_in_whole_batch`` counts the other rows' elements where FA3 over the
+    whole batch differs from itself in one split: with both counters zero,
     ``prefill_one_split`` should make the other rows bit-identical (with it on,
     ``other_rows_differing`` is the direct measure)."""
 
