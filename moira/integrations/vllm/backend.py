@@ -125,6 +125,12 @@ class MoiraMetadata:
     planned_batch: int = 1
 
 
+def _in_one_split(metadata: FlashAttentionMetadata) -> FlashAttentionMetadata:
+    """The same FA3 call in one split. Without an ahead-of-time schedule: FA3 checks its size,
+    made for its own split choice."""
+    return dataclasses.replace(metadata, max_num_splits=1, scheduler_metadata=None)
+
+
 def _rows_from(cam: CommonAttentionMetadata, first_row: int,
                first_token: int) -> CommonAttentionMetadata:
     """The batch without its first rows, as FA3 would see it if they were not there."""
@@ -204,15 +210,13 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
                                                        cam.max_query_len)
         prefill = None
         if num_decodes < cam.num_reqs:
-            # a mixed step's prefill rows in one split: no AOT schedule (FA3 checks its size,
-            # made for its own split choice); a step without decode rows is FA3's whole batch
-            # as in dense vLLM and keeps its choice
+            # a mixed step's prefill rows in one split (so no AOT schedule to build); a step
+            # without decode rows is FA3's whole batch as in dense vLLM and keeps its choice
             one_split = self.settings.prefill_one_split and num_decodes > 0
             prefill = super().build(0, _rows_from(cam, num_decodes, num_decode_tokens),
                                     fast_build or one_split)
             if one_split:
-                prefill = dataclasses.replace(prefill, max_num_splits=1,
-                                              scheduler_metadata=None)
+                prefill = _in_one_split(prefill)
         keep_fractions = None
         if self.imposed is not None and num_decodes:
             keep_fractions = self.imposed.fill(cam.seq_lens[:num_decodes])
@@ -305,7 +309,7 @@ class MoiraAttentionImpl(FlashAttentionImpl):
             super().forward(layer, query, key, value, kv_cache, metadata.dense, dense)
             dense_one_split = torch.empty_like(output)
             super().forward(layer, query, key, value, kv_cache,
-                            dataclasses.replace(metadata.dense, max_num_splits=1),
+                            _in_one_split(metadata.dense),
                             dense_one_split)
         state = self._state(layer)
         summaries = state.summaries_for(kv_cache, self.num_kv_heads, self.head_size)
@@ -317,9 +321,8 @@ class MoiraAttentionImpl(FlashAttentionImpl):
             super().forward(*prefill_args, metadata.prefill, output[start:])
             if metadata.dense is not None:  # the same rows in one split (see DenseCheck)
                 prefill_one_split = torch.empty_like(output[start:])
-                super().forward(*prefill_args, dataclasses.replace(
-                    metadata.prefill, max_num_splits=1, scheduler_metadata=None),
-                    prefill_one_split)
+                super().forward(*prefill_args, _in_one_split(metadata.prefill),
+                                prefill_one_split)
             # K/V are in the cache (vLLM writes them before forward): summarize the pages
             # these rows' slots completed
             update_summaries(key_cache, metadata.prefill.slot_mapping, summaries)
