@@ -129,11 +129,16 @@ def main():
     else:
         extra = dict(attention_backend="FLASH_ATTN")
     longest = max(context for _, context, _ in shapes)
+    max_model_len = longest + args.tokens + 64
+    max_num_seqs = max(b for _, _, b in shapes)
     start = time.time()
+    # vLLM's warm-up runs one request of max_num_batched_tokens tokens; beyond max_model_len
+    # it writes past the request's block table and FA3 faults (2k1,8k1 alone did, session 12)
     llm = LLM(model=model_dir(args.model, 0), load_format="dummy", skip_tokenizer_init=True,
-              block_size=64, max_model_len=longest + args.tokens + 64,
-              enable_prefix_caching=True, max_num_seqs=max(b for _, _, b in shapes),
-              max_num_batched_tokens=16384, gpu_memory_utilization=0.88, seed=0,
+              block_size=64, max_model_len=max_model_len,
+              enable_prefix_caching=True, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=min(16384, max_model_len * max_num_seqs),
+              gpu_memory_utilization=0.88, seed=0,
               disable_log_stats=False, **extra)
     startup = time.time() - start
     rng = random.Random(0)
