@@ -152,10 +152,10 @@ def main():
                              "batches, only attention's rounding changed (the yardstick for "
                              "Moira at gamma 1; save it as dense_splits1.json)")
     parser.add_argument("--no-check", action="store_true", help="moira: skip the dense check")
-    parser.add_argument("--prefill-one-split", action="store_true",
-                        help="the plugin's prefill_one_split: FA3 runs mixed steps' prefill "
-                             "rows in one split (with the dense check: are they then "
-                             "bit-identical to FA3 over the whole batch?)")
+    parser.add_argument("--prefill-rows-alone", action="store_true",
+                        help="the plugin's exact_prefill off: FA3 runs mixed steps' prefill "
+                             "rows without the decode rows (the dense check counts where they "
+                             "then differ from FA3 over the whole batch)")
     parser.add_argument("--weights", choices=["normal", "dummy"], default="normal")
     parser.add_argument("--hf-model", default=None,
                         help="a Hugging Face folder of trained weights (e.g. SmolLM2-135M as "
@@ -175,8 +175,8 @@ def main():
                         help="vLLM's gpu_memory_utilization (lower it to share the GPU)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check.json"))
     args = parser.parse_args()
-    if args.prefill_one_split and (args.mode == "dense" or args.backend == "FLASH_ATTN"):
-        parser.error("--prefill-one-split is a setting of Moira's backend; dense runs ignore it")
+    if args.prefill_rows_alone and (args.mode == "dense" or args.backend == "FLASH_ATTN"):
+        parser.error("--prefill-rows-alone is a setting of Moira's backend; dense runs ignore it")
     if args.hf_model and (args.layers or not args.text):
         parser.error("--hf-model takes the model as it is (no --layers) and needs --text")
     try:
@@ -225,8 +225,8 @@ def main():
         settings = {"gamma": args.gamma, "check_dense": check, "stats_interval": 5.0}
         if args.dense_below_tokens is not None:
             settings["dense_below_tokens"] = args.dense_below_tokens
-        if args.prefill_one_split:
-            settings["prefill_one_split"] = True
+        if args.prefill_rows_alone:
+            settings["exact_prefill"] = False
         extra["additional_config"] = {"moira": settings}
     start = time.time()
     if args.mode == "preempt":

@@ -28,10 +28,13 @@ def test_settings_come_from_additional_config_then_environment():
     fused = MoiraSettings.from_sources(None, {"MOIRA_FUSED_MERGE": "1"})
     assert fused.config.fused_merge
     assert MoiraSettings.from_sources(None, {"MOIRA_FUSED_SELECT": "1"}).config.fused_select
-    assert MoiraSettings.from_sources(None, {"MOIRA_PREFILL_ONE_SPLIT": "1"}).prefill_one_split
-    assert not MoiraSettings().prefill_one_split
-    with pytest.raises(ValueError, match="prefill_one_split must be true or false"):
-        MoiraSettings.from_sources({"moira": {"prefill_one_split": "yes"}}, {})
+    assert MoiraSettings().exact_prefill  # prefill rows as dense vLLM's unless turned off
+    assert not MoiraSettings.from_sources(None, {"MOIRA_EXACT_PREFILL": "0"}).exact_prefill
+    assert not MoiraSettings.from_sources({"moira": {"exact_prefill": False}}, {}).exact_prefill
+    with pytest.raises(ValueError, match="exact_prefill must be true or false"):
+        MoiraSettings.from_sources({"moira": {"exact_prefill": "yes"}}, {})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['prefill_one_split'\]"):
+        MoiraSettings.from_sources({"moira": {"prefill_one_split": True}}, {})  # removed
     assert MoiraSettings.from_sources({"moira": {"fused_select": True}}, {}).config.fused_select
     assert not MoiraSettings().config.fused_select
     chained = MoiraSettings.from_sources({"moira": {"programmatic_launch": True}}, {})
@@ -188,9 +191,8 @@ def test_bf16_ulps_and_dense_check_counters():
         moira_over_1_head_ulp=1.0, fa3_split_max_abs=0.0625, fa3_split_over_1_head_ulp=1.0,
         moira_exact_abs_sum=0.0, fa3_exact_abs_sum=0.0, fa3_split_exact_abs_sum=0.0,
         moira_exact_max_abs=0.0, fa3_exact_max_abs=0.0, fa3_split_exact_max_abs=0.0,
-        other_rows_differing_one_split=0.0, moira_exact_outward_sum=0.0,
-        fa3_exact_outward_sum=0.0, fa3_split_exact_outward_sum=0.0,
-        other_rows_split_in_whole_batch=0.0)}
+        moira_exact_outward_sum=0.0, fa3_exact_outward_sum=0.0,
+        fa3_split_exact_outward_sum=0.0)}
     DenseCheck.layers.clear()
     # against the exact (float32) result: each kernel's own error, summed and at its largest
     # (the last element: exact small and positive, every kernel 0: an error toward zero that
@@ -209,19 +211,6 @@ def test_bf16_ulps_and_dense_check_counters():
     assert counters["moira_exact_outward_sum"] == pytest.approx(0.0078125 + 0.015625 - 0.01)
     assert counters["fa3_exact_outward_sum"] == pytest.approx(-0.015625 - 0.01)
     assert counters["fa3_split_exact_outward_sum"] == pytest.approx(0.0625 - 0.015625 - 0.01)
-    DenseCheck.layers.clear()
-    # the other rows in one split, as the engine computes them and in FA3's whole-batch call
-    # (the three counted pairs differ in 3, 2 and 1 places, every other pairing in 3 or 4, so
-    # a counter comparing the wrong two fails)
-    engine, whole_batch = torch.ones(4), torch.tensor([1.0, 2.5, 9.0, 4.0])
-    engine_one_split, whole_batch_one_split = (torch.tensor([7.0, 6.0, 3.5, 4.0]),
-                                               torch.tensor([1.0, 2.5, 3.5, 4.0]))
-    DenseCheck.add("l0", value, reference, far, engine, whole_batch, None, engine_one_split,
-                   whole_batch_one_split)
-    counters = DenseCheck.read()["l0"]
-    assert counters["other_rows_differing"] == 3.0  # the engine's call vs the whole batch's
-    assert counters["other_rows_differing_one_split"] == 2.0  # the same, both in one split
-    assert counters["other_rows_split_in_whole_batch"] == 1.0  # whole batch vs itself
     DenseCheck.layers.clear()
 
 

@@ -106,7 +106,10 @@ class MoiraMetadata:
 
     Decode rows ``[0, num_decodes)`` are query tokens ``[0, num_decodes)``; ``seq_lens`` and
     ``block_table`` are views of vLLM's persistent tensors for those rows. ``prefill`` is FA3's
-    metadata for the remaining rows, rebased to start at token ``num_decode_tokens``.
+    metadata for a step with other rows: for the whole batch from token ``prefill_from`` = 0
+    (``exact_prefill``: dense vLLM's FA3 call; Moira then overwrites the decode rows), or for
+    the rows after the decode rows, rebased to start at token ``prefill_from`` =
+    ``num_decode_tokens``. ``prefill_slots``: the KV slots the other rows wrote.
     ``dense_below_pages``: decode rows this short read every page (``dense_below_tokens``).
     ``planned_batch``: the decode batch rounded up to a power of two, what Attend plans its
     split for (``planning_batch``: replayed and eager steps alike).
@@ -119,6 +122,8 @@ class MoiraMetadata:
     block_table: torch.Tensor
     workspace: DecodeWorkspace
     prefill: FlashAttentionMetadata | None = None
+    prefill_from: int = 0
+    prefill_slots: torch.Tensor | None = None
     dense: FlashAttentionMetadata | None = None  # check_dense: FA3 over the whole batch
     keep_fractions: torch.Tensor | None = None  # imposed_fraction: [layers, decodes, heads]
     dense_below_pages: int = 0
@@ -208,15 +213,18 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
             self.workspace = self._workspace(width)
         num_decodes, num_decode_tokens = split_decodes(cam.query_start_loc_cpu, cam.num_reqs,
                                                        cam.max_query_len)
-        prefill = None
+        prefill, prefill_from, prefill_slots = None, 0, None
         if num_decodes < cam.num_reqs:
-            # a mixed step's prefill rows in one split (so no AOT schedule to build); a step
-            # without decode rows is FA3's whole batch as in dense vLLM and keeps its choice
-            one_split = self.settings.prefill_one_split and num_decodes > 0
-            prefill = super().build(0, _rows_from(cam, num_decodes, num_decode_tokens),
-                                    fast_build or one_split)
-            if one_split:
-                prefill = _in_one_split(prefill)
+            # FA3 chooses its split per launch from the whole batch it is given (session 12:
+            # without the decode rows, 0.8% of SmolLM2's prefill-row elements differed from
+            # dense vLLM's); given the whole batch it is dense vLLM's call, bit for bit
+            if self.settings.exact_prefill or num_decodes == 0:
+                prefill = super().build(0, cam, fast_build)
+            else:
+                prefill_from = num_decode_tokens
+                prefill = super().build(0, _rows_from(cam, num_decodes, num_decode_tokens),
+                                        fast_build)
+            prefill_slots = cam.slot_mapping[num_decode_tokens:]
         keep_fractions = None
         if self.imposed is not None and num_decodes:
             keep_fractions = self.imposed.fill(cam.seq_lens[:num_decodes])
@@ -228,7 +236,8 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
             num_actual_tokens=cam.num_actual_tokens, num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens, seq_lens=cam.seq_lens[:num_decodes],
             block_table=cam.block_table_tensor[:num_decodes], workspace=self.workspace,
-            prefill=prefill, dense=dense, keep_fractions=keep_fractions,
+            prefill=prefill, prefill_from=prefill_from, prefill_slots=prefill_slots,
+            dense=dense, keep_fractions=keep_fractions,
             dense_below_pages=full_read_pages(self.settings.dense_below_tokens, planned),
             planned_batch=planned)
 
@@ -314,18 +323,14 @@ class MoiraAttentionImpl(FlashAttentionImpl):
         state = self._state(layer)
         summaries = state.summaries_for(kv_cache, self.num_kv_heads, self.head_size)
         key_cache, value_cache = self._key_value_caches(kv_cache)
-        if metadata.prefill is not None:  # FA3 on every row after the decode rows
-            start = metadata.num_decode_tokens
-            prefill_args = (layer, query[start:], None if key is None else key[start:],
-                            None if value is None else value[start:], kv_cache)
-            super().forward(*prefill_args, metadata.prefill, output[start:])
-            if metadata.dense is not None:  # the same rows in one split (see DenseCheck)
-                prefill_one_split = torch.empty_like(output[start:])
-                super().forward(*prefill_args, _in_one_split(metadata.prefill),
-                                prefill_one_split)
+        if metadata.prefill is not None:  # FA3 first: Moira then writes the decode rows
+            start = metadata.prefill_from
+            super().forward(layer, query[start:], None if key is None else key[start:],
+                            None if value is None else value[start:], kv_cache,
+                            metadata.prefill, output[start:])
             # K/V are in the cache (vLLM writes them before forward): summarize the pages
-            # these rows' slots completed
-            update_summaries(key_cache, metadata.prefill.slot_mapping, summaries)
+            # the other rows' slots completed (Estimate does the decode rows')
+            update_summaries(key_cache, metadata.prefill_slots, summaries)
         rows = metadata.num_decodes
         if rows:
             fractions = (None if metadata.keep_fractions is None
@@ -344,9 +349,6 @@ class MoiraAttentionImpl(FlashAttentionImpl):
             exact = reference.dense_attention(query[:rows], key_cache, value_cache,
                                               metadata.block_table, metadata.seq_lens,
                                               scale=self.scale) if rows else None
-            one_split = ((prefill_one_split[:end - start], dense_one_split[start:end])
-                         if metadata.prefill is not None else (None, None))
             DenseCheck.add(state.layer_name, output[:rows], dense[:rows],
-                           dense_one_split[:rows], output[start:end], dense[start:end], exact,
-                           *one_split)
+                           dense_one_split[:rows], output[start:end], dense[start:end], exact)
         return output

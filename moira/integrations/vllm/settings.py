@@ -37,11 +37,13 @@ key                environment variable     meaning
 ``programmatic_launch``  ``MOIRA_PROGRAMMATIC_LAUNCH``  launch the decode kernels with
                                             programmatic dependent launch (``rows`` only;
                                             default off; ``moira/kernels/launch.py``)
-``prefill_one_split``  ``MOIRA_PREFILL_ONE_SPLIT``  FA3 computes a mixed step's prefill rows
-                                            in one split instead of its own split choice for
-                                            the batch without the decode rows (which can
-                                            differ from dense vLLM's choice for the whole
-                                            batch; default off until measured)
+``exact_prefill``  ``MOIRA_EXACT_PREFILL``  mixed steps (decode and prefill rows): FA3
+                                            runs over the whole batch, as in dense vLLM, so
+                                            the prefill rows are dense vLLM's bit for bit
+                                            (FA3 picks its split from the batch it is
+                                            given); Moira then overwrites the decode rows,
+                                            whose pages such a step reads twice (default on;
+                                            off: FA3 over the prefill rows alone)
 ``dense_below_tokens``  ``MOIRA_DENSE_BELOW_TOKENS``  a decode step of B requests reads
                                             every page of its rows of at most this / B
                                             tokens, skipping Estimate's and Select's work:
@@ -75,7 +77,7 @@ class MoiraSettings:
     fused_merge: bool = False
     fused_select: bool = False
     programmatic_launch: bool = False
-    prefill_one_split: bool = False
+    exact_prefill: bool = True
     dense_below_tokens: int = 20480
     calibration: str | None = None
 
@@ -84,7 +86,7 @@ class MoiraSettings:
             "imposed_fraction": "MOIRA_IMPOSED_FRACTION", "schedule": "MOIRA_SCHEDULE",
             "fused_merge": "MOIRA_FUSED_MERGE", "fused_select": "MOIRA_FUSED_SELECT",
             "programmatic_launch": "MOIRA_PROGRAMMATIC_LAUNCH",
-            "prefill_one_split": "MOIRA_PREFILL_ONE_SPLIT",
+            "exact_prefill": "MOIRA_EXACT_PREFILL",
             "dense_below_tokens": "MOIRA_DENSE_BELOW_TOKENS",
             "calibration": "MOIRA_CALIBRATION"}
 
@@ -110,7 +112,7 @@ class MoiraSettings:
             if self.top_k is not None or self.imposed_fraction is not None:
                 raise ValueError("moira calibration sets per-head coverage targets; it does "
                                  "not combine with top_k or imposed_fraction")
-        for name in ("check_dense", "prefill_one_split"):
+        for name in ("check_dense", "exact_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"moira {name} must be true or false, got "
                                  f"{getattr(self, name)!r}")
@@ -156,7 +158,7 @@ class MoiraSettings:
             elif environ.get(variable, "") != "":
                 text = environ[variable]
                 if key in ("check_dense", "fused_merge", "fused_select", "programmatic_launch",
-                           "prefill_one_split"):
+                           "exact_prefill"):
                     if text not in ("0", "1"):
                         raise ValueError(f"{variable}={text!r}: use 0 or 1")
                     values[key] = text == "1"
