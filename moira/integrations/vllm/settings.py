@@ -30,10 +30,6 @@ key                environment variable     meaning
 ``schedule``       ``MOIRA_SCHEDULE``       how Attend splits its work: ``rows`` (the paper's
                                             per-row chunks, Eq. 4; default) or ``balanced``
                                             (all rows' pages split evenly over a fixed grid)
-``fused_merge``    ``MOIRA_FUSED_MERGE``    fold Merge into Attend (``rows`` only; default off)
-``fused_select``   ``MOIRA_FUSED_SELECT``   run Select in Estimate's launch, each row's by its
-                                            last Estimate program (engines of up to 131k
-                                            tokens; default off)
 ``programmatic_launch``  ``MOIRA_PROGRAMMATIC_LAUNCH``  launch the decode kernels with
                                             programmatic dependent launch (``rows`` only;
                                             default off; ``moira/kernels/launch.py``)
@@ -72,8 +68,6 @@ class MoiraSettings:
     check_dense: bool = False
     imposed_fraction: float | dict | None = None
     schedule: str = "rows"
-    fused_merge: bool = False
-    fused_select: bool = False
     programmatic_launch: bool = False
     prefill_one_split: bool = False
     dense_below_tokens: int = 20480
@@ -82,7 +76,6 @@ class MoiraSettings:
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
             "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE",
             "imposed_fraction": "MOIRA_IMPOSED_FRACTION", "schedule": "MOIRA_SCHEDULE",
-            "fused_merge": "MOIRA_FUSED_MERGE", "fused_select": "MOIRA_FUSED_SELECT",
             "programmatic_launch": "MOIRA_PROGRAMMATIC_LAUNCH",
             "prefill_one_split": "MOIRA_PREFILL_ONE_SPLIT",
             "dense_below_tokens": "MOIRA_DENSE_BELOW_TOKENS",
@@ -137,7 +130,6 @@ class MoiraSettings:
     @property
     def config(self) -> MoiraConfig:
         return MoiraConfig(gamma=self.gamma, top_k=self.top_k, schedule=self.schedule,
-                           fused_merge=self.fused_merge, fused_select=self.fused_select,
                            programmatic_launch=self.programmatic_launch)
 
     @classmethod
@@ -155,8 +147,7 @@ class MoiraSettings:
                 values[key] = given[key]
             elif environ.get(variable, "") != "":
                 text = environ[variable]
-                if key in ("check_dense", "fused_merge", "fused_select", "programmatic_launch",
-                           "prefill_one_split"):
+                if key in ("check_dense", "programmatic_launch", "prefill_one_split"):
                     if text not in ("0", "1"):
                         raise ValueError(f"{variable}={text!r}: use 0 or 1")
                     values[key] = text == "1"
