@@ -8,8 +8,6 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
 - ``moira``          Attend + Merge on vLLM's cache layout (NHD, ``[pages, 64, Hkv, D]``).
 - ``moira_balanced`` the same lists with ``MoiraConfig(schedule="balanced")``: all rows'
                      pages split evenly over P programs (``moira/kernels/balanced.py``).
-- ``moira_fused``    the same lists with ``MoiraConfig(fused_merge=True)``: Merge folded into
-                     Attend (one kernel).
 - ``moira_hnd``      the same on the head-major layout the folded peers need.
 - ``fa3_varlen``     vLLM's FA3 (``vllm_flash_attn``, ``fa_version=3``), each (request, KV head)
                      row its own sequence over the HND cache viewed as ``[pages*Hkv, 64, 1, D]``;
@@ -25,6 +23,9 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
                      heads folded into the batch.
 - ``dense_fa3``      FA3 over every page (what vLLM runs today), the bandwidth reference:
                      ``rel_bw`` of an arm = (its K/V bytes / its time) / (dense bytes / dense time).
+
+(Files of sessions 4 and 6 also time ``moira_fused``: Merge folded into Attend, an option
+removed since as slower, README.)
 
 Also, per shape: Estimate (rotating over copies of the summaries that exceed twice the L2, as
 consecutive layers' do; before session 7 one copy stayed in the L2), Select (coverage 0.98 and
@@ -150,9 +151,6 @@ class Shape:
         self.workspace_balanced = moira.DecodeWorkspace(
             batch, self.pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, device="cuda",
             config=moira.MoiraConfig(schedule="balanced"))
-        self.workspace_fused = moira.DecodeWorkspace(
-            batch, self.pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, device="cuda",
-            config=moira.MoiraConfig(fused_merge=True))
         self.out = torch.empty_like(self.query)
 
     def kv_bytes(self, counts):
@@ -269,7 +267,7 @@ def host_time_us(fn, repeats=30):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--arms", default="moira,moira_balanced,moira_fused,moira_hnd,"
+    parser.add_argument("--arms", default="moira,moira_balanced,moira_hnd,"
                                           "fa3_varlen,pad,pow2,flashinfer,flex")
     parser.add_argument("--quick", action="store_true", help="CV 0 and 1.0 only, no real-like")
     args = parser.parse_args()
@@ -390,10 +388,6 @@ def main():
                 if "moira_balanced" in arms:
                     timed(shape_name, "moira_balanced",
                           lambda: s.moira(lists, counts, s.workspace_balanced),
-                          tag, bytes_read, **info)
-                if "moira_fused" in arms:
-                    timed(shape_name, "moira_fused",
-                          lambda: s.moira(lists, counts, s.workspace_fused),
                           tag, bytes_read, **info)
                 if "moira_hnd" in arms:
                     timed(shape_name, "moira_hnd", lambda: s.moira_hnd(lists, counts), tag,

@@ -23,9 +23,9 @@ arm is therefore timed over 32 layers captured in one CUDA graph
   GEMMs between layers would not allow: an upper bound on what it saves there.
   ``*_pdl_no_attend`` chains Estimate, Select and Merge only (Attend launched plainly),
   ``*_pdl_est_sel`` Estimate and Select only (``moira.kernels.launch.CHAINED``).
-- ``*_fsel``: Select run in Estimate's launch by each row's last Estimate program
-  (``MoiraConfig.fused_select``): one launch fewer per layer. ``*_fmerge``: Merge folded into
-  Attend (``MoiraConfig.fused_merge``); ``*_fboth``: both, two launches per layer.
+- (Files of session 12 also time ``*_fsel``, Select run in Estimate's launch, ``*_fmerge``,
+  Merge folded into Attend, and ``*_fboth``, both: options removed since, after measuring
+  slower or too little faster; README.)
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/bench_single.py [--contexts 2048,8192,32768]
     python3 benchmarks/bench_single.py --plot benchmarks/results/single-<date>.json  # PNG
@@ -191,15 +191,9 @@ def main():
         # programmatic launch chains every kernel of the graph here, across layers too; in vLLM
         # the GEMMs between layers are launched plainly, so this is an upper bound on its gain
         chained = s.workspace(moira.MoiraConfig(programmatic_launch=True))
-        fused = s.workspace(moira.MoiraConfig(fused_select=True))
-        merged = s.workspace(moira.MoiraConfig(fused_merge=True))
-        both = s.workspace(moira.MoiraConfig(fused_select=True, fused_merge=True))
         arms = {"step": (workspace, 0), "step_c2": (c2, 0),
                 "step_floor_off": (s.workspace(moira.MoiraConfig(floor_rows=1)), 0),
                 "step_full_rows": (workspace, s.width), "step_full_rows_c2": (c2, s.width),
-                "step_fsel": (fused, 0), "step_full_rows_fsel": (fused, s.width),
-                "step_fmerge": (merged, 0), "step_full_rows_fmerge": (merged, s.width),
-                "step_fboth": (both, 0), "step_full_rows_fboth": (both, s.width),
                 "step_pdl": (chained, 0), "step_full_rows_pdl": (chained, s.width)}
         chains = {"": launch.CHAINED, "_no_attend": {"estimate", "select", "merge"},
                   "_est_sel": {"estimate", "select"}}

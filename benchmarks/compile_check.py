@@ -31,7 +31,7 @@ GROUP, HEAD_DIM, PAGE = 4, 128, 64
 CACHE = dict(query="*bf16", key_cache="*bf16", value_cache="*bf16", out="*bf16",
              summaries="*bf16")
 INDICES = dict(block_table="*i32", seq_lens="*i32", page_lists="*i32", page_counts="*i32",
-               slot_mapping="*i32", arrivals="*i32", page_stats="*i64")
+               slot_mapping="*i32", page_stats="*i64")
 FLOATS = dict(log_masses="*fp32", partial_out="*fp32", partial_lse="*fp32", row_values="*fp32",
               scale="fp32", gamma="fp32", qk_scale_log2="fp32")
 
@@ -72,11 +72,9 @@ def check_waits_first(name, ptx):
 def build(name, kernel, constexprs, num_warps, num_stages=3):
     signature, constexprs, attrs = specialize(kernel, constexprs)
     pdl = bool(constexprs.get("PDL"))
-    options = dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
-    if kernel is estimate._estimate_select_kernel and estimate.FUSED_SELECT_MAX_REGISTERS:
-        options["maxnreg"] = estimate.FUSED_SELECT_MAX_REGISTERS  # as its launcher passes it
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
-                              options=options)
+                              options=dict(num_warps=num_warps, num_stages=num_stages,
+                                           launch_pdl=pdl))
     if pdl:
         check_waits_first(name, compiled.asm["ptx"])
     usage = sass = ""
@@ -126,24 +124,13 @@ def kernels(group, head_dim, block, pdl=False):
                                                  ("row gammas", False, False, True))],
         (f"attend {tag}", attend._attend_kernel,
          dict(GROUP=group, GROUP_PAD=max(16, group_pad), HEAD_DIM=head_dim, PAGE=PAGE,
-              PAGES_PER_TILE=attend.PAGES_PER_ITER, FUSED_MERGE=False, HAS_STATS=False,
-              SPLITS_PAD=32, SPLITS_PER_LOAD=32, SUM_ROUNDED=attend.SUM_ROUNDED_WEIGHTS,
+              PAGES_PER_TILE=attend.PAGES_PER_ITER, SUM_ROUNDED=attend.SUM_ROUNDED_WEIGHTS,
               FA3_ORDER=attend.FA3_TILE_ORDER, EVEN_CHUNKS=attend.EVEN_CHUNKS, PDL=pdl),
          attend.NUM_WARPS, attend.NUM_STAGES),
         (f"merge {tag}", merge._merge_kernel,
          dict(GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
               HAS_STATS=True, PAGE=PAGE, EVEN_CHUNKS=attend.EVEN_CHUNKS, PDL=pdl), 4, 3),
     ]
-    if block <= 2048:  # Select folded into Estimate's launch (fused_select), on its warps
-        fused_lanes = min(block, 32 * estimate.fused_num_warps(block))
-        decode_step += [
-            (f"estimate+select {mode} {tag} lanes={block}", estimate._estimate_select_kernel,
-             dict(decode_step[0][2], BLOCK=block, BLOCK_2=max(fused_lanes, block // 2),
-                  BLOCK_4=max(fused_lanes, block // 4), BLOCK_8=max(fused_lanes, block // 8),
-                  WAYS=4, PASSES=12, FIXED_COUNT=fixed, FRACTIONS=fractions, ROW_GAMMAS=False,
-                  SOFTMAX_TILE=select.SOFTMAX_TILE),
-             estimate.fused_num_warps(block), 3)
-            for mode, fixed, fractions in (("coverage", False, False), ("fractions", True, True))]
     if pdl:
         return decode_step
     return decode_step + [
@@ -156,17 +143,14 @@ def main():
         sys.exit("compile_check.py compiles for the GPU: run it without TRITON_INTERPRET=1")
     # Llama-3.1-8B in a 131k-token engine first, then the edge geometries the tests cover
     geometries = [(GROUP, HEAD_DIM, 2048, False), (1, 64, 64, False), (7, 64, 512, False),
-                  (8, 128, 16384, False), (GROUP, HEAD_DIM, 2048, True),
-                  # G = 8 in a table Select can share Estimate's launch with: the fused
-                  # kernel's largest build (at its register cap)
-                  (8, 128, 2048, False)]
+                  (8, 128, 16384, False), (GROUP, HEAD_DIM, 2048, True)]
     spilled = [name for group, head_dim, block, pdl in geometries
                for name, kernel, constexprs, warps, stages in kernels(group, head_dim, block, pdl)
                if build(name, kernel, constexprs, warps, stages)]
     # the options in tune_kernels.py's sweeps: Estimate's mvar on the tensor cores, and
     # Attend with FA3's loop order and normalizer (what vllm_checks.py --fa3-arithmetic runs)
     for name, kernel, constexprs, warps, stages in kernels(GROUP, HEAD_DIM, 2048):
-        for precision in ("tf32x3", "tf32", "ieee") if name.startswith("estimate ") else ():
+        for precision in ("tf32x3", "tf32", "ieee") if name.startswith("estimate") else ():
             if build(f"{name} mvar dot {precision}", kernel, dict(
                     constexprs, MVAR_DOT=True, DOT_PRECISION=precision), warps, stages):
                 spilled.append(f"{name} mvar dot {precision}")

@@ -5,9 +5,7 @@
 #   PYTHONPATH=/tmp/site:. bash benchmarks/tpot_pairs.sh [SHAPES] [MODEL] [PAIRS]
 #   e.g. bash benchmarks/tpot_pairs.sh 8k32,32k16,130k4 llama-3.1-8b 2
 #   ARMS="dense moira pdl" bash benchmarks/tpot_pairs.sh 2k1,8k1,16k1 llama-3.1-8b 2
-#     (batch 1: a third engine per pair with programmatic launch, <model>-moira-g098-pdl.json;
-#      arm fsel: Estimate and Select in one launch, <model>-moira-g098-fsel.json; fmerge: Merge
-#      in Attend's launch; fboth: both, two launches per layer as FA3 with its combine)
+#     (batch 1: a third engine per pair with programmatic launch, <model>-moira-g098-pdl.json)
 # Results: $OUT/pair<i>/<model>-dense.json and <model>-moira-g098.json; report with
 #   python3 benchmarks/tpot_report.py --pairs results/<folder>/pair1 results/<folder>/pair2
 # About 4 x (engine start-up ~60 s + ~40 s per shape) for two pairs.
@@ -23,10 +21,7 @@ for pair in $(seq "$pairs"); do
       dense) args="--backend dense"; name=$model-dense ;;
       moira) args="--backend moira"; name=$model-moira-g098 ;;
       pdl) args="--backend moira --programmatic-launch"; name=$model-moira-g098-pdl ;;
-      fsel) args="--backend moira --fused-select"; name=$model-moira-g098-fsel ;;
-      fmerge) args="--backend moira --fused-merge"; name=$model-moira-g098-fmerge ;;
-      fboth) args="--backend moira --fused-select --fused-merge"; name=$model-moira-g098-fboth ;;
-      *) echo "unknown arm $arm (dense, moira, pdl, fsel, fmerge, fboth)"; exit 1 ;;
+      *) echo "unknown arm $arm (dense, moira, pdl)"; exit 1 ;;
     esac
     python3 benchmarks/vllm_tpot.py --model "$model" --shapes "$shapes" $args \
       --repeats 1 --out "$out/pair$pair/$name.json" 2>&1 | grep "tpot_ms\|Error\|Traceback" \

@@ -38,6 +38,9 @@ def tpot_by_shape(run):
     return {shape: statistics.median(values) for shape, values in by_shape.items()}
 
 
+# kernel variants: a run's flag and its column's label. fused_select and fused_merge (Select in
+# Estimate's launch, Merge in Attend's) were options until session 12, removed after measuring
+# slower or too little faster (README); kept here as labels so that their runs' files still load
 VARIANTS = (("programmatic_launch", "pdl"), ("fused_select", "fsel"), ("fused_merge", "fmerge"))
 
 
@@ -53,9 +56,10 @@ def load(folders):
             key = (run["model"], "dense" if run["backend"] == "dense" else run["gamma"])
             if run.get("dense_below_tokens"):  # short requests read in full: its own column
                 key = (run["model"], "fallback")
-            # kernel variants of the same (programmatic launch, Select in Estimate's launch,
-            # Merge in Attend's): a column each, "+"-joined when combined (the tpot_pairs.sh
-            # arm fboth is "fsel+fmerge"); the batch-shape pairs table shows "fsel" only
+            # kernel variants of the same (programmatic launch; in older files Select in
+            # Estimate's launch, Merge in Attend's): a column each, "+"-joined when combined
+            # (the former tpot_pairs.sh arm fboth is "fsel+fmerge"); the batch-shape pairs
+            # table shows "fsel" only
             variant = "+".join(arm for flag, arm in VARIANTS if run.get(flag))
             if variant:
                 key = (run["model"], variant)

@@ -159,27 +159,6 @@ def main():
                     **kwargs))
                 record("select", shape, f"{mode}{label}", micros)
 
-        # Estimate then Select, against Select run by each row's last Estimate program in
-        # Estimate's launch (fused_select), at its register cap and at ptxas's own choice
-        arrivals = workspace.estimate_arrivals
-        for mode, kwargs in ([("coverage", dict(gamma=0.98, top_k=None)),
-                              ("top22%", dict(gamma=0.98, top_k=top_k))]
-                             if "select" in kinds and estimate_module.fits_one_launch(pages)
-                             else []):
-            def apart():
-                estimate_module.estimate(query, keys, summaries, table, seq_lens, scale,
-                                         log_masses)
-                select_module.select(log_masses, seq_lens, lists, counts,
-                                     num_kv_heads=KV_HEADS, max_pages=pages, ways=ways, **kwargs)
-            record("est+sel", shape, f"{mode}, two launches", bench(apart), summary_bytes)
-            for cap in dict.fromkeys((estimate_module.FUSED_SELECT_MAX_REGISTERS, None)):
-                with patched(estimate_module, FUSED_SELECT_MAX_REGISTERS=cap):
-                    micros = bench(lambda: estimate_module.estimate_select(
-                        query, keys, summaries, table, seq_lens, scale, log_masses, lists,
-                        counts, arrivals, ways=ways, **kwargs))
-                record("est+sel", shape, f"{mode}, one launch, maxnreg {cap}", micros,
-                       summary_bytes)
-
         # wider passes need more threads to hold the [K_B, pages] comparison tile
         for k_b, warps in itertools.product([2, 4, 8, 16] if "select" in kinds else [],
                                             [1, 2, 4, 8]):
@@ -257,17 +236,14 @@ def main():
             record("attend22", shape, f"balanced P={programs} C={floor}", micros, sparse_bytes)
         # time against bytes: Attend + Merge at several fixed fractions of every row; the
         # intercept of time over bytes is the fixed cost per layer (launches, ramp, Merge)
-        fused = moira.DecodeWorkspace(batch, pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
-                                      device="cuda", config=moira.MoiraConfig(fused_merge=True))
         for fraction in [0.05, 0.11, 0.22, 0.44, 1.0] if "fractions" in kinds else []:
             count = max(2, round(fraction * pages))
             select_module.select(log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS,
                                  max_pages=pages, gamma=0.98, top_k=count, ways=ways)
-            for name, ws in (("", workspace), (", fused merge", fused)):
-                micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
-                                                    lists, counts, workspace=ws, out=out))
-                record("fraction", shape, f"{fraction:.0%} ({count} pages/row){name}", micros,
-                       batch * KV_HEADS * count * PAGE_KV_BYTES)
+            micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
+                                                lists, counts, workspace=workspace, out=out))
+            record("fraction", shape, f"{fraction:.0%} ({count} pages/row)", micros,
+                   batch * KV_HEADS * count * PAGE_KV_BYTES)
         if "wide" in kinds and args.table_pages > pages:
             # the engine's view: every row's table padded to the longest admitted context, so
             # grids sized by the width launch programs that find nothing to do
@@ -301,14 +277,6 @@ def main():
                                                        workspace=workspace, out=out))
             record("step22", shape, "estimate+select+attend+merge, defaults", micros,
                    sparse_bytes + summary_bytes)
-            fused = moira.DecodeWorkspace(batch, pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
-                                          device="cuda", config=moira.MoiraConfig(
-                                              fused_select=True))
-            micros = bench(lambda: moira.sparse_decode(query, keys, values, summaries, table,
-                                                       seq_lens, top_k=top_k,
-                                                       workspace=fused, out=out))
-            record("step22", shape, "estimate+select+attend+merge, Select in Estimate's launch",
-                   micros, sparse_bytes + summary_bytes)
 
 
 

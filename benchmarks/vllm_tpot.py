@@ -94,10 +94,6 @@ def main():
     parser.add_argument("--dense-below-tokens", type=int, default=None,
                         help="moira: a step of B requests reads rows of at most this / B "
                              "tokens in full (0: off; default: the plugin's)")
-    parser.add_argument("--fused-merge", action="store_true",
-                        help="moira: Merge folded into Attend (MoiraConfig.fused_merge)")
-    parser.add_argument("--fused-select", action="store_true",
-                        help="moira: Select run in Estimate's launch (MoiraConfig.fused_select)")
     parser.add_argument("--programmatic-launch", action="store_true",
                         help="moira: the decode kernels chained by programmatic dependent "
                              "launch (MoiraConfig.programmatic_launch)")
@@ -120,8 +116,6 @@ def main():
                      additional_config={"moira": {"imposed_fraction": knots,
                                                   "stats_interval": 0,
                                                   "schedule": args.schedule,
-                                                  "fused_merge": args.fused_merge,
-                                                  "fused_select": args.fused_select,
                                                   "programmatic_launch":
                                                       args.programmatic_launch}})
         if args.dense_below_tokens is not None:
@@ -170,8 +164,6 @@ def main():
         with open(args.out, "w") as f:
             json.dump(dict(backend=args.backend, model=args.model, gamma=args.gamma,
                            schedule=args.schedule if args.backend == "moira" else None,
-                           fused_merge=args.fused_merge if args.backend == "moira" else None,
-                           fused_select=args.fused_select if args.backend == "moira" else None,
                            programmatic_launch=args.programmatic_launch
                            if args.backend == "moira" else None,
                            dense_below_tokens=MoiraSettings.from_sources(

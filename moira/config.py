@@ -53,14 +53,6 @@ class MoiraConfig:
         ``"rows"`` only: launch Estimate, Select, Attend and Merge with programmatic dependent
         launch (sm_90+), so each may be scheduled while the previous one drains
         (``moira/kernels/launch.py``).
-    fused_select:
-        Run each row's Select in Estimate's launch, by the last of the row's Estimate programs
-        to finish (one atomic per program): one kernel fewer per layer, and a row's Select
-        starts when its own estimates are written, not when every row's are. Block tables of
-        up to 2,048 pages (wider ones launch Select apart).
-    fused_merge:
-        ``"rows"`` only: fold Merge into Attend (the last chunk of a split row to finish merges
-        the row, counted by one atomic per chunk): one kernel per layer instead of two.
     min_chunks_per_row:
         N_J, the fewest programs Attend launches per row.
     min_programs:
@@ -78,8 +70,6 @@ class MoiraConfig:
     chunk_pages: int = 24
     floor_rows: int = 32
     schedule: str = "rows"
-    fused_merge: bool = False
-    fused_select: bool = False
     programmatic_launch: bool = False
     dense_below_pages: int = 0
     min_chunks_per_row: int = 32
@@ -105,19 +95,12 @@ class MoiraConfig:
         if self.schedule not in ("rows", "balanced"):
             raise ValueError(f"schedule must be 'rows' (paper Eq. 4) or 'balanced', got "
                              f"{self.schedule!r}")
-        if not isinstance(self.fused_merge, bool):
-            raise ValueError(f"fused_merge must be True or False, got {self.fused_merge!r}")
-        if not isinstance(self.fused_select, bool):
-            raise ValueError(f"fused_select must be True or False, got {self.fused_select!r}")
         if not isinstance(self.programmatic_launch, bool):
             raise ValueError(f"programmatic_launch must be True or False, got "
                              f"{self.programmatic_launch!r}")
         if self.programmatic_launch and self.schedule != "rows":
             raise ValueError("programmatic_launch chains the 'rows' schedule's kernels; use "
                              "schedule='rows' or turn it off")
-        if self.fused_merge and self.schedule != "rows":
-            raise ValueError("fused_merge folds Merge into the 'rows' schedule's Attend; the "
-                             "balanced schedule has its own Merge: use schedule='rows'")
         if (isinstance(self.dense_below_pages, bool) or not isinstance(self.dense_below_pages, int)
                 or self.dense_below_pages < 0):
             raise ValueError(f"dense_below_pages must be an int >= 0 (0 turns it off), got "

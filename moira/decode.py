@@ -33,8 +33,6 @@ from .kernels.attend import attend as _launch_attend
 from .kernels.balanced import attend_balanced as _launch_attend_balanced
 from .kernels.balanced import merge_balanced as _launch_merge_balanced
 from .kernels.estimate import estimate as _launch_estimate
-from .kernels.estimate import estimate_select as _launch_estimate_select
-from .kernels.estimate import fits_one_launch
 from .kernels.merge import merge as _launch_merge
 from .kernels.select import select as _launch_select
 from .kernels.summarize import summarize_filled_slots, summarize_pages
@@ -204,10 +202,6 @@ class DecodeWorkspace:
         self.page_counts = torch.empty(max_rows, dtype=i32, device=device)
         self.partial_out = torch.empty(slots * self.group * head_dim, dtype=f32, device=device)
         self.partial_lse = torch.empty(slots * self.group, dtype=f32, device=device)
-        # fused merge: chunks of each row counted in; the merging chunk resets its row to 0
-        self.row_arrivals = torch.zeros(max_rows, dtype=i32, device=device)
-        # fused select: Estimate programs of each row counted in; the selecting one resets it
-        self.estimate_arrivals = torch.zeros(max_rows, dtype=i32, device=device)
 
     @classmethod
     def for_step(cls, query, key_cache, block_table, config=None):
@@ -319,10 +313,6 @@ def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page
                      chunks_per_row=config.chunks_per_row(rows, block_table.shape[1]))
         attend_kernel, merge_kernel = _launch_attend, _launch_merge
         split["programmatic_launch"] = config.programmatic_launch
-    if config.fused_merge:
-        return attend_kernel(*inputs, scale=scale, out=out, partial_out=partials[0],
-                             partial_lse=partials[1], arrivals=workspace.row_arrivals,
-                             page_stats=page_stats, **split)
     attend_kernel(*inputs, scale=scale, out=out, partial_out=partials[0],
                   partial_lse=partials[1], **split)
     merge_kernel(page_counts, *partials, out, num_kv_heads=num_kv_heads, **split, **stats)
@@ -388,8 +378,7 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
                   gamma=None, top_k=None, keep_fractions=None, dense_below_pages=None,
                   scale=None, return_pages=False, config=None, workspace=None, out=None,
                   page_stats=None, planned_batch=None):
-    """One sparse decode step: Estimate -> Select -> Attend -> Merge (Estimate and Select in
-    one launch with ``config.fused_select``, block tables of up to 2,048 pages).
+    """One sparse decode step: Estimate -> Select -> Attend -> Merge.
 
     The step also summarizes each row's current page if it is full (``seq_lens`` a multiple of
     64: this step's token filled it), so decode steps need no ``update_summaries`` call; steps
@@ -480,16 +469,11 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
                      ways=config.bisection_ways_for(max_pages), keep_fractions=keep_fractions,
                      gammas=gammas, dense_below_pages=config.dense_below_pages,
                      programmatic_launch=config.programmatic_launch)
-    if config.fused_select and fits_one_launch(max_pages):
-        _launch_estimate_select(query, key_cache, summaries, block_table, seq_lens, scale,
-                                log_masses, page_lists, page_counts,
-                                workspace.estimate_arrivals, **selection)
-    else:
-        _launch_estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-                         dense_below_pages=config.dense_below_pages,
-                         programmatic_launch=config.programmatic_launch)
-        _launch_select(log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
-                       max_pages=max_pages, **selection)
+    _launch_estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
+                     dense_below_pages=config.dense_below_pages,
+                     programmatic_launch=config.programmatic_launch)
+    _launch_select(log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
+                   max_pages=max_pages, **selection)
     _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
                       page_counts, scale, workspace, out, page_stats, planned_batch)
     return (out, page_lists, page_counts) if return_pages else out

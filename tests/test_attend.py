@@ -162,53 +162,15 @@ def test_pages_past_seq_len_are_masked():
     assert (out.float().cpu() - dense).abs().max() < 2e-2
 
 
-FUSED = SMALL_SPLIT.replace(fused_merge=True)
-
-
-@pytest.mark.parametrize("group", [1, 7, 8])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_fused_merge_matches_reference(group, head_dim):
-    """Merge folded into Attend: the last chunk of each split row merges it. Three calls on one
-    workspace: the per-row counters must be back at zero after every call."""
-    num_kv_heads = 2
-    keys, values = make_cache(120, num_kv_heads, head_dim)
-    table, seq_lens = make_table([1, 64, 65, 64 * 7 + 3, 64 * 16, 64 * 11 + 63], 120)
-    query = make_query(len(seq_lens), num_kv_heads * group, head_dim)
-    workspace = moira.DecodeWorkspace(len(seq_lens), table.shape[1], num_kv_heads * group,
-                                      num_kv_heads, head_dim, device=DEVICE, config=FUSED)
-    for fraction in (0.5, 0.3, 1.0):
-        page_lists, page_counts = random_lists(seq_lens.cpu(), num_kv_heads, table.shape[1],
-                                               fraction=fraction, shuffle=True)
-        out = poisoned(*query.shape, dtype=query.dtype)
-        stats = torch.zeros(2, dtype=torch.int64, device=DEVICE)
-        moira.attend(query, keys, values, table, seq_lens, page_lists, page_counts,
-                     workspace=workspace, out=out, page_stats=stats)
-        args = [t.cpu() for t in (query, keys, values, table, seq_lens, page_lists,
-                                  page_counts)]
-        assert_attention_close(out, ref.attend(*args), ref.attend(*args, dtype=query.dtype))
-        assert int(workspace.row_arrivals.abs().sum()) == 0
-        pages = [ref.num_pages(n, table.shape[1]) for n in seq_lens.tolist()]
-        assert stats.tolist() == [int(page_counts.sum()), sum(pages) * num_kv_heads]
-    # some rows did split (else the fused path was never taken)
-    assert int(page_counts.max()) > SMALL_SPLIT.chunk_pages
-
-
-def test_fused_merge_needs_the_rows_schedule():
-    with pytest.raises(ValueError, match="fused_merge folds Merge"):
-        MoiraConfig(schedule="balanced", fused_merge=True)
-
-
 @pytest.mark.parametrize("even", [True, False])
-@pytest.mark.parametrize("fused", [False, True])
-def test_equal_chunks_and_eq4_chunks(monkeypatch, even, fused):
+def test_equal_chunks_and_eq4_chunks(monkeypatch, even):
     """Rows whose Eq. (4) chunks are unequal (C = 4, J = 3: 5, 6 and 9 pages are 4 + 1, 4 + 2
-    and 4 + 4 + 1, equal 3 + 2, 3 + 3 and 3 + 3 + 3): both rules (``EVEN_CHUNKS``), with Merge
-    and with the merge folded into Attend, against the reference."""
+    and 4 + 4 + 1, equal 3 + 2, 3 + 3 and 3 + 3 + 3): both rules (``EVEN_CHUNKS``), with Merge,
+    against the reference."""
     from moira.kernels import attend as attend_module
 
     monkeypatch.setattr(attend_module, "EVEN_CHUNKS", even)
-    config = MoiraConfig(chunk_pages=4, floor_rows=1, min_chunks_per_row=3, min_programs=8,
-                         fused_merge=fused)
+    config = MoiraConfig(chunk_pages=4, floor_rows=1, min_chunks_per_row=3, min_programs=8)
     num_kv_heads, group, head_dim = 2, 4, 64
     keys, values = make_cache(40, num_kv_heads, head_dim)
     table, seq_lens = make_table([64 * 4 + 10, 64 * 6, 64 * 8 + 1, 1], 40)
@@ -227,4 +189,3 @@ def test_equal_chunks_and_eq4_chunks(monkeypatch, even, fused):
                  workspace=workspace, out=out)
     args = [t.cpu() for t in (query, keys, values, table, seq_lens, page_lists, page_counts)]
     assert_attention_close(out, ref.attend(*args), ref.attend(*args, dtype=query.dtype))
-    assert int(workspace.row_arrivals.abs().sum()) == 0

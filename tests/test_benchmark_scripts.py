@@ -230,8 +230,9 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
     assert "| llama-3.1-8b | 130k4 | 20.00 / 21.00 | 10.00 / 7.00 | 2.00× / 3.00× | **2.50×** " \
         "| 2.64× |" in text
     assert "one launch" not in text
-    # a third engine per pair with Estimate and Select in one launch: its own columns, each
-    # pair's speedup against that pair's dense engine
+    # a third engine per pair with Estimate and Select in one launch (the fused_select option,
+    # removed since: its result files still load): its own columns, each pair's speedup
+    # against that pair's dense engine
     for pair, tpot in ((1, 8.0), (2, 10.5)):
         run = dict(backend="moira", model="llama-3.1-8b", gamma=0.98, fused_select=True,
                    results=[dict(shape="130k4", tpot_ms=tpot, imposed_read_fraction=0.15)])
@@ -421,7 +422,8 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
     (tmp_path / "pair1" / "selecting.json").write_text(json.dumps(run))
     text = report.single_pairs_table([report.load([str(tmp_path / "pair1")])])
     assert "| 2k1 | 5.00 | 6.00 | +20.0% | **+20.0%** | 5.20 | +4.0% |" in text
-    # an engine with Estimate and Select in one launch: its own column, last
+    # an engine with Estimate and Select in one launch (fused_select, removed since: its
+    # result files still load): its own column, last
     run = dict(model="llama-3.1-8b", gamma=0.98, backend="moira", dense_below_tokens=20480,
                fused_select=True,
                results=[dict(shape="2k1", tpot_ms=5.05, imposed_read_fraction=0.4)])

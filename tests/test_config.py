@@ -39,7 +39,7 @@ def test_chunk_floor_shrinks_for_small_batches():
     ("top_k", 1), ("top_k", 2.5), ("chunk_pages", 0), ("floor_rows", 0), ("min_chunks_per_row", -1),
     ("min_programs", 1.5), ("bisection_ways", ((256, 3),)), ("bisection_ways", ((256, 32),)),
     ("bisection_ways", ((1024, 8), (256, 4))), ("bisection_ways", ()),
-    ("programmatic_launch", "yes"), ("fused_select", 1),
+    ("programmatic_launch", "yes"),
 ])
 def test_bad_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -14,18 +14,10 @@ pytestmark = pytest.mark.cuda
 @pytest.mark.parametrize("gamma, top_k, schedule", [(0.95, None, "rows"), (1.0, None, "rows"),
                                                     (0.98, 12, "rows"),
                                                     (0.95, None, "balanced"),
-                                                    (0.95, None, "rows, fused merge"),
                                                     (0.95, None, "rows, programmatic launch"),
                                                     (0.98, 12, "rows, programmatic launch"),
                                                     (0.95, None,
-                                                     "rows, programmatic launch, fused merge"),
-                                                    (0.95, None,
-                                                     "rows, programmatic launch, short rows"),
-                                                    (0.95, None, "rows, fused select"),
-                                                    (0.98, 12, "rows, fused select"),
-                                                    (0.95, None,
-                                                     "rows, fused select, programmatic launch, "
-                                                     "short rows")])
+                                                     "rows, programmatic launch, short rows")])
 def test_graph_replay_matches_eager(gamma, top_k, schedule):
     batch, num_kv_heads, group, head_dim, width = 4, 8, 4, 128, 96
     ctx = synthetic_context(width * PAGE_SIZE, batch=batch, num_kv_heads=num_kv_heads,
@@ -45,16 +37,13 @@ def test_graph_replay_matches_eager(gamma, top_k, schedule):
                                       head_dim, device="cuda",
                                       config=moira.MoiraConfig(
                                           schedule=schedule.split(",")[0], programs=264,
-                                          fused_merge="fused merge" in schedule,
                                           programmatic_launch="programmatic" in schedule,
-                                          fused_select="fused select" in schedule,
                                           dense_below_pages=48 if "short" in schedule else 0))
-    # with programmatic launch or Select in Estimate's launch, the same step as separate plain
-    # launches is the reference too: a kernel reading before the previous one's writes land
-    # (or a row selected before its last estimate) would differ from it
+    # with programmatic launch, the same step launched plainly is the reference too: a kernel
+    # reading before the previous one's writes land would differ from it
     plain = moira.DecodeWorkspace(batch, width, num_kv_heads * group, num_kv_heads, head_dim,
                                   device="cuda", config=workspace.config.replace(
-                                      programmatic_launch=False, fused_select=False))
+                                      programmatic_launch=False))
 
     def poison():
         """Scratch and output of the last step overwritten, so that an eager step reading a
@@ -110,7 +99,7 @@ def test_graph_replay_matches_eager(gamma, top_k, schedule):
                 n = int(eager_counts[row, head])
                 assert torch.equal(replayed[1][row, head, :n], eager_lists[row, head, :n])
         assert torch.equal(replayed[3], summaries)
-        if workspace.config.programmatic_launch or workspace.config.fused_select:
+        if workspace.config.programmatic_launch:
             plain_out = moira.sparse_decode(query, keys, values, summaries, table, seq_lens,
                                             gamma=gamma, top_k=top_k, workspace=plain)
             torch.cuda.synchronize()

@@ -23,7 +23,7 @@ def cpu(*tensors):
     return [t.cpu() for t in tensors]
 
 
-PDL, FUSED_SELECT = dict(programmatic_launch=True), dict(fused_select=True)
+PDL = dict(programmatic_launch=True)
 
 
 @pytest.mark.parametrize("group, head_dim, options",
@@ -32,12 +32,7 @@ PDL, FUSED_SELECT = dict(programmatic_launch=True), dict(fused_select=True)
                          # on a GPU, one eager step with griddepcontrol between the kernels
                          # (the interpreter launches plainly; the race test is in
                          # test_cuda_graph.py)
-                         + [(4, 128, PDL)]
-                         # Select run by each row's last Estimate program, in one launch
-                         + [(1, 64, FUSED_SELECT), (7, 128, FUSED_SELECT),
-                            (4, 128, {**PDL, **FUSED_SELECT}),
-                            # and Merge in Attend's launch too: two launches per layer
-                            (8, 64, dict(fused_select=True, fused_merge=True))])
+                         + [(4, 128, PDL)])
 def test_sparse_decode_matches_reference(group, head_dim, options):
     ctx, summaries = structured_step(group=group, head_dim=head_dim)
     inputs = (ctx.query, ctx.key_cache, ctx.value_cache, summaries, ctx.block_table,
@@ -331,18 +326,3 @@ def test_programmatic_launch_before_hopper_raises(monkeypatch):
     with pytest.raises(ValueError, match="programmatic_launch needs a Hopper.*sm_80"):
         moira.DecodeWorkspace(1, 4, 8, 2, 64, device="cuda",
                               config=moira.MoiraConfig(programmatic_launch=True))
-
-
-def test_fused_select_launches_select_apart_for_tables_wider_than_2048_pages():
-    """``fused_select`` with a block table of 2,049 pages (Select's row would not fit
-    Estimate's warps): the step launches the two apart and matches the step without it."""
-    num_kv_heads, group, head_dim = 1, 1, 64
-    keys, values = make_cache(2100, num_kv_heads, head_dim)
-    table, seq_lens = make_table([64 * 3 + 5], 2100, extra_columns=2049 - 4)
-    assert table.shape[1] == 2049
-    query = make_query(1, group, head_dim)
-    summaries = moira.summarize(keys, table, seq_lens)
-    plain = moira.sparse_decode(query, keys, values, summaries, table, seq_lens, gamma=0.9)
-    fused = moira.sparse_decode(query, keys, values, summaries, table, seq_lens, gamma=0.9,
-                                config=moira.MoiraConfig(fused_select=True))
-    assert torch.equal(fused, plain)

@@ -12,12 +12,6 @@ heads of the group share each K/V tile (one read of every K/V byte per group). A
 single-chunk row writes its output directly; otherwise each chunk writes its normalized
 partial output and log-sum-exp for Merge.
 
-With the merge folded in (``fused_merge``), each chunk of a split row then counts itself in
-``arrivals[row]`` with one atomic (release: its partials are visible before the count;
-acquire: the counter sees everyone's); the chunk that brings the count to m merges the row's
-partials and writes the output, then resets the counter for the next step (and graph replay).
-One kernel per layer instead of two, and no Merge launch or pass over the rows that did not split.
-
 Bytes: 2 * 64 * D cache elements per listed page, plus q, and the partials of split rows.
 """
 
@@ -28,7 +22,6 @@ import triton.language as tl
 
 from ..config import PAGE_SIZE
 from . import launch
-from .combine import add_page_stats, merged
 
 # tuned on the H200 (benchmarks/NOTES.md, session 4: two pages per tile and two stages are
 # 3-6% faster than one page and three stages at 22% of every row, all four shapes)
@@ -174,7 +167,7 @@ def attend_segment(query, key_cache, value_cache, block_table, seq_lens, page_li
 
 @triton.jit
 def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
-                   out, partial_out, partial_lse, arrivals, page_stats,
+                   out, partial_out, partial_lse,
                    stride_qb, stride_qh, stride_qd,
                    stride_kp, stride_kt, stride_kh, stride_kd,
                    stride_vp, stride_vt, stride_vh, stride_vd,
@@ -182,9 +175,7 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
                    stride_ob, stride_oh, stride_od,
                    num_kv_heads, max_pages, qk_scale_log2, chunk_floor, chunks_per_row,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr, FUSED_MERGE: tl.constexpr,
-                   HAS_STATS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                   SPLITS_PER_LOAD: tl.constexpr, SUM_ROUNDED: tl.constexpr,
+                   PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr, SUM_ROUNDED: tl.constexpr,
                    FA3_ORDER: tl.constexpr, EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
@@ -214,51 +205,26 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
         slot = (row.to(tl.int64) * chunks_per_row + chunk_id) * GROUP + groups
         tl.store(partial_out + slot[:, None] * HEAD_DIM + dims[None, :], result, mask=head_mask)
         tl.store(partial_lse + slot, lse, mask=groups < GROUP)
-        if FUSED_MERGE:
-            # every thread's partial stores are issued before the count (the atomic is one
-            # thread's; its release then covers them), and every thread's loads below come
-            # after the acquire: the split-K / stream-K handshake
-            tl.debug_barrier()
-            arrived = tl.atomic_add(arrivals + row, 1, sem="acq_rel", scope="gpu")
-            tl.debug_barrier()
-            if arrived == num_chunks - 1:  # the row's last chunk: merge it
-                for g in tl.static_range(GROUP):
-                    merged_head = merged(partial_out, partial_lse,
-                                         row.to(tl.int64) * chunks_per_row, num_chunks, g,
-                                         GROUP, HEAD_DIM, SPLITS_PAD, SPLITS_PER_LOAD)
-                    tl.store(out + b.to(tl.int64) * stride_ob + (head * GROUP + g) * stride_oh
-                             + dims * stride_od, merged_head.to(out.dtype.element_ty))
-                tl.atomic_xchg(arrivals + row, 0, sem="relaxed", scope="gpu")
-    if HAS_STATS:
-        if chunk_id == 0:
-            add_page_stats(page_stats, seq_lens, b, count, max_pages, PAGE)
 
 
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
-           scale, chunk_floor, chunks_per_row, out, partial_out, partial_lse, arrivals=None,
-           page_stats=None, programmatic_launch=False):
+           scale, chunk_floor, chunks_per_row, out, partial_out, partial_lse,
+           programmatic_launch=False):
     """Launch (batch * KV heads, J) programs. ``partial_out`` ``[>= rows * J * G * D]`` and
-    ``partial_lse`` ``[>= rows * J * G]`` are float32 scratch (only split rows write them).
-    With ``arrivals`` (int32 ``[>= rows]``, zeros) the merge is folded in (no Merge launch
-    needed), and ``page_stats`` (int64 ``[2]``) counts (pages listed, pages present) here."""
+    ``partial_lse`` ``[>= rows * J * G]`` are float32 scratch (only split rows write them)."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    fused = arrivals is not None
-    has_stats = fused and page_stats is not None
     _attend_kernel[(batch * num_kv_heads, chunks_per_row)](
         query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
-        out, partial_out, partial_lse, arrivals if fused else page_counts,
-        page_stats if has_stats else page_counts,
+        out, partial_out, partial_lse,
         *query.stride(), *key_cache.stride(), *value_cache.stride(),
         block_table.stride(0), *page_lists.stride()[:2], *page_counts.stride(), *out.stride(),
         num_kv_heads, block_table.shape[1], scale * math.log2(math.e), chunk_floor,
         chunks_per_row,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE=PAGE_SIZE, PAGES_PER_TILE=PAGES_PER_ITER, FUSED_MERGE=fused, HAS_STATS=has_stats,
-        SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
-        SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)),
-        SUM_ROUNDED=SUM_ROUNDED_WEIGHTS, FA3_ORDER=FA3_TILE_ORDER, EVEN_CHUNKS=EVEN_CHUNKS,
+        PAGE=PAGE_SIZE, PAGES_PER_TILE=PAGES_PER_ITER, SUM_ROUNDED=SUM_ROUNDED_WEIGHTS,
+        FA3_ORDER=FA3_TILE_ORDER, EVEN_CHUNKS=EVEN_CHUNKS,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         **launch.options(programmatic_launch, "attend"),
     )

@@ -1,5 +1,5 @@
-"""Helpers shared by the kernels that combine split rows (Merge, the balanced Merge, and Attend
-with its merge folded in): the log-sum-exp combination and the page counters.
+"""Helpers shared by the kernels that combine split rows (Merge and the balanced Merge): the
+log-sum-exp combination and the page counters.
 
     lse = log sum_j exp(lse_j)      out = sum_j exp(lse_j - lse) * out_j
 """
@@ -14,7 +14,8 @@ def merged(partial_out, partial_lse, first_slot, num_chunks, g, GROUP: tl.conste
     """The LSE combination of query head ``g``'s partials in slots ``[first_slot, first_slot +
     num_chunks)`` (``partial_lse[slot * GROUP + g]``, ``partial_out[(slot * GROUP + g) * D]``)."""
     splits = tl.arange(0, SPLITS_PAD)
-    # .cg (L2, not L1): with the merge folded into Attend, other SMs wrote these in this kernel
+    # .cg (L2, not L1): chosen when Attend could fold the merge in (other SMs wrote these in
+    # the same kernel; removed since), kept so that Merge's loads stay as they were timed
     lse = tl.load(partial_lse + (first_slot + splits) * GROUP + g, mask=splits < num_chunks,
                   other=float("-inf"), cache_modifier=".cg")
     peak = tl.max(lse, axis=0)

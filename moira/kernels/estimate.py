@@ -29,8 +29,7 @@ import triton
 import triton.language as tl
 
 from ..config import PAGE_SIZE
-from . import interpreting, launch
-from .select import select_arguments, select_program
+from . import launch
 from .summarize import summarize_page
 
 # tuned on the H200 (benchmarks/NOTES.md)
@@ -64,11 +63,6 @@ EXACT_HEADS_SIDE_BY_SIDE = False
 # 113 registers, 48 KB of shared memory). Off: timed slower on the H200 (session 10, 128k x 4:
 # row sums 16.9 us, tf32 19.1, tf32x3 43.4, ieee 162; G = 4 is padded to 16 columns)
 MVAR_DOT = False
-# register cap of Estimate's launch with Select folded in (fused_select): at ptxas's own choice,
-# 128, the sm_90 build in fraction mode spills 8 bytes (G = 4, D = 128, 2,048 lanes); at 168 it
-# builds at 138 without spilling, i.e. 3 blocks of 4 warps per SM instead of Estimate's 4.
-# Untimed (None: ptxas's choice)
-FUSED_SELECT_MAX_REGISTERS = 168
 MVAR_DOT_PRECISION = "tf32x3"
 
 
@@ -87,19 +81,20 @@ def _log_sum_exp(logits):
     return peak + tl.log(tl.sum(tl.exp(logits - peak), axis=0))
 
 
-@triton.jit
-def estimate_program(query, key_cache, summaries, block_table, seq_lens, log_masses,
+@triton.jit(do_not_specialize=["mvar_programs"])  # one build for every batch size
+def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_masses,
                      stride_qb, stride_qh, stride_qd,
                      stride_kp, stride_kt, stride_kh, stride_kd,
                      stride_sp, stride_sh, stride_ss, stride_sd,
                      stride_bt, stride_lr, stride_lg,
-                     num_kv_heads, max_pages, scale, dense_below_pages, mvar_programs, row, block,
+                     num_kv_heads, max_pages, scale, dense_below_pages, mvar_programs,
                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_DOT: tl.constexpr,
                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
                      TILE_STAGES: tl.constexpr, SIDE_BY_SIDE: tl.constexpr,
-                     MVAR_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The work of Estimate's program ``block`` of row ``row`` (0: the sink, 1: the current
-    page, 2 + j: the j-th share of the middle pages' tiles)."""
+                     MVAR_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    launch.after_previous_kernel(PDL)
+    row = tl.program_id(0)
+    block = tl.program_id(1)
     b = row // num_kv_heads
     head = row % num_kv_heads
     seq_len = tl.load(seq_lens + b)
@@ -180,72 +175,11 @@ def estimate_program(query, key_cache, summaries, block_table, seq_lens, log_mas
                 tl.store(dst + g * stride_lg + pages, est, mask=middle)
 
 
-@triton.jit(do_not_specialize=["mvar_programs"])  # one build for every batch size
-def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_masses,
-                     stride_qb, stride_qh, stride_qd,
-                     stride_kp, stride_kt, stride_kh, stride_kd,
-                     stride_sp, stride_sh, stride_ss, stride_sd,
-                     stride_bt, stride_lr, stride_lg,
-                     num_kv_heads, max_pages, scale, dense_below_pages, mvar_programs,
-                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_DOT: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
-                     TILE_STAGES: tl.constexpr, SIDE_BY_SIDE: tl.constexpr,
-                     MVAR_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    launch.after_previous_kernel(PDL)
-    estimate_program(query, key_cache, summaries, block_table, seq_lens, log_masses,
-                     stride_qb, stride_qh, stride_qd, stride_kp, stride_kt, stride_kh, stride_kd,
-                     stride_sp, stride_sh, stride_ss, stride_sd, stride_bt, stride_lr, stride_lg,
-                     num_kv_heads, max_pages, scale, dense_below_pages, mvar_programs,
-                     tl.program_id(0), tl.program_id(1), GROUP, GROUP_PAD, GROUP_DOT, HEAD_DIM,
-                     PAGE, BLOCK_P, TILE_STAGES, SIDE_BY_SIDE, MVAR_DOT, DOT_PRECISION)
-
-
-@triton.jit(do_not_specialize=["mvar_programs"])
-def _estimate_select_kernel(query, key_cache, summaries, block_table, seq_lens, log_masses,
-                            stride_qb, stride_qh, stride_qd,
-                            stride_kp, stride_kt, stride_kh, stride_kd,
-                            stride_sp, stride_sh, stride_ss, stride_sd,
-                            stride_bt, stride_lr, stride_lg,
-                            num_kv_heads, max_pages, scale, dense_below_pages, mvar_programs,
-                            arrivals, row_values, page_lists, page_counts,
-                            stride_pb, stride_ph, stride_cb, stride_ch, stride_vb, stride_vh,
-                            gamma, top_k,
-                            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                            GROUP_DOT: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                            BLOCK_P: tl.constexpr, TILE_STAGES: tl.constexpr,
-                            SIDE_BY_SIDE: tl.constexpr, MVAR_DOT: tl.constexpr,
-                            DOT_PRECISION: tl.constexpr,
-                            BLOCK: tl.constexpr, BLOCK_2: tl.constexpr, BLOCK_4: tl.constexpr,
-                            BLOCK_8: tl.constexpr, WAYS: tl.constexpr, PASSES: tl.constexpr,
-                            FIXED_COUNT: tl.constexpr, FRACTIONS: tl.constexpr,
-                            ROW_GAMMAS: tl.constexpr, SOFTMAX_TILE: tl.constexpr,
-                            PDL: tl.constexpr):
-    launch.after_previous_kernel(PDL)
-    row = tl.program_id(0)
-    estimate_program(query, key_cache, summaries, block_table, seq_lens, log_masses,
-                     stride_qb, stride_qh, stride_qd, stride_kp, stride_kt, stride_kh, stride_kd,
-                     stride_sp, stride_sh, stride_ss, stride_sd, stride_bt, stride_lr, stride_lg,
-                     num_kv_heads, max_pages, scale, dense_below_pages, mvar_programs,
-                     row, tl.program_id(1), GROUP, GROUP_PAD, GROUP_DOT, HEAD_DIM,
-                     PAGE, BLOCK_P, TILE_STAGES, SIDE_BY_SIDE, MVAR_DOT, DOT_PRECISION)
-    # every thread's log-mass stores are issued before the count (the atomic is one thread's;
-    # its release then covers them), and every thread's loads in Select come after the
-    # acquire: the row's last program sees all of the row's log-masses
-    tl.debug_barrier()
-    arrived = tl.atomic_add(arrivals + row, 1, sem="acq_rel", scope="gpu")
-    tl.debug_barrier()
-    if arrived == mvar_programs + 1:  # the last of the row's 2 + J programs: select the row
-        tl.atomic_xchg(arrivals + row, 0, sem="relaxed", scope="gpu")  # for the next step
-        select_program(log_masses, seq_lens, row_values, page_lists, page_counts, row,
-                       stride_lr, stride_lg, stride_pb, stride_ph, stride_cb, stride_ch,
-                       stride_vb, stride_vh, num_kv_heads, max_pages, gamma, top_k,
-                       dense_below_pages, GROUP, BLOCK, BLOCK_2, BLOCK_4, BLOCK_8, WAYS, PASSES,
-                       FIXED_COUNT, FRACTIONS, ROW_GAMMAS, PAGE, GROUP_PAD, SOFTMAX_TILE, ".cg")
-
-
-def _estimate_launch(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-                     dense_below_pages):
-    """``(grid, arguments, constants)`` of an Estimate launch (its own or with Select)."""
+def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
+             dense_below_pages=0, programmatic_launch=False):
+    """Fill ``log_masses`` ``[batch * num_kv_heads, G, >= max_pages]`` float32 (pages past a
+    row's end, and rows of at most ``dense_below_pages`` pages, are not written), and write
+    ``summaries`` of every row's current page that is full."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -254,77 +188,16 @@ def _estimate_launch(query, key_cache, summaries, block_table, seq_lens, scale, 
     per_row = programs_per_row(rows, max_pages)
     # columns 0 and 1: the exact sink and current page of each row; then the mvar programs
     grid = (rows, 2 + per_row)
-    arguments = (
+    _estimate_kernel[grid](
         query, key_cache, summaries, block_table, seq_lens, log_masses,
         *query.stride(), *key_cache.stride(), *summaries.stride(),
         block_table.stride(0), log_masses.stride(0), log_masses.stride(1),
-        num_kv_heads, max_pages, scale, dense_below_pages, per_row)
-    constants = dict(
+        num_kv_heads, max_pages, scale, dense_below_pages, per_row,
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         GROUP_DOT=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=PAGE_SIZE,
         BLOCK_P=PAGES_PER_PROGRAM, TILE_STAGES=TILE_STAGES,
         SIDE_BY_SIDE=EXACT_HEADS_SIDE_BY_SIDE, MVAR_DOT=MVAR_DOT,
-        DOT_PRECISION=MVAR_DOT_PRECISION)
-    return grid, arguments, constants
-
-
-def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-             dense_below_pages=0, programmatic_launch=False):
-    """Fill ``log_masses`` ``[batch * num_kv_heads, G, >= max_pages]`` float32 (pages past a
-    row's end, and rows of at most ``dense_below_pages`` pages, are not written), and write
-    ``summaries`` of every row's current page that is full."""
-    grid, arguments, constants = _estimate_launch(query, key_cache, summaries, block_table,
-                                                  seq_lens, scale, log_masses, dense_below_pages)
-    _estimate_kernel[grid](*arguments, **constants, num_warps=NUM_WARPS,
-                           **launch.options(programmatic_launch, "estimate"))
+        DOT_PRECISION=MVAR_DOT_PRECISION, num_warps=NUM_WARPS,
+        **launch.options(programmatic_launch, "estimate"),
+    )
     return log_masses
-
-
-def fused_num_warps(max_pages):
-    """Warps of Estimate's launch with Select folded in: 2 for block tables of up to 256 pages,
-    where Select is fastest on few warps (H200, session 9: 4.0 / 4.4 / 5.1 us on 1 / 2 / 4
-    warps at 128 lanes) and Estimate loses nothing on 2 (15.8 against 16.2 us at 8k x 32,
-    session 10), else Estimate's own count."""
-    return 2 if max(16, triton.next_power_of_2(max_pages)) <= 256 else NUM_WARPS
-
-
-def fits_one_launch(max_pages):
-    """Whether Select can run inside Estimate's launch for a block table this wide: Select's
-    row then lives on Estimate's warps, which hold up to 2,048 lanes without spilling
-    (wider tables keep Select's own launch, with more warps)."""
-    return max(16, triton.next_power_of_2(max_pages)) <= 2048
-
-
-def estimate_select(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-                    page_lists, page_counts, arrivals, *, gamma, top_k, ways,
-                    keep_fractions=None, gammas=None, dense_below_pages=0,
-                    programmatic_launch=False):
-    """Estimate and Select in one launch: as ``estimate`` then ``select.select``, with each
-    row's Select run by the last of the row's Estimate programs to finish (counted in
-    ``arrivals``, int32 ``[>= rows]``, zeros, reset by that program), so a step launches one
-    kernel fewer and a row's Select starts as soon as its own estimates are written. Block
-    tables up to 2,048 pages wide (``fits_one_launch``)."""
-    max_pages = block_table.shape[1]
-    if not fits_one_launch(max_pages):
-        raise ValueError(f"Select runs in Estimate's launch for block tables of up to 2,048 "
-                         f"pages; this one has {max_pages}: launch the two apart")
-    grid, arguments, constants = _estimate_launch(query, key_cache, summaries, block_table,
-                                                  seq_lens, scale, log_masses, dense_below_pages)
-    select_args, select_constants = select_arguments(
-        log_masses, seq_lens, page_lists, page_counts, num_kv_heads=key_cache.shape[2],
-        max_pages=max_pages, gamma=gamma, top_k=top_k, ways=ways, keep_fractions=keep_fractions,
-        gammas=gammas, dense_below_pages=dense_below_pages, warps=fused_num_warps(max_pages))
-    # select_arguments: (log_masses, seq_lens, row_values, page_lists, page_counts, stride_lr,
-    # stride_lg, stride_pb, stride_ph, stride_cb, stride_ch, stride_vb, stride_vh,
-    # num_kv_heads, max_pages, gamma, top_k, dense_below_pages); Estimate's launch has the rest
-    row_values, lists, counts = select_args[2:5]
-    strides, (gamma_arg, top_k_arg) = select_args[7:13], select_args[15:17]
-    shared = {name: value for name, value in select_constants.items() if name in constants}
-    assert shared == {name: constants[name] for name in shared}, (shared, constants)
-    _estimate_select_kernel[grid](
-        *arguments, arrivals, row_values, lists, counts, *strides, gamma_arg, top_k_arg,
-        **constants, **{k: v for k, v in select_constants.items() if k not in constants},
-        num_warps=fused_num_warps(max_pages), **launch.options(programmatic_launch, "estimate"),
-        **({} if FUSED_SELECT_MAX_REGISTERS is None or interpreting()
-           else dict(maxnreg=FUSED_SELECT_MAX_REGISTERS)))
-    return page_lists, page_counts

@@ -69,10 +69,8 @@ def _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_ro
                 GROUP: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr,
                 PASSES: tl.constexpr, FIXED_COUNT: tl.constexpr, FRACTIONS: tl.constexpr,
                 ROW_GAMMAS: tl.constexpr, GROUP_PAD: tl.constexpr,
-                SOFTMAX_TILE: tl.constexpr, MASSES_CACHE: tl.constexpr):
-    """Select one row of 1 to ``BLOCK`` pages: its page list and count. ``MASSES_CACHE`` is
-    the log-mass loads' cache modifier ("" or ".cg": in Estimate's launch, other SMs wrote
-    them in this kernel)."""
+                SOFTMAX_TILE: tl.constexpr):
+    """Select one row of 1 to ``BLOCK`` pages: its page list and count."""
     pages = tl.arange(0, BLOCK)
     in_row = pages < pages_in_row
     # group-mean attention share of every page
@@ -83,8 +81,7 @@ def _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_ro
         heads = tl.arange(0, GROUP_PAD)
         real = heads < GROUP
         ell = tl.load(row_masses + heads[:, None] * stride_lg + pages[None, :],
-                      mask=real[:, None] & in_row[None, :], other=float("-inf"),
-                      cache_modifier=MASSES_CACHE)
+                      mask=real[:, None] & in_row[None, :], other=float("-inf"))
         peak = tl.where(real, tl.max(ell, axis=1), 0.0)  # padding heads: exp(-inf) = 0
         weights = tl.exp(ell - peak[:, None])
         totals = tl.where(real, tl.sum(weights, axis=1), 1.0)
@@ -92,8 +89,7 @@ def _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_ro
     else:
         shares = tl.zeros([BLOCK], dtype=tl.float32)
         for g in range(GROUP):
-            ell = tl.load(row_masses + g * stride_lg + pages, mask=in_row, other=float("-inf"),
-                          cache_modifier=MASSES_CACHE)
+            ell = tl.load(row_masses + g * stride_lg + pages, mask=in_row, other=float("-inf"))
             weights = tl.exp(ell - tl.max(ell, axis=0))
             shares += weights / tl.sum(weights, axis=0)
         shares = shares / GROUP
@@ -152,7 +148,7 @@ def _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_ro
 
 
 @triton.jit
-def select_program(log_masses, seq_lens, row_values, page_lists, page_counts, row,
+def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
                    stride_lr, stride_lg, stride_pb, stride_ph, stride_cb, stride_ch,
                    stride_vb, stride_vh, num_kv_heads, max_pages, gamma, top_k,
                    dense_below_pages,
@@ -160,10 +156,10 @@ def select_program(log_masses, seq_lens, row_values, page_lists, page_counts, ro
                    BLOCK_4: tl.constexpr, BLOCK_8: tl.constexpr, WAYS: tl.constexpr,
                    PASSES: tl.constexpr, FIXED_COUNT: tl.constexpr, FRACTIONS: tl.constexpr,
                    ROW_GAMMAS: tl.constexpr, PAGE: tl.constexpr, GROUP_PAD: tl.constexpr,
-                   SOFTMAX_TILE: tl.constexpr, MASSES_CACHE: tl.constexpr):
-    """Row ``row``'s page list and count: the work of one Select program (also run by the last
-    Estimate program of a row when Select is folded into Estimate's launch)."""
+                   SOFTMAX_TILE: tl.constexpr, PDL: tl.constexpr):
     # row_values: the row's keep fraction (FRACTIONS) or coverage target (ROW_GAMMAS)
+    launch.after_previous_kernel(PDL)
+    row = tl.program_id(0)
     b = row // num_kv_heads
     head = row % num_kv_heads
     pages_in_row = tl.minimum(tl.cdiv(tl.load(seq_lens + b), PAGE), max_pages)
@@ -187,71 +183,22 @@ def select_program(log_masses, seq_lens, row_values, page_lists, page_counts, ro
         _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
                     stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
                     GROUP, BLOCK_8, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS, GROUP_PAD,
-                    SOFTMAX_TILE, MASSES_CACHE)
+                    SOFTMAX_TILE)
     elif pages_in_row <= BLOCK_4:
         _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
                     stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
                     GROUP, BLOCK_4, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS, GROUP_PAD,
-                    SOFTMAX_TILE, MASSES_CACHE)
+                    SOFTMAX_TILE)
     elif pages_in_row <= BLOCK_2:
         _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
                     stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
                     GROUP, BLOCK_2, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS, GROUP_PAD,
-                    SOFTMAX_TILE, MASSES_CACHE)
+                    SOFTMAX_TILE)
     else:
         _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
                     stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
                     GROUP, BLOCK, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS, GROUP_PAD,
-                    SOFTMAX_TILE, MASSES_CACHE)
-
-
-@triton.jit
-def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
-                   stride_lr, stride_lg, stride_pb, stride_ph, stride_cb, stride_ch,
-                   stride_vb, stride_vh, num_kv_heads, max_pages, gamma, top_k,
-                   dense_below_pages,
-                   GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_2: tl.constexpr,
-                   BLOCK_4: tl.constexpr, BLOCK_8: tl.constexpr, WAYS: tl.constexpr,
-                   PASSES: tl.constexpr, FIXED_COUNT: tl.constexpr, FRACTIONS: tl.constexpr,
-                   ROW_GAMMAS: tl.constexpr, PAGE: tl.constexpr, GROUP_PAD: tl.constexpr,
-                   SOFTMAX_TILE: tl.constexpr, PDL: tl.constexpr):
-    launch.after_previous_kernel(PDL)
-    select_program(log_masses, seq_lens, row_values, page_lists, page_counts, tl.program_id(0),
-                   stride_lr, stride_lg, stride_pb, stride_ph, stride_cb, stride_ch,
-                   stride_vb, stride_vh, num_kv_heads, max_pages, gamma, top_k,
-                   dense_below_pages, GROUP, BLOCK, BLOCK_2, BLOCK_4, BLOCK_8, WAYS, PASSES,
-                   FIXED_COUNT, FRACTIONS, ROW_GAMMAS, PAGE, GROUP_PAD, SOFTMAX_TILE, "")
-
-
-def select_arguments(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages,
-                     gamma, top_k, ways, keep_fractions=None, gammas=None, dense_below_pages=0,
-                     warps=None):
-    """``(arguments, constants)`` of ``select_program`` for programs of ``warps`` warps
-    (default: ``num_warps`` of the table's width): shared by Select's own launch and
-    Estimate's with Select folded in."""
-    group = log_masses.shape[1]
-    block = max(16, triton.next_power_of_2(max_pages))
-    # the smaller tiers keep at least one lane per thread: fewer would replicate the row across
-    # threads and save nothing (and a scan over replicated lanes is a layout Triton's compiler
-    # has miscompiled before)
-    lanes = min(block, 32 * (warps or num_warps(block)))
-    row_values = keep_fractions if keep_fractions is not None else gammas
-    if row_values is not None and row_values.dim() == 1:  # per KV head, for every request
-        row_values = row_values.expand(page_counts.shape)
-    fractions = keep_fractions is not None
-    arguments = (
-        log_masses, seq_lens, seq_lens if row_values is None else row_values, page_lists,
-        page_counts, log_masses.stride(0), log_masses.stride(1), *page_lists.stride()[:2],
-        *page_counts.stride(), *(row_values.stride() if row_values is not None else (0, 0)),
-        num_kv_heads, max_pages, float(gamma), int(top_k or 0), int(dense_below_pages))
-    constants = dict(
-        GROUP=group, BLOCK=block, BLOCK_2=max(lanes, block // 2),
-        BLOCK_4=max(lanes, block // 4), BLOCK_8=max(lanes, block // 8), WAYS=ways,
-        PASSES=BISECTION_BITS // (ways.bit_length() - 1),
-        FIXED_COUNT=top_k is not None or fractions, FRACTIONS=fractions,
-        ROW_GAMMAS=gammas is not None and not fractions, PAGE=PAGE_SIZE,
-        GROUP_PAD=triton.next_power_of_2(group), SOFTMAX_TILE=SOFTMAX_TILE)
-    return arguments, constants
+                    SOFTMAX_TILE)
 
 
 def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
@@ -262,12 +209,27 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
     ``keep_fractions`` (float32 ``[num_kv_heads]`` or ``[batch, num_kv_heads]``) selects
     fraction mode; ``gammas`` (same shapes) gives each row its own coverage target. Rows of at
     most ``dense_below_pages`` pages keep every page, in any mode."""
-    arguments, constants = select_arguments(
-        log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
-        max_pages=max_pages, gamma=gamma, top_k=top_k, ways=ways, keep_fractions=keep_fractions,
-        gammas=gammas, dense_below_pages=dense_below_pages)
-    _select_kernel[(log_masses.shape[0],)](
-        *arguments, **constants, num_warps=num_warps(constants["BLOCK"]),
-        **launch.options(programmatic_launch, "select"),
+    rows, group = log_masses.shape[0], log_masses.shape[1]
+    block = max(16, triton.next_power_of_2(max_pages))
+    # the smaller tiers keep at least one lane per thread: fewer would replicate the row across
+    # threads and save nothing (and a scan over replicated lanes is a layout Triton's compiler
+    # has miscompiled before)
+    lanes = min(block, 32 * num_warps(block))
+    row_values = keep_fractions if keep_fractions is not None else gammas
+    if row_values is not None and row_values.dim() == 1:  # per KV head, for every request
+        row_values = row_values.expand(page_counts.shape)
+    fractions = keep_fractions is not None
+    _select_kernel[(rows,)](
+        log_masses, seq_lens, seq_lens if row_values is None else row_values, page_lists,
+        page_counts, log_masses.stride(0), log_masses.stride(1), *page_lists.stride()[:2],
+        *page_counts.stride(), *(row_values.stride() if row_values is not None else (0, 0)),
+        num_kv_heads, max_pages, float(gamma), int(top_k or 0), int(dense_below_pages),
+        GROUP=group, BLOCK=block, BLOCK_2=max(lanes, block // 2),
+        BLOCK_4=max(lanes, block // 4), BLOCK_8=max(lanes, block // 8), WAYS=ways,
+        PASSES=BISECTION_BITS // (ways.bit_length() - 1),
+        FIXED_COUNT=top_k is not None or fractions, FRACTIONS=fractions,
+        ROW_GAMMAS=gammas is not None and not fractions, PAGE=PAGE_SIZE,
+        GROUP_PAD=triton.next_power_of_2(group), SOFTMAX_TILE=SOFTMAX_TILE,
+        num_warps=num_warps(block), **launch.options(programmatic_launch, "select"),
     )
     return page_lists, page_counts

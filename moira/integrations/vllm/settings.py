@@ -2,7 +2,8 @@
 
 Settings come from ``--additional-config '{"moira": {...}}'`` and, for keys it does not set,
 from environment variables (handy for ``vllm serve`` scripts; they do not change vLLM's
-compile-cache hash, so changing them does not trigger a recompile):
+compile-cache hash, so changing them does not trigger a recompile). An unknown key, or a
+``MOIRA_*`` variable that is not one of these, is an error:
 
 =================  =======================  ==================================================
 key                environment variable     meaning
@@ -30,10 +31,6 @@ key                environment variable     meaning
 ``schedule``       ``MOIRA_SCHEDULE``       how Attend splits its work: ``rows`` (the paper's
                                             per-row chunks, Eq. 4; default) or ``balanced``
                                             (all rows' pages split evenly over a fixed grid)
-``fused_merge``    ``MOIRA_FUSED_MERGE``    fold Merge into Attend (``rows`` only; default off)
-``fused_select``   ``MOIRA_FUSED_SELECT``   run Select in Estimate's launch, each row's by its
-                                            last Estimate program (engines of up to 131k
-                                            tokens; default off)
 ``programmatic_launch``  ``MOIRA_PROGRAMMATIC_LAUNCH``  launch the decode kernels with
                                             programmatic dependent launch (``rows`` only;
                                             default off; ``moira/kernels/launch.py``)
@@ -74,8 +71,6 @@ class MoiraSettings:
     check_dense: bool = False
     imposed_fraction: float | dict | None = None
     schedule: str = "rows"
-    fused_merge: bool = False
-    fused_select: bool = False
     programmatic_launch: bool = False
     exact_prefill: bool = True
     dense_below_tokens: int = 20480
@@ -84,7 +79,6 @@ class MoiraSettings:
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
             "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE",
             "imposed_fraction": "MOIRA_IMPOSED_FRACTION", "schedule": "MOIRA_SCHEDULE",
-            "fused_merge": "MOIRA_FUSED_MERGE", "fused_select": "MOIRA_FUSED_SELECT",
             "programmatic_launch": "MOIRA_PROGRAMMATIC_LAUNCH",
             "exact_prefill": "MOIRA_EXACT_PREFILL",
             "dense_below_tokens": "MOIRA_DENSE_BELOW_TOKENS",
@@ -139,7 +133,6 @@ class MoiraSettings:
     @property
     def config(self) -> MoiraConfig:
         return MoiraConfig(gamma=self.gamma, top_k=self.top_k, schedule=self.schedule,
-                           fused_merge=self.fused_merge, fused_select=self.fused_select,
                            programmatic_launch=self.programmatic_launch)
 
     @classmethod
@@ -151,14 +144,18 @@ class MoiraSettings:
         if unknown:
             raise ValueError(f"unknown key(s) {unknown} in additional_config['moira']; known: "
                              f"{sorted(cls._ENV)}")
+        stale = sorted(name for name in environ
+                       if name.startswith("MOIRA_") and name not in cls._ENV.values())
+        if stale:  # e.g. a setting since removed: better refused than silently ignored
+            raise ValueError(f"unknown environment variable(s) {stale}; Moira's are "
+                             f"{sorted(cls._ENV.values())}: unset the others")
         values = {}
         for key, variable in cls._ENV.items():
             if key in given:
                 values[key] = given[key]
             elif environ.get(variable, "") != "":
                 text = environ[variable]
-                if key in ("check_dense", "fused_merge", "fused_select", "programmatic_launch",
-                           "exact_prefill"):
+                if key in ("check_dense", "programmatic_launch", "exact_prefill"):
                     if text not in ("0", "1"):
                         raise ValueError(f"{variable}={text!r}: use 0 or 1")
                     values[key] = text == "1"
