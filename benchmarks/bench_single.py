@@ -48,6 +48,10 @@ from tune_kernels import patched
 KV_HEADS, GROUP, HEAD_DIM, PAGE, LAYERS = 8, 4, 128, 64, 32
 WIDTH = 1030  # block-table pages of a 66k-token engine (vllm_tpot.py's single-request shapes)
 # the paper's mean read fraction at gamma 0.98 (Llama-3.1-8B, Table 3), clamped below 8k
+# --split-sweep: Attend's split at batch 1 (8 rows), (floor_rows, J) with J None = the default
+# (min_programs / rows, capped by the table): chunk floors of 6, 4, 3 and 2 pages, J 512/32/16
+SPLIT_SWEEP = [(floor_rows, chunks) for floor_rows in (32, 48, 64, 96)
+               for chunks in (None, 32, 16)]
 READS = {2048: 0.42, 8192: 0.42, 16384: 0.37, 32768: 0.31, 65536: 0.16, 131072: 0.15}
 
 
@@ -136,6 +140,9 @@ def main():
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                       "single.json"))
     parser.add_argument("--plot", metavar="JSON", help="only draw the PNG of a result file")
+    parser.add_argument("--split-sweep", action="store_true",
+                        help="also time the step (rows as the plugin runs them) at each "
+                             "SPLIT_SWEEP chunk floor and J: split_c<floor>_j<J>")
     args = parser.parse_args()
     if args.plot:
         return plot(args.plot)
@@ -201,6 +208,14 @@ def main():
             if suffix:
                 arms.update({f"step_pdl{suffix}": (chained, 0),
                              f"step_full_rows_pdl{suffix}": (chained, s.width)})
+        if args.split_sweep:  # the row as the plugin runs it: in full below 20480 tokens
+            full = s.width if context < 20480 else 0
+            for floor_rows, chunks in SPLIT_SWEEP:
+                config = moira.MoiraConfig(floor_rows=floor_rows, **(
+                    {} if chunks is None else dict(min_chunks_per_row=chunks, min_programs=1)))
+                name = (f"split_c{config.chunk_floor(KV_HEADS)}_j"
+                        f"{config.chunks_per_row(KV_HEADS, s.width)}")
+                arms[name] = (s.workspace(config), full)
         for name, (ws, full) in arms.items():
             chain = next((c for suffix, c in chains.items() if suffix and name.endswith(suffix)),
                          launch.CHAINED)
