@@ -42,16 +42,20 @@ import torch
 import triton
 
 import moira
+from moira.integrations.vllm.settings import MoiraSettings, full_read_pages
 from moira.kernels import launch
 from tune_kernels import patched
 
 KV_HEADS, GROUP, HEAD_DIM, PAGE, LAYERS = 8, 4, 128, 64, 32
 WIDTH = 1030  # block-table pages of a 66k-token engine (vllm_tpot.py's single-request shapes)
-# the paper's mean read fraction at gamma 0.98 (Llama-3.1-8B, Table 3), clamped below 8k
-# --split-sweep: Attend's split at batch 1 (8 rows), (floor_rows, J) with J None = the default
-# (min_programs / rows, capped by the table): chunk floors of 6, 4, 3 and 2 pages, J 512/32/16
+# --split-sweep: Attend's split at batch 1 (8 rows), (floor_rows, J): chunk floors of 6, 4, 3
+# and 2 pages; J the default (min_programs / rows capped at ceil(width / floor): 172, 258, 344,
+# 512 at width 1030), 32 or 16. J binds only where ceil(pages / J) exceeds the floor (not at
+# 2k, where an arm's J variants repeat it: a noise estimate; at 8k the J-16 arms all run 16
+# chunks of 8 pages)
 SPLIT_SWEEP = [(floor_rows, chunks) for floor_rows in (32, 48, 64, 96)
                for chunks in (None, 32, 16)]
+# the paper's mean read fraction at gamma 0.98 (Llama-3.1-8B, Table 3), clamped below 8k
 READS = {2048: 0.42, 8192: 0.42, 16384: 0.37, 32768: 0.31, 65536: 0.16, 131072: 0.15}
 
 
@@ -208,8 +212,8 @@ def main():
             if suffix:
                 arms.update({f"step_pdl{suffix}": (chained, 0),
                              f"step_full_rows_pdl{suffix}": (chained, s.width)})
-        if args.split_sweep:  # the row as the plugin runs it: in full below 20480 tokens
-            full = s.width if context < 20480 else 0
+        if args.split_sweep:  # the row as the plugin runs it (in full up to 20480 tokens)
+            full = full_read_pages(MoiraSettings().dense_below_tokens, 1)
             for floor_rows, chunks in SPLIT_SWEEP:
                 config = moira.MoiraConfig(floor_rows=floor_rows, **(
                     {} if chunks is None else dict(min_chunks_per_row=chunks, min_programs=1)))

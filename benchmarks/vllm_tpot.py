@@ -169,6 +169,9 @@ def main():
                            dense_below_tokens=MoiraSettings.from_sources(
                                extra["additional_config"], os.environ).dense_below_tokens
                            if args.backend == "moira" else None,
+                           exact_prefill=MoiraSettings.from_sources(
+                               extra["additional_config"], os.environ).exact_prefill
+                           if args.backend == "moira" else None,
                            fractions="imposed (paper's measured reads), not the coverage rule"
                            if args.backend == "moira" else None,
                            startup_s=round(startup, 1), gpu=torch.cuda.get_device_name(),

@@ -32,6 +32,7 @@ def test_settings_come_from_additional_config_then_environment():
         MoiraSettings.from_sources({"moira": {"exact_prefill": "yes"}}, {})
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['prefill_one_split'\]"):
         MoiraSettings.from_sources({"moira": {"prefill_one_split": True}}, {})  # removed
+    assert MoiraSettings.from_sources(None, {"MOIRA_FUSED_MERGE": ""}) == MoiraSettings()  # unset
     chained = MoiraSettings.from_sources({"moira": {"programmatic_launch": True}}, {})
     assert chained.config.programmatic_launch
     assert MoiraSettings.from_sources(None, {"MOIRA_PROGRAMMATIC_LAUNCH": "1"}

@@ -6,9 +6,10 @@
   ``UNIFORM_SINGLE_TOKEN_DECODE`` CUDA-graph support: pure decode steps replay vLLM's FULL
   graphs with Moira's kernels inside, mixed steps run attention eagerly (vLLM's piecewise
   graphs). Owns the ``DecodeWorkspace`` all its layers share (they run one after another).
-- ``MoiraAttentionImpl``: K/V are written by FA's ``do_kv_cache_update``; ``forward`` runs FA3 on
-  the non-decode rows exactly as dense vLLM does and summarizes the pages their slots completed,
-  and runs Moira's sparse decode on the decode rows (whose Estimate summarizes the page each
+- ``MoiraAttentionImpl``: K/V are written by FA's ``do_kv_cache_update``; in a step with
+  non-decode rows ``forward`` runs FA3 as dense vLLM does (over the whole batch, or with
+  ``exact_prefill`` off over those rows alone) and summarizes the pages their slots completed,
+  then runs Moira's sparse decode on the decode rows, overwriting FA3's output there (whose Estimate summarizes the page each
   row's new token completed: no summarize launch in a pure decode step).
 """
 
@@ -229,8 +230,12 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         if self.imposed is not None and num_decodes:
             keep_fractions = self.imposed.fill(cam.seq_lens[:num_decodes])
         dense = None
-        if self.settings.check_dense:  # no AOT schedule: its buffer is the prefill rows'
-            dense = super().build(0, cam, fast_build=True)
+        if self.settings.check_dense:
+            # the engine's whole-batch call if there is one (the counters then check the
+            # slicing around it; a dense engine's first tokens check the call); else FA3 over
+            # the whole batch without an AOT schedule, whose buffer is the prefill rows'
+            dense = (prefill if prefill is not None and prefill_from == 0
+                     else super().build(0, cam, fast_build=True))
         planned = planning_batch(num_decodes)
         return MoiraMetadata(
             num_actual_tokens=cam.num_actual_tokens, num_decodes=num_decodes,

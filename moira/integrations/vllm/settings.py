@@ -40,7 +40,9 @@ key                environment variable     meaning
                                             (FA3 picks its split from the batch it is
                                             given); Moira then overwrites the decode rows,
                                             whose pages such a step reads twice (default on;
-                                            off: FA3 over the prefill rows alone)
+                                            off: FA3 over the prefill rows alone; the
+                                            whole-batch call is not yet run on a GPU,
+                                            session 12)
 ``dense_below_tokens``  ``MOIRA_DENSE_BELOW_TOKENS``  a decode step of B requests reads
                                             every page of its rows of at most this / B
                                             tokens, skipping Estimate's and Select's work:
@@ -144,8 +146,8 @@ class MoiraSettings:
         if unknown:
             raise ValueError(f"unknown key(s) {unknown} in additional_config['moira']; known: "
                              f"{sorted(cls._ENV)}")
-        stale = sorted(name for name in environ
-                       if name.startswith("MOIRA_") and name not in cls._ENV.values())
+        stale = sorted(name for name, text in environ.items() if name.startswith("MOIRA_")
+                       and text != "" and name not in cls._ENV.values())
         if stale:  # e.g. a setting since removed: better refused than silently ignored
             raise ValueError(f"unknown environment variable(s) {stale}; Moira's are "
                              f"{sorted(cls._ENV.values())}: unset the others")
