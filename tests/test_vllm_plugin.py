@@ -6,7 +6,7 @@ import torch
 from helpers import DEVICE, make_cache
 
 import moira
-from moira.integrations.vllm.settings import (MoiraSettings, explain, full_read_pages,
+from moira.integrations.vllm.settings import (MoiraSettings, explain, fa3_rows, full_read_pages,
                                               planning_batch, split_decodes, summary_bytes)
 from moira.integrations.vllm.state import (DenseCheck, ImposedFractions, LayerState,
                                            PageStatsLog, bf16_ulps)
@@ -123,6 +123,19 @@ def test_rejections_say_what_to_change():
 def test_split_decodes(query_lens, max_query_len, expected):
     starts = torch.tensor([0] + query_lens).cumsum(0).int()
     assert split_decodes(starts, len(query_lens), max_query_len) == expected
+
+
+@pytest.mark.parametrize("num_decodes, num_reqs, decode_tokens, exact, expected", [
+    (4, 4, 4, True, None),  # pure decode: Moira alone
+    (4, 4, 4, False, None),
+    (0, 3, 0, True, (0, 0)),  # pure prefill: FA3's whole batch either way
+    (0, 3, 0, False, (0, 0)),
+    (2, 5, 2, True, (0, 0)),  # mixed: the whole batch, as dense vLLM hands it to FA3
+    (2, 5, 2, False, (2, 2)),  # or the rows after the decode rows
+])
+def test_fa3_gets_the_whole_batch_in_mixed_steps(num_decodes, num_reqs, decode_tokens, exact,
+                                                 expected):
+    assert fa3_rows(num_decodes, num_reqs, decode_tokens, exact) == expected
 
 
 def test_summary_size_is_a_64th_of_the_kv_cache():

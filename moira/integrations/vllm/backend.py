@@ -29,7 +29,7 @@ from ... import reference
 from ...config import PAGE_SIZE
 from ...decode import DecodeWorkspace, sparse_decode, update_summaries
 from .settings import (SUPPORTED_HEAD_DIMS, SUPPORTED_KV_CACHE_DTYPES, MoiraSettings, explain,
-                       full_read_pages, planning_batch, split_decodes)
+                       fa3_rows, full_read_pages, planning_batch, split_decodes)
 from .state import DenseCheck, ImposedFractions, LayerState, PageStatsLog
 
 logger = init_logger("vllm.moira")  # under "vllm", so vLLM's log handler prints it
@@ -215,16 +215,13 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         num_decodes, num_decode_tokens = split_decodes(cam.query_start_loc_cpu, cam.num_reqs,
                                                        cam.max_query_len)
         prefill, prefill_from, prefill_slots = None, 0, None
-        if num_decodes < cam.num_reqs:
-            # FA3 chooses its split per launch from the whole batch it is given (session 12:
-            # without the decode rows, 0.8% of SmolLM2's prefill-row elements differed from
-            # dense vLLM's); given the whole batch it is dense vLLM's call, bit for bit
-            if self.settings.exact_prefill or num_decodes == 0:
-                prefill = super().build(0, cam, fast_build)
-            else:
-                prefill_from = num_decode_tokens
-                prefill = super().build(0, _rows_from(cam, num_decodes, num_decode_tokens),
-                                        fast_build)
+        # with exact_prefill FA3 gets the whole batch, dense vLLM's call (session 12: given the
+        # batch without its decode rows, it rounded 0.8% of SmolLM2's prefill-row elements apart)
+        fa3_call = fa3_rows(num_decodes, cam.num_reqs, num_decode_tokens, self.settings.exact_prefill)
+        if fa3_call is not None:
+            first_row, prefill_from = fa3_call
+            prefill = super().build(0, cam if first_row == 0
+                                    else _rows_from(cam, first_row, prefill_from), fast_build)
             prefill_slots = cam.slot_mapping[num_decode_tokens:]
         keep_fractions = None
         if self.imposed is not None and num_decodes:

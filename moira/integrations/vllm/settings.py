@@ -232,6 +232,19 @@ def split_decodes(query_start_loc_cpu, num_reqs: int, max_query_len: int) -> tup
     return num_decodes, num_decodes
 
 
+def fa3_rows(num_decodes: int, num_reqs: int, num_decode_tokens: int,
+             exact_prefill: bool) -> tuple[int, int] | None:
+    """``(first_row, first_token)`` of the rows FA3 computes in a step, or ``None`` in a pure
+    decode step (Moira alone). FA3 picks its split per launch from the batch it is given, so
+    with ``exact_prefill`` a mixed step hands it the whole batch, as dense vLLM does (Moira then
+    overwrites the decode rows); without, the rows after the decode rows."""
+    if num_decodes == num_reqs:
+        return None
+    if exact_prefill or num_decodes == 0:
+        return 0, 0
+    return num_decodes, num_decode_tokens
+
+
 def summary_bytes(num_blocks: int, num_kv_heads: int, head_dim: int, element_size: int) -> int:
     """Bytes of one layer's page summaries: mean and variance per (page, KV head, channel),
     i.e. 2 / 64 of the K cache (1/64 of the K+V cache) in the cache's dtype."""
