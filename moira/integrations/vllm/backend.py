@@ -9,8 +9,9 @@
 - ``MoiraAttentionImpl``: K/V are written by FA's ``do_kv_cache_update``; in a step with
   non-decode rows ``forward`` runs FA3 as dense vLLM does (over the whole batch, or with
   ``exact_prefill`` off over those rows alone) and summarizes the pages their slots completed,
-  then runs Moira's sparse decode on the decode rows, overwriting FA3's output there (whose Estimate summarizes the page each
-  row's new token completed: no summarize launch in a pure decode step).
+  then runs Moira's sparse decode on the decode rows, overwriting FA3's output there (their
+  Estimate summarizes the page each row's new token completed: no summarize launch in a pure
+  decode step).
 """
 
 from __future__ import annotations
@@ -217,7 +218,8 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         prefill, prefill_from, prefill_slots = None, 0, None
         # with exact_prefill FA3 gets the whole batch, dense vLLM's call (session 12: given the
         # batch without its decode rows, it rounded 0.8% of SmolLM2's prefill-row elements apart)
-        fa3_call = fa3_rows(num_decodes, cam.num_reqs, num_decode_tokens, self.settings.exact_prefill)
+        fa3_call = fa3_rows(num_decodes, cam.num_reqs, num_decode_tokens,
+                            self.settings.exact_prefill)
         if fa3_call is not None:
             first_row, prefill_from = fa3_call
             prefill = super().build(0, cam if first_row == 0

@@ -107,8 +107,9 @@ class DenseCheck:
     correct kernels that differ only in summation order); the other rows (prefill, computed by
     FA3 in both: in the engine as ``exact_prefill`` says, here on the whole batch, with
     ``exact_prefill`` the engine's own call, so that the count checks the slicing around it)
-    are counted bitwise (with FA3 on the batch without its decode rows: 0 in every Llama-geometry run,
-    0.8% of SmolLM2-135M's elements, from FA3's split choice, sessions 11-12).
+    are counted bitwise (with FA3 on the batch without its decode rows: 0 in every
+    Llama-geometry run, 0.8% of SmolLM2-135M's elements, from FA3's per-launch scheduling,
+    sessions 11-12).
 
     Ulps are counted at each element's own magnitude (strict: an element near zero has a tiny
     spacing) and, as the paper's Appendix B states its bound, at the scale of the head's output
