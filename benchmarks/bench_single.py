@@ -138,6 +138,48 @@ def plot(path):
     plt.close(fig)
 
 
+def split_report(paths, margin=0.3, gain=0.5):
+    """The ``--split-sweep`` arms of one or more runs: a markdown table (µs per layer, mean of
+    the runs, each run's in brackets, the best per context in bold) and the verdict of the rule
+    set before the sweep: a (floor_rows, J) within ``margin`` µs of the best at every context
+    and at least ``gain`` µs faster than the default at 2k or 8k becomes the batch-1 default."""
+    times = {}  # (floor_rows, chunks) -> context -> [µs per run]
+    names = {}
+    for path in paths:
+        with open(path) as f:
+            for row in json.load(f)["results"]:
+                for name, key in row.get("split_sweep", {}).items():
+                    if name in row["us_per_layer"]:
+                        key = tuple(key)
+                        times.setdefault(key, {}).setdefault(row["context"], []).append(
+                            row["us_per_layer"][name])
+                        names.setdefault(key, {})[row["context"]] = name
+    contexts = sorted({c for per in times.values() for c in per})
+    mean = {key: {c: sum(v) / len(v) for c, v in per.items()} for key, per in times.items()}
+    best = {c: min(m[c] for m in mean.values() if c in m) for c in contexts}
+    lines = ["| floor_rows, J | " + " | ".join(f"{c // 1024}k" for c in contexts) + " |",
+             "|---" * (len(contexts) + 1) + "|"]
+    for key in sorted(times, key=lambda k: (k[0], -(k[1] or 10**9))):
+        cells = []
+        for c in contexts:
+            if c not in mean[key]:
+                cells.append("–")
+                continue
+            text = (f"{mean[key][c]:.2f} ({' / '.join(f'{v:.2f}' for v in times[key][c])}) "
+                    f"`{names[key][c]}`")
+            cells.append(f"**{text}**" if mean[key][c] == best[c] else text)
+        label = f"{key[0]}, {'default' if key[1] is None else key[1]}"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    default = mean.get((moira.MoiraConfig().floor_rows, None), {})
+    chosen = [key for key, m in mean.items()
+              if all(c in m and m[c] <= best[c] + margin for c in contexts)
+              and any(c in default and default[c] - m[c] >= gain for c in (2048, 8192))]
+    chosen.sort(key=lambda key: sum(mean[key].values()))
+    verdict = (f"rule met by floor_rows, J = {chosen[0]}" if chosen else
+               "rule not met: keep the default split")
+    return "\n".join(lines), (chosen[0] if chosen else None), verdict
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--contexts", default="2048,8192,32768,65536,131072")
@@ -147,9 +189,14 @@ def main():
     parser.add_argument("--split-sweep", action="store_true",
                         help="also time the step (rows as the plugin runs them) at each "
                              "SPLIT_SWEEP chunk floor and J: split_c<floor>_j<J>")
+    parser.add_argument("--split-report", nargs="+", metavar="JSON",
+                        help="only print the --split-sweep table of these runs and the rule")
     args = parser.parse_args()
     if args.plot:
         return plot(args.plot)
+    if args.split_report:
+        table, _, verdict = split_report(args.split_report)
+        return print(f"{table}\n\n{verdict}")
     try:
         import vllm
         from vllm.vllm_flash_attn import flash_attn_interface as fa
@@ -220,6 +267,7 @@ def main():
                 name = (f"split_c{config.chunk_floor(KV_HEADS)}_j"
                         f"{config.chunks_per_row(KV_HEADS, s.width)}")
                 arms[name] = (s.workspace(config), full)
+                row.setdefault("split_sweep", {})[name] = [floor_rows, chunks]
         for name, (ws, full) in arms.items():
             chain = next((c for suffix, c in chains.items() if suffix and name.endswith(suffix)),
                          launch.CHAINED)

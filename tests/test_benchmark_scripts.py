@@ -1,6 +1,7 @@
 """The arithmetic inside the benchmark scripts that turns raw GPU output into reported numbers."""
 
 import importlib.util
+import json
 import math
 import os
 import sys
@@ -441,3 +442,35 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
     assert "Merge in Attend's launch (ms) |" in text.splitlines()[0]
     assert text.splitlines()[2].endswith(
         "| 5.05 | +1.0% | **+1.0%** | 5.10 | +2.0% | **+2.0%** | 5.01 | +0.2% | **+0.2%** |")
+
+
+def test_split_report_applies_the_batch_1_rule_to_the_mean_of_the_runs(tmp_path):
+    bench_single = load("bench_single")
+
+    def run(path, times):  # times: {context: {(floor_rows, chunks): µs}}
+        results = []
+        for context, arms in times.items():
+            names = {key: f"split_{key[0]}_{key[1]}" for key in arms}
+            results.append(dict(context=context, us_per_layer={
+                names[key]: us for key, us in arms.items()},
+                split_sweep={names[key]: list(key) for key in arms}))
+        path.write_text(json.dumps(dict(results=results)))
+        return str(path)
+
+    default, floor2, j16 = (32, None), (96, None), (32, 16)
+    first = run(tmp_path / "a.json", {2048: {default: 16.6, floor2: 14.6, j16: 16.0},
+                                      8192: {default: 21.9, floor2: 24.9, j16: 21.3}})
+    second = run(tmp_path / "b.json", {2048: {default: 16.7, floor2: 14.7, j16: 16.1},
+                                       8192: {default: 22.0, floor2: 25.0, j16: 21.5}})
+    table, chosen, verdict = bench_single.split_report([first, second])
+    # floor 2 is best at 2k but 3 µs off at 8k; J 16 is within 0.3 of the best at 8k (it is
+    # the best) but 1.4 off at 2k: neither holds everywhere
+    assert chosen is None and "not met" in verdict
+    assert "**14.65 (14.60 / 14.70)" in table and "**21.40 (21.30 / 21.50)" in table
+    third = run(tmp_path / "c.json", {2048: {default: 16.6, floor2: 16.0, j16: 16.1},
+                                      8192: {default: 21.9, floor2: 21.8, j16: 21.5}})
+    _, chosen, verdict = bench_single.split_report([third])
+    # both now hold (within 0.3 of the best everywhere, >= 0.5 faster than the default at
+    # 2k); the faster over the contexts wins
+    assert chosen == (32, 16)
+    assert "(32, 16)" in verdict
