@@ -122,6 +122,8 @@ def main():
             extra["additional_config"]["moira"]["dense_below_tokens"] = args.dense_below_tokens
     else:
         extra = dict(attention_backend="FLASH_ATTN")
+    settings = (MoiraSettings.from_sources(extra["additional_config"], os.environ)
+                if args.backend == "moira" else None)  # what the plugin runs with
     longest = max(context for _, context, _ in shapes)
     max_model_len = longest + args.tokens + 64
     max_num_seqs = max(b for _, _, b in shapes)
@@ -166,12 +168,8 @@ def main():
                            schedule=args.schedule if args.backend == "moira" else None,
                            programmatic_launch=args.programmatic_launch
                            if args.backend == "moira" else None,
-                           dense_below_tokens=MoiraSettings.from_sources(
-                               extra["additional_config"], os.environ).dense_below_tokens
-                           if args.backend == "moira" else None,
-                           exact_prefill=MoiraSettings.from_sources(
-                               extra["additional_config"], os.environ).exact_prefill
-                           if args.backend == "moira" else None,
+                           dense_below_tokens=settings.dense_below_tokens if settings else None,
+                           exact_prefill=settings.exact_prefill if settings else None,
                            fractions="imposed (paper's measured reads), not the coverage rule"
                            if args.backend == "moira" else None,
                            startup_s=round(startup, 1), gpu=torch.cuda.get_device_name(),
