@@ -6,6 +6,8 @@
 #   e.g. bash benchmarks/tpot_pairs.sh 8k32,32k16,130k4 llama-3.1-8b 2
 #   ARMS="dense moira pdl" bash benchmarks/tpot_pairs.sh 2k1,8k1,16k1 llama-3.1-8b 2
 #     (batch 1: a third engine per pair with programmatic launch, <model>-moira-g098-pdl.json)
+#   ARMS="dense moira split": the third engine with Attend's batch-1 split from the sweep
+#     (bench_single.py --split-sweep: chunk floor 2 pages, 32 chunks per row), -split.json
 # Results: $OUT/pair<i>/<model>-dense.json and <model>-moira-g098.json; report with
 #   python3 benchmarks/tpot_report.py --pairs results/<folder>/pair1 results/<folder>/pair2
 # About 4 x (engine start-up ~60 s + ~40 s per shape) for two pairs.
@@ -21,7 +23,9 @@ for pair in $(seq "$pairs"); do
       dense) args="--backend dense"; name=$model-dense ;;
       moira) args="--backend moira"; name=$model-moira-g098 ;;
       pdl) args="--backend moira --programmatic-launch"; name=$model-moira-g098-pdl ;;
-      *) echo "unknown arm $arm (dense, moira, pdl)"; exit 1 ;;
+      split) args="--backend moira --floor-rows 96 --min-programs 1"
+             name=$model-moira-g098-split ;;
+      *) echo "unknown arm $arm (dense, moira, pdl, split)"; exit 1 ;;
     esac
     python3 benchmarks/vllm_tpot.py --model "$model" --shapes "$shapes" $args \
       --repeats 1 --out "$out/pair$pair/$name.json" 2>&1 | grep "tpot_ms\|Error\|Traceback" \

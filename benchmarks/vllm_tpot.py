@@ -97,6 +97,10 @@ def main():
     parser.add_argument("--programmatic-launch", action="store_true",
                         help="moira: the decode kernels chained by programmatic dependent "
                              "launch (MoiraConfig.programmatic_launch)")
+    parser.add_argument("--floor-rows", type=int, default=None,
+                        help="moira: Attend's split, MoiraConfig.floor_rows (default: its own)")
+    parser.add_argument("--min-programs", type=int, default=None,
+                        help="moira: Attend's split, MoiraConfig.min_programs (default: its own)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tpot.json"))
     args = parser.parse_args()
 
@@ -118,8 +122,9 @@ def main():
                                                   "schedule": args.schedule,
                                                   "programmatic_launch":
                                                       args.programmatic_launch}})
-        if args.dense_below_tokens is not None:
-            extra["additional_config"]["moira"]["dense_below_tokens"] = args.dense_below_tokens
+        for key in ("dense_below_tokens", "floor_rows", "min_programs"):
+            if getattr(args, key) is not None:
+                extra["additional_config"]["moira"][key] = getattr(args, key)
     else:
         extra = dict(attention_backend="FLASH_ATTN")
     settings = (MoiraSettings.from_sources(extra["additional_config"], os.environ)
@@ -170,6 +175,8 @@ def main():
                            if args.backend == "moira" else None,
                            dense_below_tokens=settings.dense_below_tokens if settings else None,
                            exact_prefill=settings.exact_prefill if settings else None,
+                           floor_rows=settings.floor_rows if settings else None,
+                           min_programs=settings.min_programs if settings else None,
                            fractions="imposed (paper's measured reads), not the coverage rule"
                            if args.backend == "moira" else None,
                            startup_s=round(startup, 1), gpu=torch.cuda.get_device_name(),

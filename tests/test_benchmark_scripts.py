@@ -307,6 +307,31 @@ def test_tpot_report_gives_a_programmatic_launch_run_its_own_single_request_colu
         in single
 
 
+def test_tpot_report_gives_a_run_with_attends_split_set_its_own_pairs_column(tmp_path):
+    import json
+
+    report = load("tpot_report")
+
+    def run(backend, tpot, **moira):
+        return dict(backend=backend, model="llama-3.1-8b", gamma=0.98,
+                    results=[dict(shape="2k1", tpot_ms=tpot)], **moira)
+
+    pairs = []
+    for pair, (dense, moira, split) in enumerate([(5.0, 5.1, 4.95), (5.0, 5.2, 5.05)]):
+        folder = tmp_path / f"pair{pair}"
+        folder.mkdir()
+        (folder / "dense.json").write_text(json.dumps(run("dense", dense)))
+        (folder / "moira.json").write_text(json.dumps(
+            run("moira", moira, dense_below_tokens=20480, floor_rows=None)))
+        (folder / "split.json").write_text(json.dumps(
+            run("moira", split, dense_below_tokens=20480, floor_rows=96, min_programs=1)))
+        pairs.append(report.load([str(folder)]))
+    table = report.single_pairs_table(pairs).splitlines()
+    assert "Attend's split set" in table[0]
+    assert table[2].endswith("| 5.10 / 5.20 | +2.0% / +4.0% | **+3.0%** | 4.95 / 5.05 | "
+                             "-1.0% / +1.0% | **+0.0%** |")
+
+
 def test_compile_check_rejects_memory_access_before_the_programmatic_wait():
     check = load("compile_check").check_waits_first
     both = "griddepcontrol.launch_dependents;\ngriddepcontrol.wait;\n"

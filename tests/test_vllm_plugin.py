@@ -37,6 +37,10 @@ def test_settings_come_from_additional_config_then_environment():
     assert chained.config.programmatic_launch
     assert MoiraSettings.from_sources(None, {"MOIRA_PROGRAMMATIC_LAUNCH": "1"}
                                       ).config.programmatic_launch
+    split = MoiraSettings.from_sources({"moira": {"floor_rows": 96}}, {"MOIRA_MIN_PROGRAMS": "1"})
+    assert (split.config.floor_rows, split.config.min_programs) == (96, 1)
+    assert split.config.chunk_floor(8) == 2 and split.config.chunks_per_row(8) == 32
+    assert MoiraSettings().config == moira.MoiraConfig()  # unset: MoiraConfig's defaults
     calibrated = MoiraSettings.from_sources({"moira": {"calibration": "cal.json"}}, {})
     assert calibrated.calibration == "cal.json"
 
@@ -66,6 +70,8 @@ def test_settings_come_from_additional_config_then_environment():
     ({"moira": {"programmatic_launch": True, "schedule": "balanced"}}, {},
      "programmatic_launch chains"),
     ({"moira": {"calibration": "c.json", "top_k": 8}}, {}, "does not combine with top_k"),
+    ({"moira": {"floor_rows": 0}}, {}, "floor_rows must be a positive int"),
+    (None, {"MOIRA_MIN_PROGRAMS": "many"}, "MOIRA_MIN_PROGRAMS='many' is not a number"),
 ])
 def test_bad_settings_name_the_setting(config, environ, match):
     with pytest.raises(ValueError, match=match):

@@ -50,6 +50,13 @@ key                environment variable     meaning
                                             costs more than it saves (default 20480, where
                                             the two cost the same per layer on the H200 at
                                             batch 1; 0 = off)
+``floor_rows``     ``MOIRA_FLOOR_ROWS``     Attend's split (``MoiraConfig``): steps of fewer
+                                            rows (requests x KV heads) scale the chunk floor
+                                            of 24 pages down in proportion (default 32)
+``min_programs``   ``MOIRA_MIN_PROGRAMS``   Attend's split: the fewest programs per step,
+                                            so a few rows still fill the GPU (default 4096;
+                                            with 1, 32 chunks per row; the batch-1 sweep,
+                                            README "Kernels", times both)
 =================  =======================  ==================================================
 """
 
@@ -77,6 +84,8 @@ class MoiraSettings:
     exact_prefill: bool = True
     dense_below_tokens: int = 20480
     calibration: str | None = None
+    floor_rows: int | None = None  # None: MoiraConfig's
+    min_programs: int | None = None
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
             "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE",
@@ -84,7 +93,8 @@ class MoiraSettings:
             "programmatic_launch": "MOIRA_PROGRAMMATIC_LAUNCH",
             "exact_prefill": "MOIRA_EXACT_PREFILL",
             "dense_below_tokens": "MOIRA_DENSE_BELOW_TOKENS",
-            "calibration": "MOIRA_CALIBRATION"}
+            "calibration": "MOIRA_CALIBRATION", "floor_rows": "MOIRA_FLOOR_ROWS",
+            "min_programs": "MOIRA_MIN_PROGRAMS"}
 
     def __post_init__(self):
         tokens = self.dense_below_tokens
@@ -134,8 +144,10 @@ class MoiraSettings:
 
     @property
     def config(self) -> MoiraConfig:
+        split = {name: getattr(self, name) for name in ("floor_rows", "min_programs")
+                 if getattr(self, name) is not None}
         return MoiraConfig(gamma=self.gamma, top_k=self.top_k, schedule=self.schedule,
-                           programmatic_launch=self.programmatic_launch)
+                           programmatic_launch=self.programmatic_launch, **split)
 
     @classmethod
     def from_sources(cls, additional_config: Mapping | None,
@@ -174,7 +186,8 @@ class MoiraSettings:
                                          f"tokens:fraction,tokens:fraction") from None
                     continue
                 try:
-                    values[key] = (int(text) if key in ("top_k", "dense_below_tokens")
+                    values[key] = (int(text) if key in ("top_k", "dense_below_tokens",
+                                                        "floor_rows", "min_programs")
                                    else float(text))
                 except ValueError:
                     raise ValueError(f"{variable}={text!r} is not a number") from None
