@@ -174,6 +174,9 @@ def main():
     result.update(label=args.label, set=args.set, concurrency=args.concurrency, offset=args.offset,
                   output_tokens=args.output_tokens, command="python3 " + " ".join(sys.argv),
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), **host_versions())
+    # serve_bench.sh starts the server in this environment: its MOIRA_* settings are the arm's
+    result["moira_environment"] = {name: value for name, value in sorted(os.environ.items())
+                                   if name.startswith("MOIRA_")}
     print(json.dumps({k: v for k, v in result.items() if k != "per_request"}, indent=1))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

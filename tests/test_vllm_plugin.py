@@ -6,8 +6,9 @@ import torch
 from helpers import DEVICE, make_cache
 
 import moira
-from moira.integrations.vllm.settings import (MoiraSettings, explain, fa3_rows, full_read_pages,
-                                              planning_batch, split_decodes, summary_bytes)
+from moira.integrations.vllm.settings import (MoiraSettings, decode_rows_skipped, explain,
+                                              fa3_rows, full_read_pages, planning_batch,
+                                              split_decodes, summary_bytes)
 from moira.integrations.vllm.state import (DenseCheck, ImposedFractions, LayerState,
                                            PageStatsLog, bf16_ulps)
 
@@ -76,6 +77,27 @@ def test_settings_come_from_additional_config_then_environment():
 def test_bad_settings_name_the_setting(config, environ, match):
     with pytest.raises(ValueError, match=match):
         MoiraSettings.from_sources(config, environ)
+
+
+def test_fa3s_whole_batch_call_skips_the_decode_rows_only_with_its_own_schedule():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Fa3Metadata:  # the fields of vLLM's FlashAttentionMetadata the function touches
+        seq_lens: torch.Tensor
+        scheduler_metadata: torch.Tensor | None
+        max_seq_len: int = 900
+
+    persistent = torch.tensor([700, 900, 40, 300], dtype=torch.int32)
+    scheduled = Fa3Metadata(persistent[:3], torch.arange(8, dtype=torch.int32))
+    skipped = decode_rows_skipped(scheduled, num_decodes=2)
+    assert skipped.seq_lens.tolist() == [0, 0, 40] and skipped.seq_lens.dtype == torch.int32
+    assert skipped.scheduler_metadata is scheduled.scheduler_metadata  # planned from the full
+    assert skipped.max_seq_len == 900  # FA3's host-side split choice and tile sizes unchanged
+    assert persistent.tolist() == [700, 900, 40, 300]  # vLLM's tensor untouched
+    assert decode_rows_skipped(scheduled, num_decodes=0) is scheduled
+    unscheduled = Fa3Metadata(persistent[:3], None)  # FA3 would plan from the zeroed lengths
+    assert decode_rows_skipped(unscheduled, num_decodes=2) is unscheduled
 
 
 def test_imposed_fractions_have_the_papers_spread():

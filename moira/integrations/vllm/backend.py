@@ -8,7 +8,8 @@
   graphs). Owns the ``DecodeWorkspace`` all its layers share (they run one after another).
 - ``MoiraAttentionImpl``: K/V are written by FA's ``do_kv_cache_update``; in a step with
   non-decode rows ``forward`` runs FA3 as dense vLLM does (over the whole batch, or with
-  ``exact_prefill`` off over those rows alone) and summarizes the pages their slots completed,
+  ``exact_prefill`` off over those rows alone; the decode rows' key lengths zeroed in the
+  whole-batch call) and summarizes the pages their slots completed,
   then runs Moira's sparse decode on the decode rows, overwriting FA3's output there (their
   Estimate summarizes the page each row's new token completed: no summarize launch in a pure
   decode step).
@@ -29,8 +30,9 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
 from ... import reference
 from ...config import PAGE_SIZE
 from ...decode import DecodeWorkspace, sparse_decode, update_summaries
-from .settings import (SUPPORTED_HEAD_DIMS, SUPPORTED_KV_CACHE_DTYPES, MoiraSettings, explain,
-                       fa3_rows, full_read_pages, planning_batch, split_decodes)
+from .settings import (SUPPORTED_HEAD_DIMS, SUPPORTED_KV_CACHE_DTYPES, MoiraSettings,
+                       decode_rows_skipped, explain, fa3_rows, full_read_pages, planning_batch,
+                       split_decodes)
 from .state import DenseCheck, ImposedFractions, LayerState, PageStatsLog
 
 logger = init_logger("vllm.moira")  # under "vllm", so vLLM's log handler prints it
@@ -109,7 +111,8 @@ class MoiraMetadata:
     Decode rows ``[0, num_decodes)`` are query tokens ``[0, num_decodes)``; ``seq_lens`` and
     ``block_table`` are views of vLLM's persistent tensors for those rows. ``prefill`` is FA3's
     metadata for a step with other rows: for the whole batch from token ``prefill_from`` = 0
-    (``exact_prefill``: dense vLLM's FA3 call; Moira then overwrites the decode rows), or for
+    (``exact_prefill``: dense vLLM's FA3 call, the decode rows' key lengths zeroed so that FA3
+    skips their pages; Moira then overwrites those rows), or for
     the rows after the decode rows, rebased to start at token ``prefill_from`` =
     ``num_decode_tokens``. ``prefill_slots``: the KV slots the other rows wrote.
     ``dense_below_pages``: decode rows this short read every page (``dense_below_tokens``).
@@ -215,7 +218,7 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
             self.workspace = self._workspace(width)
         num_decodes, num_decode_tokens = split_decodes(cam.query_start_loc_cpu, cam.num_reqs,
                                                        cam.max_query_len)
-        prefill, prefill_from, prefill_slots = None, 0, None
+        prefill, prefill_from, prefill_slots, whole_batch = None, 0, None, None
         # with exact_prefill FA3 gets the whole batch, dense vLLM's call (session 12: given the
         # batch without its decode rows, it rounded 0.8% of SmolLM2's prefill-row elements apart)
         fa3_call = fa3_rows(num_decodes, cam.num_reqs, num_decode_tokens,
@@ -224,16 +227,20 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
             first_row, prefill_from = fa3_call
             prefill = super().build(0, cam if first_row == 0
                                     else _rows_from(cam, first_row, prefill_from), fast_build)
+            if first_row == 0:
+                whole_batch = prefill
+                prefill = decode_rows_skipped(whole_batch, num_decodes)
             prefill_slots = cam.slot_mapping[num_decode_tokens:]
         keep_fractions = None
         if self.imposed is not None and num_decodes:
             keep_fractions = self.imposed.fill(cam.seq_lens[:num_decodes])
         dense = None
         if self.settings.check_dense:
-            # the engine's whole-batch call if there is one (the counters then check the
-            # slicing around it; a dense engine's first tokens check the call); else FA3 over
-            # the whole batch without an AOT schedule, whose buffer is the prefill rows'
-            dense = (prefill if prefill is not None and prefill_from == 0
+            # dense vLLM's whole-batch call if the engine built it (its decode rows' lengths
+            # not zeroed: the other-rows counter checks that zeroing them changes nothing);
+            # else FA3 over the whole batch without an AOT schedule, whose buffer is the
+            # prefill rows'
+            dense = (whole_batch if whole_batch is not None
                      else super().build(0, cam, fast_build=True))
         planned = planning_batch(num_decodes)
         return MoiraMetadata(

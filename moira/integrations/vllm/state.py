@@ -105,8 +105,9 @@ class DenseCheck:
     """Per-layer float64 counters (``NAMES``) comparing, on every batch, Moira's decode rows with
     dense FA3's and, as the yardstick, FA3 with its split heuristic with FA3 in one split (two
     correct kernels that differ only in summation order); the other rows (prefill, computed by
-    FA3 in both: in the engine as ``exact_prefill`` says, here on the whole batch, with
-    ``exact_prefill`` the engine's own call, so that the count checks the slicing around it)
+    FA3 in both: in the engine as ``exact_prefill`` says, here dense vLLM's call on the whole
+    batch, with ``exact_prefill`` built with the engine's schedule but without its decode rows'
+    key lengths zeroed, so the count checks that zeroing them changes no other row)
     are counted bitwise (with FA3 on the batch without its decode rows: 0 in every
     Llama-geometry run, 0.8% of SmolLM2-135M's elements, from FA3's per-launch scheduling,
     sessions 11-12).
