@@ -189,6 +189,7 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)  # decode rows first under the V1 runner too
         self.settings = MoiraSettings.from_sources(vllm_config.additional_config, os.environ)
+        logger.info_once(self.settings.describe())
         self.max_batch = max(vllm_config.scheduler_config.max_num_seqs,
                              self.max_cudagraph_size or 0)
         self.workspace = self._workspace(-(-vllm_config.model_config.max_model_len // PAGE_SIZE))

@@ -124,6 +124,14 @@ class MoiraSettings:
                 raise ValueError(f"moira {name} must be true or false, got "
                                  f"{getattr(self, name)!r}")
 
+    def describe(self) -> str:
+        """One line for the startup log: the settings that differ from the defaults."""
+        changed = [f"{field.name}={getattr(self, field.name)!r}"
+                   for field in dataclasses.fields(self)
+                   if getattr(self, field.name) != field.default]
+        return "Moira attention: " + (", ".join(changed) or "default settings") + \
+            f" (gamma {self.gamma}; settings: moira/integrations/vllm/settings.py)"
+
     @property
     def imposed_knots(self) -> tuple[tuple[int, float], ...]:
         """``imposed_fraction`` as ``((context_tokens, mean_fraction), ...)``, sorted."""
