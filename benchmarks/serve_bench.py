@@ -175,6 +175,8 @@ def main():
                   output_tokens=args.output_tokens, command="python3 " + " ".join(sys.argv),
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), **host_versions())
     # serve_bench.sh starts the server in this environment: its MOIRA_* settings are the arm's
+    # (for keys serve_bench.sh's --additional-config does not set: imposed_fraction and
+    # stats_interval come from there)
     result["moira_environment"] = {name: value for name, value in sorted(os.environ.items())
                                    if name.startswith("MOIRA_")}
     print(json.dumps({k: v for k, v in result.items() if k != "per_request"}, indent=1))

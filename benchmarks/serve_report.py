@@ -31,7 +31,9 @@ def load(folder):
         if name.startswith("serve-") and name.endswith(".json"):
             with open(os.path.join(folder, name)) as f:
                 run = json.load(f)
-            key = (run["label"], run["set"], run["concurrency"], run["output_tokens"])
+            # runs with other MOIRA_* settings are another arm, never pooled with the default
+            setting = tuple(sorted(run.get("moira_environment", {}).items()))
+            key = (run["label"], run["set"], run["concurrency"], run["output_tokens"], setting)
             groups.setdefault(key, []).append(run)
     return [run for parts in groups.values() for run in pooled(parts)]
 
@@ -68,6 +70,12 @@ def prompts_cell(run):
     return cell
 
 
+def arm_name(run):
+    """The arm's name, with the ``MOIRA_*`` settings its server ran with, if any."""
+    setting = " ".join(f"{k}={v}" for k, v in sorted(run.get("moira_environment", {}).items()))
+    return ARMS.get(run["label"], run["label"]) + (f" ({setting})" if setting else "")
+
+
 def table(runs):
     """Rows grouped by workload (set, concurrency, prompts, output tokens), dense FA3 first."""
     def workload(run):
@@ -83,13 +91,14 @@ def table(runs):
         group = sorted((run for run in runs if workload(run) == key),
                        key=lambda run: order.index(run["label"]) if run["label"] in order
                        else len(order))
-        dense = next((run for run in group if run["label"] == "dense"), None)
+        dense = next((run for run in group if run["label"] == "dense"
+                      and not run.get("moira_environment")), None)
         for run in group:
             ratio = ("–" if dense is None or run is dense else
                      f"**{run['output_tokens_per_s'] / dense['output_tokens_per_s'] - 1:+.1%}**")
             lines.append(
                 f"| {key[0]} | {key[1]} | {prompts_cell(run)} × {key[3]} | "
-                f"{ARMS.get(run['label'], run['label'])} | {run['completed']}/{run['requests']} | "
+                f"{arm_name(run)} | {run['completed']}/{run['requests']} | "
                 f"{run['output_tokens_per_s']:.1f} | {ratio} | {run['median_tpot_ms']:.2f} | "
                 f"{run['median_ttft_s']:.2f} | {run['wall_s']:.1f} |")
     return "\n".join(lines)
@@ -102,7 +111,7 @@ def plot(runs, path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    labels = [f"{ARMS.get(r['label'], r['label'])}\n{r['set']}:{r['concurrency']}" for r in runs]
+    labels = [f"{arm_name(r)}\n{r['set']}:{r['concurrency']}" for r in runs]
     colors = ["tab:blue" if r["label"] == "moira" else "0.6" for r in runs]
     for ax, key, title in ((axes[0], "output_tokens_per_s", "output tokens/s"),
                            (axes[1], "median_tpot_ms", "median TPOT (ms)")):

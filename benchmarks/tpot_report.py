@@ -157,10 +157,14 @@ def single_pairs_table(pair_runs):
     arms = [(0.98, "Moira, every row selecting"),
             ("fallback", "Moira, rows of ≤ N tokens read in full"),
             ("pdl", "the same, programmatic launch"),
-            ("split", "the same, Attend's split set (floor_rows / min_programs)"),
+            ("split", "Moira, Attend's split set (floor_rows, min_programs: in its JSON)"),
             ("fsel", "rows of ≤ N tokens read in full, Estimate + Select in one launch"),
             ("fmerge", "rows of ≤ N tokens read in full, Merge in Attend's launch"),
             ("fsel+fmerge", "rows of ≤ N tokens read in full, both in one launch")]
+    # variants combined (e.g. "pdl+split"): a column each, named by their arms
+    known = {arm for arm, _ in arms} | {"dense"}
+    arms += [(kind, f"Moira, {kind}") for kind in sorted(
+        {kind for runs in pair_runs for _, kind in runs if kind not in known}, key=str)]
     dense_cells, cells = {}, {}
     for runs in pair_runs:
         for (model, kind), dense in runs.items():

@@ -285,6 +285,14 @@ def test_serve_report_puts_dense_first_and_compares_each_arm_on_its_own_workload
         "dense FA3", "dense FlashInfer", "Moira"]
     assert lines[2].split(" | ")[6] == "–"
     assert lines[4].split(" | ")[6] == "**+10.0%**" and lines[5].split(" | ")[6] == "**+50.0%**"
+    # a server run with other MOIRA_* settings is its own arm, compared with the same dense run
+    run = dict(base, label="moira", output_tokens_per_s=120.0,
+               moira_environment={"MOIRA_EXACT_PREFILL": "0"})
+    (tmp_path / "serve-moira-A-16-off.json").write_text(json.dumps(run))
+    rows = [line.split(" | ") for line in report.table(report.load(str(tmp_path))).splitlines()]
+    assert [(row[3], row[6]) for row in rows[3:]] == [
+        ("dense FA3", "–"), ("dense FlashInfer", "**+10.0%**"), ("Moira", "**+50.0%**"),
+        ("Moira (MOIRA_EXACT_PREFILL=0)", "**+20.0%**")]
 
 
 def test_tpot_report_gives_a_programmatic_launch_run_its_own_single_request_column(tmp_path):
@@ -330,6 +338,11 @@ def test_tpot_report_gives_a_run_with_attends_split_set_its_own_pairs_column(tmp
     assert "Attend's split set" in table[0]
     assert table[2].endswith("| 5.10 / 5.20 | +2.0% / +4.0% | **+3.0%** | 4.95 / 5.05 | "
                              "-1.0% / +1.0% | **+0.0%** |")
+    # with programmatic launch too: a column of its own, not dropped
+    (folder / "both.json").write_text(json.dumps(
+        run("moira", 4.9, dense_below_tokens=20480, floor_rows=96, programmatic_launch=True)))
+    table = report.single_pairs_table([report.load([str(folder)])]).splitlines()
+    assert "Moira, pdl+split (ms)" in table[0] and table[2].endswith("| 4.90 | -2.0% | **-2.0%** |")
 
 
 def test_compile_check_rejects_memory_access_before_the_programmatic_wait():

@@ -42,8 +42,11 @@ def test_settings_come_from_additional_config_then_environment():
     assert (split.config.floor_rows, split.config.min_programs) == (96, 1)
     assert split.config.chunk_floor(8) == 2 and split.config.chunks_per_row(8) == 32
     assert MoiraSettings().config == moira.MoiraConfig()  # unset: MoiraConfig's defaults
-    assert MoiraSettings().describe().startswith("Moira attention: default settings (gamma 0.98")
-    assert split.describe().startswith("Moira attention: floor_rows=96, min_programs=1 (")
+    assert MoiraSettings().describe().startswith(
+        "Moira attention: gamma=0.98, other settings default (")
+    assert split.describe().startswith("Moira attention: gamma=0.98, floor_rows=96, "
+                                       "min_programs=1 (")
+    assert MoiraSettings(gamma=1.0).describe().count("gamma") == 1
     calibrated = MoiraSettings.from_sources({"moira": {"calibration": "cal.json"}}, {})
     assert calibrated.calibration == "cal.json"
 

@@ -186,6 +186,11 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
                 "for dense decoder models in vLLM 0.26), and this engine would use V1: unset "
                 "VLLM_USE_V2_MODEL_RUNNER (or set it to 1), or drop the feature that needs V1 "
                 "(e.g. ngram speculative decoding, custom logits processors)")
+        if vllm_config.parallel_config.decode_context_parallel_size > 1:
+            # each rank would hold a slice of every row's tokens; Moira's pages are whole rows
+            raise ValueError("Moira's attention backend does not support decode context "
+                             "parallelism yet: drop --decode-context-parallel-size, or use "
+                             "another --attention-backend")
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)  # decode rows first under the V1 runner too
         self.settings = MoiraSettings.from_sources(vllm_config.additional_config, os.environ)
@@ -238,7 +243,9 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         dense = None
         if self.settings.check_dense:
             # dense vLLM's whole-batch call if the engine built it (its decode rows' lengths
-            # not zeroed: the other-rows counter checks that zeroing them changes nothing);
+            # not zeroed: the other-rows counter checks that zeroing them changes nothing; as
+            # a dense engine in this one's graph mode would build it: the check runs without
+            # FULL graphs, so FA3's split is not capped as for graph-sized mixed steps);
             # else FA3 over the whole batch without an AOT schedule, whose buffer is the
             # prefill rows'
             dense = (whole_batch if whole_batch is not None

@@ -43,7 +43,8 @@ key                environment variable     meaning
                                             the decode rows (default on; off: FA3 over the
                                             prefill rows alone; on the H200 a dense
                                             engine's prefill log-probs matched bit for
-                                            bit with it on, 12 of 12 prompts)
+                                            bit with it on, 12 of 12 prompts, before the
+                                            zeroing, which is not yet run on a GPU)
 ``dense_below_tokens``  ``MOIRA_DENSE_BELOW_TOKENS``  a decode step of B requests reads
                                             every page of its rows of at most this / B
                                             tokens, skipping Estimate's and Select's work:
@@ -128,9 +129,10 @@ class MoiraSettings:
         """One line for the startup log: the settings that differ from the defaults."""
         changed = [f"{field.name}={getattr(self, field.name)!r}"
                    for field in dataclasses.fields(self)
-                   if getattr(self, field.name) != field.default]
-        return "Moira attention: " + (", ".join(changed) or "default settings") + \
-            f" (gamma {self.gamma}; settings: moira/integrations/vllm/settings.py)"
+                   if field.name != "gamma" and getattr(self, field.name) != field.default]
+        return (f"Moira attention: gamma={self.gamma!r}" + "".join(", " + c for c in changed)
+                + ("" if changed else ", other settings default")
+                + " (moira/integrations/vllm/settings.py)")
 
     @property
     def imposed_knots(self) -> tuple[tuple[int, float], ...]:
