@@ -57,8 +57,8 @@ key                environment variable     meaning
                                             of 24 pages down in proportion (default 32)
 ``min_programs``   ``MOIRA_MIN_PROGRAMS``   Attend's split: the fewest programs per step,
                                             so a few rows still fill the GPU (default 4096;
-                                            with 1, 32 chunks per row; the batch-1 sweep,
-                                            README "Kernels", times both)
+                                            with 1, 32 chunks per row; README, "A single
+                                            request", times both at batch 1)
 =================  =======================  ==================================================
 """
 
@@ -296,8 +296,9 @@ def full_read_pages(dense_below_tokens: int, num_decodes: int) -> int:
 
 
 def decode_rows_skipped(whole_batch, num_decodes: int):
-    """``whole_batch`` (vLLM's ``FlashAttentionMetadata``, a dataclass) as FA3's whole-batch call with the decode rows' key lengths zeroed, so FA3 reads none of
-    their pages (Moira overwrites those rows: FA3 writes 0 there). Each row's split count comes
+    """``whole_batch``, vLLM's ``FlashAttentionMetadata`` (a dataclass) for FA3's call over the
+    whole batch, with the decode rows' key lengths zeroed, so FA3 reads none of their pages
+    (Moira overwrites those rows: FA3 writes 0 there). Each row's split count comes
     from the ahead-of-time schedule, computed from the full lengths, and a row's key range from
     its own length only (FA3 hopper: ``seqlen.h``, ``block.h``, ``tile_scheduler.hpp``), so the
     other rows are computed as in the full call. Without a schedule FA3 would plan from the
