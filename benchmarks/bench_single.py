@@ -27,6 +27,10 @@ arm is therefore timed over 32 layers captured in one CUDA graph
   Merge folded into Attend, and ``*_fboth``, both: options removed since, after measuring
   slower or too little faster; README.)
 
+- ``--batches 1,2,4``: the same for B requests of that context each (own pages, one graph
+  of 32 layers per step; combinations over ~80 GB of caches are skipped), to see where a split
+  chosen at batch 1 stands at small batches.
+
     PYTHONPATH=/tmp/site:. python3 benchmarks/bench_single.py [--contexts 2048,8192,32768]
     python3 benchmarks/bench_single.py --plot benchmarks/results/single-<date>.json  # PNG
 """
@@ -65,24 +69,31 @@ def bench(fn):
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
 
 
-class Layers:
-    """``LAYERS`` layers of one request: own caches, summaries, queries; a shared workspace."""
+def cache_bytes(context, batch):
+    """K and V of ``LAYERS`` layers of ``batch`` requests of ``context`` tokens."""
+    return 2 * LAYERS * batch * context * KV_HEADS * HEAD_DIM * 2
 
-    def __init__(self, context):
+
+class Layers:
+    """``LAYERS`` layers of ``batch`` requests: own caches, summaries, queries; a shared
+    workspace. Each request's pages sit at random places in its layer's cache."""
+
+    def __init__(self, context, batch=1):
         pages = context // PAGE
         self.width = max(WIDTH, pages + 2)
-        self.context = context
+        self.context, self.batch = context, batch
         dt = torch.bfloat16
         self.caches = []
         for _ in range(LAYERS):
-            keys = torch.randn(pages + 2, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=dt)
+            keys = torch.randn(batch * pages + 2, PAGE, KV_HEADS, HEAD_DIM, device="cuda",
+                               dtype=dt)
             values = torch.randn_like(keys)
             self.caches.append((keys, values))
-        table = torch.zeros(1, self.width, dtype=torch.int32, device="cuda")
-        table[0, :pages] = torch.randperm(pages, device="cuda").int()
+        table = torch.zeros(batch, self.width, dtype=torch.int32, device="cuda")
+        table[:, :pages] = torch.randperm(batch * pages, device="cuda").int().view(batch, pages)
         self.table = table
-        self.seq_lens = torch.full((1,), context - 1, dtype=torch.int32, device="cuda")
-        self.queries = [torch.randn(1, KV_HEADS * GROUP, HEAD_DIM, device="cuda", dtype=dt)
+        self.seq_lens = torch.full((batch,), context - 1, dtype=torch.int32, device="cuda")
+        self.queries = [torch.randn(batch, KV_HEADS * GROUP, HEAD_DIM, device="cuda", dtype=dt)
                         for _ in range(LAYERS)]
         self.summaries = [moira.summarize(k, table, self.seq_lens) for k, _ in self.caches]
         self.out = torch.empty_like(self.queries[0])
@@ -92,8 +103,8 @@ class Layers:
         self.scale = 1 / math.sqrt(HEAD_DIM)
 
     def workspace(self, config=None):
-        return moira.DecodeWorkspace(1, self.width, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
-                                     device="cuda", config=config)
+        return moira.DecodeWorkspace(self.batch, self.width, KV_HEADS * GROUP, KV_HEADS,
+                                     HEAD_DIM, device="cuda", config=config)
 
     def each(self, layer_fn):
         def run():
@@ -140,24 +151,27 @@ def plot(path):
 
 def split_report(paths, margin=0.3, gain=0.5):
     """The ``--split-sweep`` arms of one or more runs: a markdown table (µs per layer, mean of
-    the runs, each run's in brackets, the best per context in bold) and the verdict of the rule
-    set before the sweep: a (floor_rows, J) within ``margin`` µs of the best at every context
-    and at least ``gain`` µs faster than the default at 2k or 8k becomes the batch-1 default."""
-    times = {}  # (floor_rows, chunks) -> context -> [µs per run]
+    the runs, each run's in brackets, the best per shape in bold; shapes are contexts at batch
+    1, ``<context>×<batch>`` above) and the verdict of the rule set before the sweep: a
+    (floor_rows, J) within ``margin`` µs of the best at every shape and at least ``gain`` µs
+    faster than the default at 2k or 8k (batch 1) becomes the default."""
+    times = {}  # (floor_rows, chunks) -> (batch, context) -> [µs per run]
     names = {}
     for path in paths:
         with open(path) as f:
             for row in json.load(f)["results"]:
+                shape = (row.get("batch", 1), row["context"])
                 for name, key in row.get("split_sweep", {}).items():
                     if name in row["us_per_layer"]:
                         key = tuple(key)
-                        times.setdefault(key, {}).setdefault(row["context"], []).append(
+                        times.setdefault(key, {}).setdefault(shape, []).append(
                             row["us_per_layer"][name])
-                        names.setdefault(key, {})[row["context"]] = name
+                        names.setdefault(key, {})[shape] = name
     contexts = sorted({c for per in times.values() for c in per})
     mean = {key: {c: sum(v) / len(v) for c, v in per.items()} for key, per in times.items()}
     best = {c: min(m[c] for m in mean.values() if c in m) for c in contexts}
-    lines = ["| floor_rows, J | " + " | ".join(f"{c // 1024}k" for c in contexts) + " |",
+    lines = ["| floor_rows, J | " + " | ".join(
+        f"{c // 1024}k" + (f"×{b}" if b > 1 else "") for b, c in contexts) + " |",
              "|---" * (len(contexts) + 1) + "|"]
     for key in sorted(times, key=lambda k: (k[0], -(k[1] or 10**9))):
         cells = []
@@ -171,18 +185,31 @@ def split_report(paths, margin=0.3, gain=0.5):
         label = f"{key[0]}, {'default' if key[1] is None else key[1]}"
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     default = mean.get((moira.MoiraConfig().floor_rows, None), {})
+
+    def gains(m):
+        return any(c in default and default[c] - m[c] >= gain for c in ((1, 2048), (1, 8192)))
+
     chosen = [key for key, m in mean.items()
-              if all(c in m and m[c] <= best[c] + margin for c in contexts)
-              and any(c in default and default[c] - m[c] >= gain for c in (2048, 8192))]
+              if all(c in m and m[c] <= best[c] + margin for c in contexts) and gains(m)]
     chosen.sort(key=lambda key: sum(mean[key].values()))
     verdict = (f"rule met by floor_rows, J = {chosen[0]}" if chosen else
                "rule not met: keep the default split")
+    # session 13's rule for changing the default (the first is stricter: near the best
+    # everywhere): never more than `margin` slower than the default, `gain` faster at batch 1
+    safe = sorted((key for key, m in mean.items() if key != (moira.MoiraConfig().floor_rows, None)
+                   and all(c in m and c in default and m[c] <= default[c] + margin
+                           for c in contexts) and gains(m)),
+                  key=lambda key: sum(mean[key].values()))
+    verdict += ("; no slower than the default anywhere and faster at batch 1: "
+                + (", ".join(map(str, safe)) if safe else "none"))
     return "\n".join(lines), (chosen[0] if chosen else None), verdict
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--contexts", default="2048,8192,32768,65536,131072")
+    parser.add_argument("--batches", default="1",
+                        help="requests per step, e.g. 1,2,4 (each context at each batch)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                       "single.json"))
     parser.add_argument("--plot", metavar="JSON", help="only draw the PNG of a result file")
@@ -206,9 +233,15 @@ def main():
     from moira.decode import _launch_estimate, _launch_select
 
     results = []
-    for context in map(int, args.contexts.split(",")):
-        s = Layers(context)
-        row = dict(context=context, batch=1, read_fraction=s.fraction, width=s.width,
+    shapes = [(context, batch) for context in map(int, args.contexts.split(","))
+              for batch in map(int, args.batches.split(","))]
+    for context, batch in shapes:
+        if cache_bytes(context, batch) > 80e9:
+            print(f"{context:>7} x{batch}: skipped (caches over 80 GB)", flush=True)
+            continue
+        s = Layers(context, batch)
+        rows = batch * KV_HEADS
+        row = dict(context=context, batch=batch, read_fraction=s.fraction, width=s.width,
                    us_per_layer={})
         times = row["us_per_layer"]
 
@@ -217,14 +250,15 @@ def main():
                 times[name] = round(bench(s.each(layer_fn)) / LAYERS, 2)
             except Exception as error:  # noqa: BLE001 -- one failed arm must not lose the rest
                 row.setdefault("errors", {})[name] = f"{type(error).__name__}: {error}"[:300]
-                print(f"{context:>7} {name:<24} failed: {row['errors'][name]}", flush=True)
+                print(f"{context:>7} x{batch} {name:<24} failed: {row['errors'][name]}",
+                      flush=True)
                 return
-            print(f"{context:>7} {name:<24} {times[name]:8.2f} us/layer", flush=True)
+            print(f"{context:>7} x{batch} {name:<24} {times[name]:8.2f} us/layer", flush=True)
 
         if fa is not None:
-            cu_q = torch.arange(2, device="cuda", dtype=torch.int32)
+            cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
             metadata = fa.get_scheduler_metadata(
-                1, 1, context, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, s.seq_lens,
+                batch, 1, context, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, s.seq_lens,
                 qkv_dtype=torch.bfloat16, cu_seqlens_q=cu_q, page_size=PAGE, causal=True,
                 num_splits=32)
             timed("fa3_dense", lambda layer: fa.flash_attn_varlen_func(
@@ -233,7 +267,7 @@ def main():
                 scheduler_metadata=metadata, num_splits=32, fa_version=3, out=s.out))
 
         workspace = s.workspace()
-        log_masses, lists, counts = workspace.selection_buffers(1, s.width)
+        log_masses, lists, counts = workspace.selection_buffers(batch, s.width)
         timed("estimate", lambda layer: _launch_estimate(
             s.queries[layer], s.caches[layer][0], s.summaries[layer], s.table, s.seq_lens,
             s.scale, log_masses))
@@ -260,12 +294,14 @@ def main():
                 arms.update({f"step_pdl{suffix}": (chained, 0),
                              f"step_full_rows_pdl{suffix}": (chained, s.width)})
         if args.split_sweep:  # the row as the plugin runs it (in full up to 20480 tokens)
-            full = full_read_pages(MoiraSettings().dense_below_tokens, 1)
+            full = full_read_pages(MoiraSettings().dense_below_tokens, batch)
             for floor_rows, chunks in SPLIT_SWEEP:
                 config = moira.MoiraConfig(floor_rows=floor_rows, **(
                     {} if chunks is None else dict(min_chunks_per_row=chunks, min_programs=1)))
-                name = (f"split_c{config.chunk_floor(KV_HEADS)}_j"
-                        f"{config.chunks_per_row(KV_HEADS, s.width)}")
+                name = (f"split_c{config.chunk_floor(rows)}_j"
+                        f"{config.chunks_per_row(rows, s.width)}")
+                if name in arms:  # another floor_rows gives this step the same split
+                    name += f"_f{floor_rows}"
                 arms[name] = (s.workspace(config), full)
                 row.setdefault("split_sweep", {})[name] = [floor_rows, chunks]
         for name, (ws, full) in arms.items():

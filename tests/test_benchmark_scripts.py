@@ -506,6 +506,8 @@ def test_split_report_applies_the_batch_1_rule_to_the_mean_of_the_runs(tmp_path)
     # the best) but 1.4 off at 2k: neither holds everywhere
     assert chosen is None and "not met" in verdict
     assert "**14.65 (14.60 / 14.70)" in table and "**21.40 (21.30 / 21.50)" in table
+    # J 16 is also never slower than the default and faster at 2k by 0.6: the second rule's
+    assert verdict.endswith("faster at batch 1: (32, 16)")
     third = run(tmp_path / "c.json", {2048: {default: 16.6, floor2: 16.0, j16: 16.1},
                                       8192: {default: 21.9, floor2: 21.8, j16: 21.5}})
     _, chosen, verdict = bench_single.split_report([third])
@@ -513,3 +515,14 @@ def test_split_report_applies_the_batch_1_rule_to_the_mean_of_the_runs(tmp_path)
     # 2k); the faster over the contexts wins
     assert chosen == (32, 16)
     assert "(32, 16)" in verdict
+    # batch 2 columns: labelled with the batch; the rule then holds there too
+    fourth = run(tmp_path / "d.json", {2048: {default: 16.6, floor2: 14.6, j16: 16.0}})
+    rows = json.loads((tmp_path / "d.json").read_text())
+    rows["results"].append(dict(rows["results"][0], batch=2, us_per_layer={
+        "split_32_None": 20.0, "split_96_None": 21.0, "split_32_16": 20.1}))
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    table, chosen, verdict = bench_single.split_report([str(tmp_path / "d.json")])
+    assert table.splitlines()[0] == "| floor_rows, J | 2k | 2k×2 |"
+    # floor 2 is 2 µs faster at batch 1 but 1 µs slower at batch 2: neither rule's; J 16 is
+    # 1.4 off the best at 2k (not the first rule's) but never slower than the default
+    assert chosen is None and verdict.endswith("faster at batch 1: (32, 16)")
