@@ -184,7 +184,8 @@ def split_report(paths, margin=0.3, gain=0.5):
             cells.append(f"**{text}**" if mean[key][c] == best[c] else text)
         label = f"{key[0]}, {'default' if key[1] is None else key[1]}"
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    default = mean.get((moira.MoiraConfig().floor_rows, None), {})
+    default_key = (moira.MoiraConfig().floor_rows, None)
+    default = mean.get(default_key, {})
 
     def gains(m):
         return any(c in default and default[c] - m[c] >= gain for c in ((1, 2048), (1, 8192)))
@@ -196,7 +197,7 @@ def split_report(paths, margin=0.3, gain=0.5):
                "rule not met: keep the default split")
     # session 13's rule for changing the default (the first is stricter: near the best
     # everywhere): never more than `margin` slower than the default, `gain` faster at batch 1
-    safe = sorted((key for key, m in mean.items() if key != (moira.MoiraConfig().floor_rows, None)
+    safe = sorted((key for key, m in mean.items() if key != default_key
                    and all(c in m and c in default and m[c] <= default[c] + margin
                            for c in contexts) and gains(m)),
                   key=lambda key: sum(mean[key].values()))
