@@ -57,8 +57,11 @@ WIDTH = 1030  # block-table pages of a 66k-token engine (vllm_tpot.py's single-r
 # 512 at width 1030), 32 or 16. J binds only where ceil(pages / J) exceeds the floor (not at
 # 2k, where an arm's J variants repeat it: a noise estimate; at 8k the J-16 arms all run 16
 # chunks of 8 pages)
-SPLIT_SWEEP = [(floor_rows, chunks) for floor_rows in (32, 48, 64, 96)
-               for chunks in (None, 32, 16)]
+# chunks), all with step_programs 0 (Eq. 4 alone, the split before session 14); then the
+# short-row floor (MoiraConfig.step_programs T, session 14) at the default floor_rows and J:
+# (floor_rows, J, T)
+SPLIT_SWEEP = [(floor_rows, chunks, 0) for floor_rows in (32, 48, 64, 96)
+               for chunks in (None, 32, 16)] + [(32, None, 128), (32, None, 256)]
 # the paper's mean read fraction at gamma 0.98 (Llama-3.1-8B, Table 3), clamped below 8k
 READS = {2048: 0.42, 8192: 0.42, 16384: 0.37, 32768: 0.31, 65536: 0.16, 131072: 0.15}
 
@@ -149,13 +152,22 @@ def plot(path):
     plt.close(fig)
 
 
+def short_key(key):
+    """A sweep key as the report gives it: (floor_rows, J), with T when it is not 0."""
+    return key if key[2] else key[:2]
+
+
+def split_key(key):
+    return str(short_key(key))
+
+
 def split_report(paths, margin=0.3, gain=0.5):
     """The ``--split-sweep`` arms of one or more runs: a markdown table (µs per layer, mean of
     the runs, each run's in brackets, the best per shape in bold; shapes are contexts at batch
     1, ``<context>×<batch>`` above) and the verdict of the rule set before the sweep: a
     (floor_rows, J) within ``margin`` µs of the best at every shape and at least ``gain`` µs
     faster than the default at 2k or 8k (batch 1) becomes the default."""
-    times = {}  # (floor_rows, chunks) -> (batch, context) -> [µs per run]
+    times = {}  # (floor_rows, chunks, step_programs) -> (batch, context) -> [µs per run]
     names = {}
     for path in paths:
         with open(path) as f:
@@ -163,17 +175,17 @@ def split_report(paths, margin=0.3, gain=0.5):
                 shape = (row.get("batch", 1), row["context"])
                 for name, key in row.get("split_sweep", {}).items():
                     if name in row["us_per_layer"]:
-                        key = tuple(key)
+                        key = (tuple(key) + (0,))[:3]  # before session 14: no T, i.e. 0
                         times.setdefault(key, {}).setdefault(shape, []).append(
                             row["us_per_layer"][name])
                         names.setdefault(key, {})[shape] = name
     contexts = sorted({c for per in times.values() for c in per})
     mean = {key: {c: sum(v) / len(v) for c, v in per.items()} for key, per in times.items()}
     best = {c: min(m[c] for m in mean.values() if c in m) for c in contexts}
-    lines = ["| floor_rows, J | " + " | ".join(
+    lines = ["| floor_rows, J[, T] | " + " | ".join(
         f"{c // 1024}k" + (f"×{b}" if b > 1 else "") for b, c in contexts) + " |",
              "|---" * (len(contexts) + 1) + "|"]
-    for key in sorted(times, key=lambda k: (k[0], -(k[1] or 10**9))):
+    for key in sorted(times, key=lambda k: (k[2], k[0], -(k[1] or 10**9))):
         cells = []
         for c in contexts:
             if c not in mean[key]:
@@ -182,9 +194,10 @@ def split_report(paths, margin=0.3, gain=0.5):
             text = (f"{mean[key][c]:.2f} ({' / '.join(f'{v:.2f}' for v in times[key][c])}) "
                     f"`{names[key][c]}`")
             cells.append(f"**{text}**" if mean[key][c] == best[c] else text)
-        label = f"{key[0]}, {'default' if key[1] is None else key[1]}"
+        label = (f"{key[0]}, {'default' if key[1] is None else key[1]}"
+                 + (f", T = {key[2]}" if key[2] else ""))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    default_key = (moira.MoiraConfig().floor_rows, None)
+    default_key = (moira.MoiraConfig().floor_rows, None, 0)  # Eq. 4 as before session 14
     default = mean.get(default_key, {})
 
     def gains(m):
@@ -193,7 +206,7 @@ def split_report(paths, margin=0.3, gain=0.5):
     chosen = [key for key, m in mean.items()
               if all(c in m and m[c] <= best[c] + margin for c in contexts) and gains(m)]
     chosen.sort(key=lambda key: sum(mean[key].values()))
-    verdict = (f"rule met by floor_rows, J = {chosen[0]}" if chosen else
+    verdict = (f"rule met by floor_rows, J = {split_key(chosen[0])}" if chosen else
                "rule not met: keep the default split")
     # session 13's rule for changing the default (the first is stricter: near the best
     # everywhere): never more than `margin` slower than the default, `gain` faster at batch 1
@@ -202,8 +215,8 @@ def split_report(paths, margin=0.3, gain=0.5):
                            for c in contexts) and gains(m)),
                   key=lambda key: sum(mean[key].values()))
     verdict += ("; no slower than the default anywhere and faster at batch 1: "
-                + (", ".join(map(str, safe)) if safe else "none"))
-    return "\n".join(lines), (chosen[0] if chosen else None), verdict
+                + (", ".join(map(split_key, safe)) if safe else "none"))
+    return "\n".join(lines), (short_key(chosen[0]) if chosen else None), verdict
 
 
 def main():
@@ -296,15 +309,17 @@ def main():
                              f"step_full_rows_pdl{suffix}": (chained, s.width)})
         if args.split_sweep:  # the row as the plugin runs it (in full up to 20480 tokens)
             full = full_read_pages(MoiraSettings().dense_below_tokens, batch)
-            for floor_rows, chunks in SPLIT_SWEEP:
-                config = moira.MoiraConfig(floor_rows=floor_rows, **(
-                    {} if chunks is None else dict(min_chunks_per_row=chunks, min_programs=1)))
+            for floor_rows, chunks, step_programs in SPLIT_SWEEP:
+                config = moira.MoiraConfig(floor_rows=floor_rows, step_programs=step_programs,
+                                           **({} if chunks is None else dict(
+                                               min_chunks_per_row=chunks, min_programs=1)))
                 name = (f"split_c{config.chunk_floor(rows)}_j"
-                        f"{config.chunks_per_row(rows, s.width)}")
+                        f"{config.chunks_per_row(rows, s.width)}"
+                        + (f"_t{step_programs}" if step_programs else ""))
                 if name in arms:  # another floor_rows gives this step the same split
                     name += f"_f{floor_rows}"
                 arms[name] = (s.workspace(config), full)
-                row.setdefault("split_sweep", {})[name] = [floor_rows, chunks]
+                row.setdefault("split_sweep", {})[name] = [floor_rows, chunks, step_programs]
         for name, (ws, full) in arms.items():
             chain = next((c for suffix, c in chains.items() if suffix and name.endswith(suffix)),
                          launch.CHAINED)

@@ -61,7 +61,8 @@ def load(folders):
             # (the former tpot_pairs.sh arm fboth is "fsel+fmerge"); the batch-shape pairs
             # table shows "fsel" only
             variant = "+".join(arm for flag, arm in VARIANTS if run.get(flag))
-            if run.get("floor_rows") is not None or run.get("min_programs") is not None:
+            if any(run.get(key) is not None
+                   for key in ("floor_rows", "min_programs", "step_programs")):
                 variant = "+".join(filter(None, [variant, "split"]))  # Attend's split changed
             if variant:
                 key = (run["model"], variant)
@@ -157,7 +158,8 @@ def single_pairs_table(pair_runs):
     arms = [(0.98, "Moira, every row selecting"),
             ("fallback", "Moira, rows of ≤ N tokens read in full"),
             ("pdl", "the same, programmatic launch"),
-            ("split", "Moira, Attend's split set (floor_rows, min_programs: in its JSON)"),
+            ("split", "Moira, Attend's split set (floor_rows, min_programs, step_programs: "
+                      "in its JSON)"),
             ("fsel", "rows of ≤ N tokens read in full, Estimate + Select in one launch"),
             ("fmerge", "rows of ≤ N tokens read in full, Merge in Attend's launch"),
             ("fsel+fmerge", "rows of ≤ N tokens read in full, both in one launch")]

@@ -198,6 +198,8 @@ def main():
             variants = [(c, n, (4, 3)) for c in (4, 8, 16, 24) for n in (4096, 16384)]
             variants += [(8, 4096, (4, 2)), (16, 4096, (4, 2)), (24, 4096, (4, 2)),
                          (24, 4096, (4, 4)), (32, 4096, (4, 3))]
+            # J = N_J (32) at 32-64 rows: the small-batch split (floor_rows 96, min_programs 1)
+            variants += [(8, 1, (4, 2)), (16, 1, (4, 2))]
         for chunk, min_programs, (warps, stages) in variants if "attend" in kinds else []:
             config = moira.MoiraConfig(chunk_pages=chunk, min_programs=min_programs)
             ws = moira.DecodeWorkspace(batch, pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,

@@ -38,7 +38,10 @@ SHAPES = {"8k32": (8192, 32), "16k32": (16384, 32), "32k16": (32768, 16), "64k8"
           "130k4": (130000, 4),
           # a single request (issue 5, item 4): where Moira's fixed per-step cost can lose
           "2k1": (2048, 1), "8k1": (8192, 1), "16k1": (16384, 1), "32k1": (32768, 1),
-          "64k1": (65536, 1)}
+          "64k1": (65536, 1),
+          # a few short requests: rows read in full up to dense_below_tokens / batch
+          "2k2": (2048, 2), "8k2": (8192, 2), "2k4": (2048, 4), "8k4": (8192, 4),
+          "16k4": (16384, 4)}
 # mean fraction of pages read by context, from the paper (Table 3: gamma 0.98; Table 7: gamma
 # 0.99) at 8k / 16k / 32k / 64k / 130k; other contexts interpolate in log length, clamped at
 # the ends (so a 2k request reads the 8k fraction), as the plugin does per request
@@ -101,6 +104,9 @@ def main():
                         help="moira: Attend's split, MoiraConfig.floor_rows (default: its own)")
     parser.add_argument("--min-programs", type=int, default=None,
                         help="moira: Attend's split, MoiraConfig.min_programs (default: its own)")
+    parser.add_argument("--step-programs", type=int, default=None,
+                        help="moira: Attend's split, MoiraConfig.step_programs (default: its "
+                             "own; 0: the paper's Eq. 4)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tpot.json"))
     args = parser.parse_args()
 
@@ -122,7 +128,7 @@ def main():
                                                   "schedule": args.schedule,
                                                   "programmatic_launch":
                                                       args.programmatic_launch}})
-        for key in ("dense_below_tokens", "floor_rows", "min_programs"):
+        for key in ("dense_below_tokens", "floor_rows", "min_programs", "step_programs"):
             if getattr(args, key) is not None:
                 extra["additional_config"]["moira"][key] = getattr(args, key)
     else:
@@ -177,6 +183,7 @@ def main():
                            exact_prefill=settings.exact_prefill if settings else None,
                            floor_rows=settings.floor_rows if settings else None,
                            min_programs=settings.min_programs if settings else None,
+                           step_programs=settings.step_programs if settings else None,
                            fractions="imposed (paper's measured reads), not the coverage rule"
                            if args.backend == "moira" else None,
                            startup_s=round(startup, 1), gpu=torch.cuda.get_device_name(),

@@ -53,6 +53,12 @@ class MoiraConfig:
         ``"rows"`` only: launch Estimate, Select, Attend and Merge with programmatic dependent
         launch (sm_90+), so each may be scheduled while the previous one drains
         (``moira/kernels/launch.py``).
+    step_programs:
+        T: a row shorter than C * T / rows (rows: the step's requests x KV heads) gets a chunk
+        floor of ceil(n * rows / T) pages (at least 2, at most C) instead of C, so that a
+        step of a few short rows still spreads over about T programs (one H200 SM each at
+        the default) rather than one or two chunks of C pages per row. Steps of T rows or
+        more are split as by C alone. 0 turns it off (the paper's Eq. 4).
     min_chunks_per_row:
         N_J, the fewest programs Attend launches per row.
     min_programs:
@@ -72,6 +78,7 @@ class MoiraConfig:
     schedule: str = "rows"
     programmatic_launch: bool = False
     dense_below_pages: int = 0
+    step_programs: int = 128
     min_chunks_per_row: int = 32
     min_programs: int = 4096
     programs: int = 1056
@@ -101,6 +108,10 @@ class MoiraConfig:
         if self.programmatic_launch and self.schedule != "rows":
             raise ValueError("programmatic_launch chains the 'rows' schedule's kernels; use "
                              "schedule='rows' or turn it off")
+        if (isinstance(self.step_programs, bool) or not isinstance(self.step_programs, int)
+                or self.step_programs < 0):
+            raise ValueError(f"step_programs must be an int >= 0 (0 turns it off), got "
+                             f"{self.step_programs!r}")
         if (isinstance(self.dense_below_pages, bool) or not isinstance(self.dense_below_pages, int)
                 or self.dense_below_pages < 0):
             raise ValueError(f"dense_below_pages must be an int >= 0 (0 turns it off), got "
@@ -152,8 +163,13 @@ class MoiraConfig:
         ``max_pages`` (the block table's width), J is capped at the most chunks a row of that
         many pages can have, ceil(max_pages / C): the cap only removes programs that would
         exit at once (a row of n <= max_pages pages has c = max(C, ceil(n / J)) and
-        ceil(n / c) <= ceil(max_pages / C) chunks either way)."""
-        chunks = max(self.min_chunks_per_row, -(-self.min_programs // max(num_rows, 1)))
+        ceil(n / c) <= ceil(max_pages / C) chunks either way), or at ceil(T / num_rows) if
+        larger, the chunks a short row has under ``step_programs``."""
+        rows = max(num_rows, 1)
+        chunks = max(self.min_chunks_per_row, -(-self.min_programs // rows))
         if max_pages is not None:
-            chunks = min(chunks, max(1, -(-max_pages // self.chunk_floor(num_rows))))
+            cap = -(-max_pages // self.chunk_floor(num_rows))
+            if self.step_programs:
+                cap = max(cap, -(-self.step_programs // rows))
+            chunks = min(chunks, max(1, cap))
         return chunks

@@ -272,12 +272,17 @@ def work_split(page_counts, num_rows, config=MoiraConfig(), max_pages=None, even
     from ``config.chunk_floor(num_rows)``), and exits if ``j >= m = ceil(n / c)``. With
     ``even`` (Attend's ``EVEN_CHUNKS``), the m chunks are made equal: c' = ceil(n / m), and m'
     = ceil(n / c') <= m chunks (as many programs, none longer). Program 0 always runs (it
-    writes the output of an empty row). Returns ``(J, chunk_pages, num_chunks)``, the last two
+    writes the output of an empty row). With ``config.step_programs`` T, C of a row of n
+    pages is min(C, max(2, ceil(n * num_rows / T))). Returns ``(J, chunk_pages, num_chunks)``, the last two
     shaped like ``page_counts``.
     """
     chunks_per_row = config.chunks_per_row(num_rows, max_pages)
     counts = page_counts.long()
-    chunk_pages = torch.clamp(-(-counts // chunks_per_row), min=config.chunk_floor(num_rows))
+    floor = torch.full_like(counts, config.chunk_floor(num_rows))
+    if config.step_programs:  # a short row of a small step: about T programs in all
+        floor = torch.minimum(floor, torch.clamp(-(-counts * num_rows // config.step_programs),
+                                                 min=2))
+    chunk_pages = torch.maximum(-(-counts // chunks_per_row), floor)
     if even:
         chunks = torch.clamp(-(-counts // chunk_pages), min=1)
         chunk_pages = torch.clamp(-(-counts // chunks), min=1)

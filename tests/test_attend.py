@@ -56,6 +56,23 @@ def test_small_batch_scales_the_chunk_floor():
     check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
 
 
+def test_short_rows_of_a_small_step_are_cut_finer():
+    """The short-row floor (step_programs T = 8 over 2 rows: a row of 14 pages in chunks of 4,
+    not C = 8): Attend and Merge agree with the reference on rows split more finely."""
+    config = MoiraConfig(chunk_pages=8, floor_rows=1, min_chunks_per_row=16, min_programs=1,
+                         step_programs=8)
+    num_kv_heads, group, head_dim = 2, 4, 64
+    keys, values = make_cache(40, num_kv_heads, head_dim)
+    table, seq_lens = make_table([64 * 13 + 5], 40)
+    query = make_query(1, num_kv_heads * group, head_dim)
+    page_lists, page_counts = random_lists(seq_lens.cpu(), num_kv_heads, table.shape[1],
+                                           fraction=0.7)
+    counts = page_counts.cpu().flatten()
+    finer = ref.work_split(counts, 2, config)[2]
+    assert (finer > ref.work_split(counts, 2, config.replace(step_programs=0))[2]).any()
+    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
+
+
 @pytest.mark.parametrize("group", [1, 4, 7, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "packed", "hnd"])

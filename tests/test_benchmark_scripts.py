@@ -522,7 +522,17 @@ def test_split_report_applies_the_batch_1_rule_to_the_mean_of_the_runs(tmp_path)
         "split_32_None": 20.0, "split_96_None": 21.0, "split_32_16": 20.1}))
     (tmp_path / "d.json").write_text(json.dumps(rows))
     table, chosen, verdict = bench_single.split_report([str(tmp_path / "d.json")])
-    assert table.splitlines()[0] == "| floor_rows, J | 2k | 2k×2 |"
+    assert table.splitlines()[0] == "| floor_rows, J[, T] | 2k | 2k×2 |"
     # floor 2 is 2 µs faster at batch 1 but 1 µs slower at batch 2: neither rule's; J 16 is
     # 1.4 off the best at 2k (not the first rule's) but never slower than the default
     assert chosen is None and verdict.endswith("faster at batch 1: (32, 16)")
+    # session 14's arms with the short-row floor T: their own rows, compared with Eq. 4's
+    # default (T = 0, as in files written before it)
+    rows = json.loads((tmp_path / "d.json").read_text())
+    for row in rows["results"]:
+        row["us_per_layer"]["split_t128"] = row["us_per_layer"]["split_32_None"] - 1.0
+        row["split_sweep"]["split_t128"] = [32, None, 128]
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    table, chosen, verdict = bench_single.split_report([str(tmp_path / "d.json")])
+    assert "| 32, default, T = 128 | 15.60 (15.60) `split_t128` | **19.00" in table
+    assert chosen is None and verdict.endswith("faster at batch 1: (32, None, 128), (32, 16)")

@@ -26,6 +26,10 @@ def test_chunks_per_row_capped_by_the_block_table():
     assert config.chunks_per_row(32, max_pages=2048) == 86  # ceil(2048 / 24) < 128
     assert config.chunks_per_row(8, max_pages=517) == 87  # one request: C = 6, not 512
     assert config.chunks_per_row(256, max_pages=10_000) == 32  # no cap when it does not bind
+    # the short-row floor's chunks (about T / rows) are never capped away: 2k x 1 in an engine
+    # of 133 pages per row keeps 23 (C = 6), and 32 with T = 256
+    assert config.chunks_per_row(8, max_pages=133) == 23
+    assert config.replace(step_programs=256).chunks_per_row(8, max_pages=133) == 32
 
 
 def test_chunk_floor_shrinks_for_small_batches():
@@ -39,7 +43,8 @@ def test_chunk_floor_shrinks_for_small_batches():
     ("top_k", 1), ("top_k", 2.5), ("chunk_pages", 0), ("floor_rows", 0), ("min_chunks_per_row", -1),
     ("min_programs", 1.5), ("bisection_ways", ((256, 3),)), ("bisection_ways", ((256, 32),)),
     ("bisection_ways", ((1024, 8), (256, 4))), ("bisection_ways", ()),
-    ("programmatic_launch", "yes"),
+    ("programmatic_launch", "yes"), ("step_programs", -1), ("step_programs", 1.5),
+    ("step_programs", True),
 ])
 def test_bad_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -80,6 +80,28 @@ def test_capping_j_at_the_block_table_changes_no_chunk():
     assert torch.equal(capped[1], uncapped[1]) and torch.equal(capped[2], uncapped[2])
 
 
+def test_short_rows_of_a_small_step_are_cut_finer():
+    """MoiraConfig.step_programs T: in a step of 32 rows (4 requests) a row of n pages gets a
+    floor of min(C, max(2, ceil(n * 32 / T))) instead of C = 24; long rows and steps of T rows
+    or more keep Eq. (4)'s chunk count."""
+    config, eq4 = MoiraConfig(), MoiraConfig(step_programs=0)
+    counts = torch.tensor([2, 32, 54, 300, 2048])
+    _, chunk, chunks = ref.work_split(counts, 32, config, max_pages=2048)
+    assert chunk.tolist() == [2, 8, 14, 24, 24] and chunks.tolist() == [1, 4, 4, 13, 86]
+    _, chunk, chunks = ref.work_split(counts, 32, eq4, max_pages=2048)
+    assert chunk.tolist() == [24] * 5 and chunks.tolist() == [1, 2, 3, 13, 86]
+    counts = torch.arange(0, 3000)
+    for rows in (128, 256):
+        assert torch.equal(ref.work_split(counts, rows, config)[2],
+                           ref.work_split(counts, rows, eq4)[2])
+    # J's cap at the block table's width removes no chunk of the short-row floor either
+    for rows, width in ((8, 133), (16, 60), (3, 61)):
+        counts = torch.arange(0, width + 1)
+        uncapped, capped = ref.work_split(counts, rows, config), ref.work_split(
+            counts, rows, config, max_pages=width)
+        assert torch.equal(capped[1], uncapped[1]) and torch.equal(capped[2], uncapped[2])
+
+
 def test_work_split_covers_every_page_once():
     config = MoiraConfig(chunk_pages=3, min_chunks_per_row=5, min_programs=1)
     counts = torch.arange(0, 200)

@@ -6,6 +6,11 @@ alone. Program (row, j) reads the row's list length n from GPU memory and plans 
     c = max(C, ceil(n / J))      pages per chunk
     m = ceil(n / c)              chunks of this row (at least 1)
 
+where, with ``step_programs`` T > 0 (``MoiraConfig.step_programs``), C of this row is
+min(C, max(2, ceil(n * rows / T))): in a step of few rows a short row is cut finer, so the
+step still has about T programs (timed on the H200 at batches 1-4, benchmarks/NOTES.md,
+session 14); steps of T rows or more are unchanged.
+
 and processes pages [j c, min((j + 1) c, n)) or exits if j >= m. (``EVEN_CHUNKS``, off,
 makes the m chunks equal instead, c = ceil(n / m): timed slower at 8k x 32.) All G query
 heads of the group share each K/V tile (one read of every K/V byte per group). A
@@ -53,11 +58,16 @@ EVEN_CHUNKS = False
 
 @triton.jit
 def plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per_row,
-             EVEN: tl.constexpr):
-    """(list length n, pages per chunk c, chunks m) of a row: Eq. (4), its chunks made equal
-    with ``EVEN`` (``EVEN_CHUNKS``), shared with Merge (``reference.work_split``)."""
+             step_rows, step_programs, EVEN: tl.constexpr):
+    """(list length n, pages per chunk c, chunks m) of a row: Eq. (4) with the short-row floor
+    (``step_programs`` over ``step_rows``, the planned step's rows; 0: off), its chunks made
+    equal with ``EVEN`` (``EVEN_CHUNKS``), shared with Merge (``reference.work_split``)."""
     count = tl.load(page_counts + b * stride_cb + head * stride_ch)
-    chunk = tl.maximum(chunk_floor, tl.cdiv(count, chunks_per_row))
+    floor = chunk_floor
+    if step_programs > 0:
+        floor = tl.minimum(floor, tl.maximum(
+            2, tl.cdiv(count.to(tl.int64) * step_rows, step_programs).to(tl.int32)))
+    chunk = tl.maximum(floor, tl.cdiv(count, chunks_per_row))
     if EVEN:
         chunk = tl.maximum(tl.cdiv(count, tl.maximum(tl.cdiv(count, chunk), 1)), 1)
     return count, chunk, tl.maximum(tl.cdiv(count, chunk), 1)
@@ -174,7 +184,7 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
                    stride_bt, stride_pb, stride_ph, stride_cb, stride_ch,
                    stride_ob, stride_oh, stride_od,
                    num_kv_heads, max_pages, qk_scale_log2, chunk_floor, chunks_per_row,
-                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   step_rows, step_programs, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr, SUM_ROUNDED: tl.constexpr,
                    FA3_ORDER: tl.constexpr, EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
@@ -183,7 +193,8 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
     b = row // num_kv_heads
     head = row % num_kv_heads
     count, chunk, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
-                                        chunk_floor, chunks_per_row, EVEN_CHUNKS)
+                                        chunk_floor, chunks_per_row, step_rows,
+                                        step_programs, EVEN_CHUNKS)
     if chunk_id >= num_chunks:
         return
 
@@ -208,9 +219,10 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
 
 
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
-           scale, chunk_floor, chunks_per_row, out, partial_out, partial_lse,
-           programmatic_launch=False):
-    """Launch (batch * KV heads, J) programs. ``partial_out`` ``[>= rows * J * G * D]`` and
+           scale, chunk_floor, chunks_per_row, out, partial_out, partial_lse, step_rows=0,
+           step_programs=0, programmatic_launch=False):
+    """Launch (batch * KV heads, J) programs (``step_rows``: the rows the split is planned
+    for, those of the padded batch of a captured graph). ``partial_out`` ``[>= rows * J * G * D]`` and
     ``partial_lse`` ``[>= rows * J * G]`` are float32 scratch (only split rows write them)."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -221,7 +233,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         *query.stride(), *key_cache.stride(), *value_cache.stride(),
         block_table.stride(0), *page_lists.stride()[:2], *page_counts.stride(), *out.stride(),
         num_kv_heads, block_table.shape[1], scale * math.log2(math.e), chunk_floor,
-        chunks_per_row,
+        chunks_per_row, step_rows, step_programs,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE=PAGE_SIZE, PAGES_PER_TILE=PAGES_PER_ITER, SUM_ROUNDED=SUM_ROUNDED_WEIGHTS,
         FA3_ORDER=FA3_TILE_ORDER, EVEN_CHUNKS=EVEN_CHUNKS,

@@ -59,6 +59,9 @@ key                environment variable     meaning
                                             so a few rows still fill the GPU (default 4096;
                                             with 1, 32 chunks per row; README, "A single
                                             request", times both at batch 1)
+``step_programs``  ``MOIRA_STEP_PROGRAMS``  Attend's split: a short row of a small step is
+                                            cut finer so the step has about this many
+                                            programs (default 128; 0: the paper's Eq. 4)
 =================  =======================  ==================================================
 """
 
@@ -69,6 +72,9 @@ import math
 from collections.abc import Mapping
 
 from ...config import PAGE_SIZE, MoiraConfig
+
+# settings passed through to MoiraConfig's fields of the same name (None: its default)
+SPLIT_SETTINGS = ("floor_rows", "min_programs", "step_programs")
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_KV_CACHE_DTYPES = (None, "auto", "bfloat16", "float16")
@@ -88,6 +94,7 @@ class MoiraSettings:
     calibration: str | None = None
     floor_rows: int | None = None  # None: MoiraConfig's
     min_programs: int | None = None
+    step_programs: int | None = None
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
             "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE",
@@ -96,7 +103,7 @@ class MoiraSettings:
             "exact_prefill": "MOIRA_EXACT_PREFILL",
             "dense_below_tokens": "MOIRA_DENSE_BELOW_TOKENS",
             "calibration": "MOIRA_CALIBRATION", "floor_rows": "MOIRA_FLOOR_ROWS",
-            "min_programs": "MOIRA_MIN_PROGRAMS"}
+            "min_programs": "MOIRA_MIN_PROGRAMS", "step_programs": "MOIRA_STEP_PROGRAMS"}
 
     def __post_init__(self):
         tokens = self.dense_below_tokens
@@ -155,7 +162,7 @@ class MoiraSettings:
 
     @property
     def config(self) -> MoiraConfig:
-        split = {name: getattr(self, name) for name in ("floor_rows", "min_programs")
+        split = {name: getattr(self, name) for name in SPLIT_SETTINGS
                  if getattr(self, name) is not None}
         return MoiraConfig(gamma=self.gamma, top_k=self.top_k, schedule=self.schedule,
                            programmatic_launch=self.programmatic_launch, **split)
@@ -198,7 +205,7 @@ class MoiraSettings:
                     continue
                 try:
                     values[key] = (int(text) if key in ("top_k", "dense_below_tokens",
-                                                        "floor_rows", "min_programs")
+                                                        *SPLIT_SETTINGS)
                                    else float(text))
                 except ValueError:
                     raise ValueError(f"{variable}={text!r} is not a number") from None
