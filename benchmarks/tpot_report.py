@@ -20,7 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from readme_section import write_section  # noqa: E402
 
-SHAPES = ["8k32", "16k32", "32k16", "64k8", "130k4", "2k1", "8k1", "16k1", "32k1", "64k1"]
+SHAPES = ["8k32", "16k32", "32k16", "64k8", "130k4", "2k1", "8k1", "16k1", "32k1", "64k1",
+          "2k2", "8k2", "2k4", "8k4", "16k4"]
+# short requests, one to four at a time (issue 5, item 4): rows read in full up to 20,480 / B
+# tokens; --pairs reports them relative to each pair's dense engine
+SHORT = set(SHAPES[5:])
 # the paper's speedups of Moira over dense FA3 (Table 3: gamma 0.98, Table 7: gamma 0.99) and
 # issue 5's aims at gamma 0.98
 PAPER = {("llama-3.1-8b", 0.98): [1.38, 1.78, 1.89, 2.62, 2.64],
@@ -61,9 +65,10 @@ def load(folders):
             # (the former tpot_pairs.sh arm fboth is "fsel+fmerge"); the batch-shape pairs
             # table shows "fsel" only
             variant = "+".join(arm for flag, arm in VARIANTS if run.get(flag))
-            if any(run.get(key) is not None
-                   for key in ("floor_rows", "min_programs", "step_programs")):
+            if any(run.get(key) is not None for key in ("floor_rows", "min_programs")):
                 variant = "+".join(filter(None, [variant, "split"]))  # Attend's split changed
+            if run.get("step_programs") is not None:  # the short-row floor (0: Eq. 4 alone)
+                variant = "+".join(filter(None, [variant, f"T={run['step_programs']}"]))
             if variant:
                 key = (run["model"], variant)
             if key in runs:
@@ -152,14 +157,15 @@ def pairs_table(pair_runs):
 
 
 def single_pairs_table(pair_runs):
-    """Batch-1 shapes in interleaved pairs (``ARMS="dense moira pdl" tpot_pairs.sh``): per
+    """Short-request shapes (batch 1 to 4) in interleaved pairs (``ARMS="dense moira pdl" tpot_pairs.sh``): per
     (model, shape) and arm, each pair's TPOT relative to that pair's dense engine and their
     mean, since one engine per arm has differed from the next by ~3% at batch 1."""
     arms = [(0.98, "Moira, every row selecting"),
             ("fallback", "Moira, rows of ≤ N tokens read in full"),
             ("pdl", "the same, programmatic launch"),
-            ("split", "Moira, Attend's split set (floor_rows, min_programs, step_programs: "
-                      "in its JSON)"),
+            ("split", "Moira, Attend's split set (floor_rows, min_programs: in its JSON)"),
+            ("T=0", "Moira, Attend's split by Eq. 4 alone (step_programs 0: before session 14)"),
+            ("T=256", "Moira, the short-row floor at T = 256 programs"),
             ("fsel", "rows of ≤ N tokens read in full, Estimate + Select in one launch"),
             ("fmerge", "rows of ≤ N tokens read in full, Merge in Attend's launch"),
             ("fsel+fmerge", "rows of ≤ N tokens read in full, both in one launch")]
@@ -180,7 +186,7 @@ def single_pairs_table(pair_runs):
                 if run is None or (arm == 0.98 and run is runs.get((model, "fallback"))):
                     continue  # load() stands the fallback run in for the γ column
                 for shape, ms in tpot_by_shape(run).items():
-                    if shape.endswith("k1") and shape in dense_ms:
+                    if shape in SHORT and shape in dense_ms:
                         cells.setdefault((model, shape, arm), []).append(
                             (ms, ms / dense_ms[shape] - 1))
     present = [(arm, label) for arm, label in arms if any(key[2] == arm for key in cells)]
@@ -285,9 +291,9 @@ def main():
     args = parser.parse_args()
     if args.pairs:
         pair_runs = [load([folder]) for folder in args.folders]
-        batch1 = all(shape.endswith("k1") for runs in pair_runs for run in runs.values()
-                     for shape in tpot_by_shape(run))
-        text = (single_pairs_table if batch1 else pairs_table)(pair_runs)
+        short = all(shape in SHORT for runs in pair_runs for run in runs.values()
+                    for shape in tpot_by_shape(run))
+        text = (single_pairs_table if short else pairs_table)(pair_runs)
         print(text)
         if args.readme:
             readme_dir = os.path.dirname(os.path.abspath(args.readme))
