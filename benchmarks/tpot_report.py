@@ -157,9 +157,10 @@ def pairs_table(pair_runs):
 
 
 def single_pairs_table(pair_runs):
-    """Short-request shapes (batch 1 to 4) in interleaved pairs (``ARMS="dense moira pdl" tpot_pairs.sh``): per
-    (model, shape) and arm, each pair's TPOT relative to that pair's dense engine and their
-    mean, since one engine per arm has differed from the next by ~3% at batch 1."""
+    """Short-request shapes (batch 1 to 4) in interleaved pairs (``ARMS="dense moira pdl"
+    tpot_pairs.sh``): per (model, shape) and arm, each pair's TPOT relative to that pair's
+    dense engine and their mean, since one engine per arm has differed from the next by ~3% at
+    batch 1."""
     arms = [(0.98, "Moira, every row selecting"),
             ("fallback", "Moira, rows of ≤ N tokens read in full"),
             ("pdl", "the same, programmatic launch"),

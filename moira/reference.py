@@ -273,8 +273,8 @@ def work_split(page_counts, num_rows, config=MoiraConfig(), max_pages=None, even
     ``even`` (Attend's ``EVEN_CHUNKS``), the m chunks are made equal: c' = ceil(n / m), and m'
     = ceil(n / c') <= m chunks (as many programs, none longer). Program 0 always runs (it
     writes the output of an empty row). With ``config.step_programs`` T, C of a row of n
-    pages is min(C, max(2, ceil(n * num_rows / T))). Returns ``(J, chunk_pages, num_chunks)``, the last two
-    shaped like ``page_counts``.
+    pages is min(C, max(2, ceil(n * num_rows / T))). Returns ``(J, chunk_pages,
+    num_chunks)``, the last two shaped like ``page_counts``.
     """
     chunks_per_row = config.chunks_per_row(num_rows, max_pages)
     counts = page_counts.long()

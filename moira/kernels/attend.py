@@ -184,7 +184,8 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
                    stride_bt, stride_pb, stride_ph, stride_cb, stride_ch,
                    stride_ob, stride_oh, stride_od,
                    num_kv_heads, max_pages, qk_scale_log2, chunk_floor, chunks_per_row,
-                   step_rows, step_programs, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   step_rows, step_programs,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr, SUM_ROUNDED: tl.constexpr,
                    FA3_ORDER: tl.constexpr, EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
@@ -221,9 +222,9 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
            scale, chunk_floor, chunks_per_row, out, partial_out, partial_lse, step_rows=0,
            step_programs=0, programmatic_launch=False):
-    """Launch (batch * KV heads, J) programs (``step_rows``: the rows the split is planned
-    for, those of the padded batch of a captured graph). ``partial_out`` ``[>= rows * J * G * D]`` and
-    ``partial_lse`` ``[>= rows * J * G]`` are float32 scratch (only split rows write them)."""
+    """Launch (batch * KV heads, J) programs. ``partial_out`` ``[>= rows * J * G * D]`` and
+    ``partial_lse`` ``[>= rows * J * G]`` are float32 scratch (only split rows write them);
+    ``step_rows``: the rows the split is planned for (a captured graph's padded batch)."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -25,7 +25,8 @@ from .combine import add_page_stats, merged
 def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_stats,
                   stride_cb, stride_ch, stride_ob, stride_oh, stride_od,
                   num_kv_heads, max_pages, chunk_floor, chunks_per_row, step_rows,
-                  step_programs, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                  step_programs, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  SPLITS_PAD: tl.constexpr,
                   SPLITS_PER_LOAD: tl.constexpr, HAS_STATS: tl.constexpr, PAGE: tl.constexpr,
                   EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
