@@ -9,6 +9,8 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
 - ``moira_balanced`` the same lists with ``MoiraConfig(schedule="balanced")``: all rows'
                      pages split evenly over P programs (``moira/kernels/balanced.py``).
 - ``moira_hnd``      the same on the head-major layout the folded peers need.
+- ``moira_eq4``, ``moira_t256``: ``moira`` with the short-row floor off (``step_programs=0``,
+                     Eq. 4 alone) and at T = 256 instead of the default 128.
 - ``fa3_varlen``     vLLM's FA3 (``vllm_flash_attn``, ``fa_version=3``), each (request, KV head)
                      row its own sequence over the HND cache viewed as ``[pages*Hkv, 64, 1, D]``;
                      scheduler metadata built beforehand on the GPU (``fa3_metadata``, timed
@@ -151,6 +153,9 @@ class Shape:
         self.workspace_balanced = moira.DecodeWorkspace(
             batch, self.pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, device="cuda",
             config=moira.MoiraConfig(schedule="balanced"))
+        self.workspace_step = {programs: moira.DecodeWorkspace(
+            batch, self.pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, device="cuda",
+            config=moira.MoiraConfig(step_programs=programs)) for programs in (0, 256)}
         self.out = torch.empty_like(self.query)
 
     def kv_bytes(self, counts):
@@ -389,6 +394,10 @@ def main():
                     timed(shape_name, "moira_balanced",
                           lambda: s.moira(lists, counts, s.workspace_balanced),
                           tag, bytes_read, **info)
+                for name, programs in (("moira_eq4", 0), ("moira_t256", 256)):
+                    if name in arms:
+                        timed(shape_name, name, lambda programs=programs: s.moira(
+                            lists, counts, s.workspace_step[programs]), tag, bytes_read, **info)
                 if "moira_hnd" in arms:
                     timed(shape_name, "moira_hnd", lambda: s.moira_hnd(lists, counts), tag,
                           bytes_read, **info)

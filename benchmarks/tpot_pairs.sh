@@ -9,7 +9,7 @@
 #   ARMS="dense moira split": the third engine with Attend's batch-1 split from the sweep
 #     (bench_single.py --split-sweep: chunk floor 2 pages, 32 chunks per row), -split.json
 #   ARMS="dense moira eq4": the third engine with Attend's split as before session 14 (the
-#     paper's Eq. 4 alone, step_programs 0), also -split.json
+#     paper's Eq. 4 alone, step_programs 0), -eq4.json; "t256": step_programs 256, -t256.json
 # Results: $OUT/pair<i>/<model>-dense.json and <model>-moira-g098.json; report with
 #   python3 benchmarks/tpot_report.py --pairs results/<folder>/pair1 results/<folder>/pair2
 # About 4 x (engine start-up ~60 s + ~40 s per shape) for two pairs.
@@ -28,8 +28,10 @@ for pair in $(seq "$pairs"); do
       split) args="--backend moira --floor-rows 96 --min-programs 1"
              name=$model-moira-g098-split ;;
       eq4) args="--backend moira --step-programs 0"  # the split before session 14
-           name=$model-moira-g098-split ;;
-      *) echo "unknown arm $arm (dense, moira, pdl, split, eq4)"; exit 1 ;;
+           name=$model-moira-g098-eq4 ;;
+      t256) args="--backend moira --step-programs 256"
+            name=$model-moira-g098-t256 ;;
+      *) echo "unknown arm $arm (dense, moira, pdl, split, eq4, t256)"; exit 1 ;;
     esac
     python3 benchmarks/vllm_tpot.py --model "$model" --shapes "$shapes" $args \
       --repeats 1 --out "$out/pair$pair/$name.json" 2>&1 | grep "tpot_ms\|Error\|Traceback" \

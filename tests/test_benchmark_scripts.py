@@ -346,6 +346,37 @@ def test_tpot_report_gives_a_run_with_attends_split_set_its_own_pairs_column(tmp
     assert table[2].endswith("| 4.90 | -2.0% | **-2.0%** |")
 
 
+def test_tpot_report_pairs_the_short_shapes_and_the_short_row_floor(tmp_path):
+    """Session 14: batch-4 short shapes in the short-request table (not the batch-shape one),
+    and runs with step_programs set a column per value (T=0: Eq. 4 alone)."""
+    import json
+
+    report = load("tpot_report")
+
+    def run(backend, tpots, **moira):
+        return dict(backend=backend, model="llama-3.1-8b", gamma=0.98, results=[
+            dict(shape=shape, tpot_ms=tpot) for shape, tpot in zip(("2k1", "2k4"), tpots)],
+            **moira)
+
+    folder = tmp_path / "pair1"
+    folder.mkdir()
+    (folder / "dense.json").write_text(json.dumps(run("dense", (5.0, 5.0))))
+    (folder / "moira.json").write_text(json.dumps(
+        run("moira", (5.05, 5.2), dense_below_tokens=20480)))
+    (folder / "eq4.json").write_text(json.dumps(
+        run("moira", (5.1, 5.6), dense_below_tokens=20480, step_programs=0)))
+    (folder / "t256.json").write_text(json.dumps(
+        run("moira", (5.0, 5.1), dense_below_tokens=20480, step_programs=256)))
+    runs = report.load([str(folder)])
+    assert {kind for _, kind in runs} == {"dense", "fallback", 0.98, "T=0", "T=256"}
+    table = report.single_pairs_table([runs]).splitlines()
+    assert "Eq. 4 alone" in table[0] and "T = 256" in table[0]
+    assert table[2].endswith("| 5.05 | +1.0% | **+1.0%** | 5.10 | +2.0% | **+2.0%** | 5.00 | "
+                             "+0.0% | **+0.0%** |")
+    assert table[3].startswith("| llama-3.1-8b | 2k4 | 5.00 | 5.20 | +4.0% |")
+    assert table[3].endswith("| 5.60 | +12.0% | **+12.0%** | 5.10 | +2.0% | **+2.0%** |")
+
+
 def test_compile_check_rejects_memory_access_before_the_programmatic_wait():
     check = load("compile_check").check_waits_first
     both = "griddepcontrol.launch_dependents;\ngriddepcontrol.wait;\n"
