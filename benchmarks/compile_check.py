@@ -111,7 +111,8 @@ def kernels(group, head_dim, block, pdl=False):
          dict(GROUP=group, GROUP_PAD=group_pad, GROUP_DOT=max(16, group_pad),
               HEAD_DIM=head_dim, PAGE=PAGE, BLOCK_P=estimate.PAGES_PER_PROGRAM,
               TILE_STAGES=estimate.TILE_STAGES, SIDE_BY_SIDE=estimate.EXACT_HEADS_SIDE_BY_SIDE,
-              MVAR_DOT=estimate.MVAR_DOT, DOT_PRECISION=estimate.MVAR_DOT_PRECISION, PDL=pdl),
+              MVAR_DOT=estimate.MVAR_DOT, DOT_PRECISION=estimate.MVAR_DOT_PRECISION,
+              PREFETCH=estimate.PREFETCH_TABLE, PDL=pdl),
          estimate.NUM_WARPS, 3),
         *[(f"select {mode} {tag} lanes={block}", select._select_kernel,
            dict(GROUP=group, BLOCK=block, BLOCK_2=max(lanes, block // 2),
@@ -147,13 +148,17 @@ def main():
     spilled = [name for group, head_dim, block, pdl in geometries
                for name, kernel, constexprs, warps, stages in kernels(group, head_dim, block, pdl)
                if build(name, kernel, constexprs, warps, stages)]
-    # the options in tune_kernels.py's sweeps: Estimate's mvar on the tensor cores, and
+    # the options in tune_kernels.py's sweeps: Estimate's mvar on the tensor cores and its
+    # prefetched block table, and
     # Attend with FA3's loop order and normalizer (what vllm_checks.py --fa3-arithmetic runs)
     for name, kernel, constexprs, warps, stages in kernels(GROUP, HEAD_DIM, 2048):
         for precision in ("tf32x3", "tf32", "ieee") if name.startswith("estimate") else ():
             if build(f"{name} mvar dot {precision}", kernel, dict(
                     constexprs, MVAR_DOT=True, DOT_PRECISION=precision), warps, stages):
                 spilled.append(f"{name} mvar dot {precision}")
+        if name.startswith("estimate") and build(f"{name} prefetched table", kernel, dict(
+                constexprs, PREFETCH=True), warps, stages):
+            spilled.append(f"{name} prefetched table")
         if name.startswith("attend") and build(f"{name} FA3 order", kernel, dict(
                 constexprs, FA3_ORDER=True, SUM_ROUNDED=False), warps, stages):
             spilled.append(f"{name} FA3 order")

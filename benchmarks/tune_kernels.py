@@ -134,6 +134,11 @@ def main():
                 [512, 1024, 2048, 4096] if "estimate" in kinds else [], [1, 2, 3]):
             time_estimate(f"programs={programs} stages={stages}", TARGET_PROGRAMS=programs,
                           TILE_STAGES=stages)
+        # a program's first tile's block-table entries loaded beside the row's length
+        # (estimate.PREFETCH_TABLE), against the default, twice each in alternation
+        for prefetch in [False, True, False, True] if "estimate" in kinds else []:
+            time_estimate(f"block table {'prefetched' if prefetch else 'after the length'}",
+                          PREFETCH_TABLE=prefetch)
         # the exact pages' heads side by side or head by head (the default)
         for side_by_side in [True, False] if "estimate" in kinds else []:
             time_estimate(f"exact heads {'side by side' if side_by_side else 'chained'}",

@@ -119,3 +119,20 @@ def test_mvar_as_matrix_products(monkeypatch, group, head_dim, lengths, precisio
     monkeypatch.setattr(estimate_module, "MVAR_DOT_PRECISION", precision)
     tolerance = dict(rtol=2e-3, atol=2e-3) if precision == "tf32" else {}
     test_estimate_matches_reference(group, head_dim, lengths, **tolerance)
+
+
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("lengths", list(SEQ_LENS))
+def test_prefetched_block_table(monkeypatch, group, lengths):
+    """PREFETCH_TABLE (a tuning option): a program's guessed tile's block-table entries loaded
+    before the row's length, used when the row has no more tiles than mvar programs."""
+    monkeypatch.setattr(estimate_module, "PREFETCH_TABLE", True)
+    test_estimate_matches_reference(group, 64, lengths)
+
+
+@pytest.mark.parametrize("target_programs, max_tiles", [(1, 100), (24, 8)])
+def test_prefetched_block_table_falls_back_to_the_loop(monkeypatch, target_programs, max_tiles):
+    """With PREFETCH_TABLE, rows with more tiles than programs (one program per row: the guess
+    fails) take the loop, rows with fewer the guess; every page written once either way."""
+    monkeypatch.setattr(estimate_module, "PREFETCH_TABLE", True)
+    test_programs_share_a_rows_tiles_in_a_wide_table(monkeypatch, target_programs, max_tiles)

@@ -64,6 +64,13 @@ EXACT_HEADS_SIDE_BY_SIDE = False
 # row sums 16.9 us, tf32 19.1, tf32x3 43.4, ieee 162; G = 4 is padded to 16 columns)
 MVAR_DOT = False
 MVAR_DOT_PRECISION = "tf32x3"
+# a program's first tile's block-table entries loaded at once, beside the row's length, on the
+# guess that the program has one tile, (block - 2) (its row has no more tiles than mvar
+# programs: every row at 131k x 4, where Estimate is furthest from its target); otherwise the
+# loop. Why: each program's chain is three dependent loads (length, block table, summaries),
+# ~4 waves of them at 131k x 4, and this takes the first link out. Off until timed
+# (benchmarks/NOTES.md, session 14: predicted 2-4 us of 16.8 at 131k x 4)
+PREFETCH_TABLE = False
 
 
 def programs_per_row(rows, max_pages):
@@ -81,6 +88,34 @@ def _log_sum_exp(logits):
     return peak + tl.log(tl.sum(tl.exp(logits - peak), axis=0))
 
 
+@triton.jit
+def _mvar_tile(query_row, summaries, dst, physical, pages, middle, head, scale, scaled,
+               halved_squares, stride_qh, stride_qd, stride_sp, stride_sh, stride_ss,
+               stride_sd, stride_lg, GROUP: tl.constexpr, GROUP_DOT: tl.constexpr,
+               HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, MVAR_DOT: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """mvar of the ``middle`` pages among ``pages`` (their physical ids ``physical``) for
+    every head of the group, stored at ``dst[g, page]`` (``MVAR_DOT``: from the group's
+    scaled queries ``scaled`` and their halved squares, ``[D, GROUP_DOT]``)."""
+    dims = tl.arange(0, HEAD_DIM)
+    src = summaries + physical.to(tl.int64)[:, None] * stride_sp + head * stride_sh \
+        + dims[None, :] * stride_sd
+    mean = tl.load(src, mask=middle[:, None], other=0.0).to(tl.float32)
+    var = tl.load(src + stride_ss, mask=middle[:, None], other=0.0).to(tl.float32)
+    if MVAR_DOT:
+        columns = tl.arange(0, GROUP_DOT)
+        est = tl.dot(mean, scaled, input_precision=DOT_PRECISION) \
+            + tl.dot(var, halved_squares, input_precision=DOT_PRECISION) + math.log(PAGE)
+        tl.store(dst + columns[None, :] * stride_lg + pages[:, None], est,
+                 mask=middle[:, None] & (columns[None, :] < GROUP))
+    else:  # G is small: plain FMAs and a row sum per head
+        for g in tl.static_range(GROUP):
+            q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
+            est = tl.sum(mean * q_g[None, :] + var * (0.5 * q_g * q_g)[None, :], axis=1) \
+                + math.log(PAGE)
+            tl.store(dst + g * stride_lg + pages, est, mask=middle)
+
+
 @triton.jit(do_not_specialize=["mvar_programs"])  # one build for every batch size
 def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_masses,
                      stride_qb, stride_qh, stride_qd,
@@ -91,16 +126,23 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_DOT: tl.constexpr,
                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
                      TILE_STAGES: tl.constexpr, SIDE_BY_SIDE: tl.constexpr,
-                     MVAR_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                     MVAR_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     PREFETCH: tl.constexpr, PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     block = tl.program_id(1)
     b = row // num_kv_heads
     head = row % num_kv_heads
+    row_table = block_table + b.to(tl.int64) * stride_bt
+    guess_pages = (block - 2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    if PREFETCH:  # tile (block - 2)'s entries, before the length is known (PREFETCH_TABLE)
+        guess_physical = tl.load(row_table + guess_pages,
+                                 mask=(block >= 2) & (guess_pages < max_pages), other=0)
+    else:
+        guess_physical = tl.zeros([BLOCK_P], dtype=tl.int32)
     seq_len = tl.load(seq_lens + b)
     pages_in_row = tl.minimum(tl.cdiv(seq_len, PAGE), max_pages)
     last = pages_in_row - 1
-    row_table = block_table + b.to(tl.int64) * stride_bt
     if block == 1:
         if (pages_in_row > 0) & (seq_len == pages_in_row * PAGE):  # the step filled it
             summarize_page(key_cache, summaries, tl.load(row_table + last), head,
@@ -148,31 +190,30 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
         scaled = tl.load(query_row + columns[None, :] * stride_qh + dims[:, None] * stride_qd,
                          mask=columns[None, :] < GROUP, other=0.0).to(tl.float32) * scale
         halved_squares = 0.5 * scaled * scaled
+    else:  # unused
+        scaled = scale
+        halved_squares = scale
     # this program's tiles of the row: an even share of the row's own tiles
     tiles = tl.cdiv(pages_in_row, BLOCK_P)
     share = tl.cdiv(tiles, mvar_programs)
     first_tile = (block - 2) * share
-    for tile in tl.range(first_tile, tl.minimum(first_tile + share, tiles),
-                         num_stages=TILE_STAGES):
-        pages = tile * BLOCK_P + tl.arange(0, BLOCK_P)
-        middle = (pages > 0) & (pages < last)  # full pages, summarized
-        physical = tl.load(row_table + pages, mask=middle, other=0)
-        src = summaries + physical.to(tl.int64)[:, None] * stride_sp + head * stride_sh \
-            + dims[None, :] * stride_sd
-        mean = tl.load(src, mask=middle[:, None], other=0.0).to(tl.float32)
-        var = tl.load(src + stride_ss, mask=middle[:, None], other=0.0).to(tl.float32)
-        if MVAR_DOT:
-            est = tl.dot(mean, scaled, input_precision=DOT_PRECISION) \
-                + tl.dot(var, halved_squares, input_precision=DOT_PRECISION) + math.log(PAGE)
-            tl.store(dst + columns[None, :] * stride_lg + pages[:, None], est,
-                     mask=middle[:, None] & (columns[None, :] < GROUP))
-        else:  # G is small: plain FMAs and a row sum per head
-            for g in tl.static_range(GROUP):
-                q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) \
-                    * scale
-                est = tl.sum(mean * q_g[None, :] + var * (0.5 * q_g * q_g)[None, :], axis=1) \
-                    + math.log(PAGE)
-                tl.store(dst + g * stride_lg + pages, est, mask=middle)
+    if (share == 1) & PREFETCH:  # the guess held: one tile, its entries already loaded
+        if first_tile < tiles:
+            middle = (guess_pages > 0) & (guess_pages < last)  # full pages, summarized
+            _mvar_tile(query_row, summaries, dst, tl.where(middle, guess_physical, 0),
+                       guess_pages, middle, head, scale, scaled, halved_squares, stride_qh,
+                       stride_qd, stride_sp, stride_sh, stride_ss, stride_sd, stride_lg, GROUP,
+                       GROUP_DOT, HEAD_DIM, PAGE, MVAR_DOT, DOT_PRECISION)
+    else:
+        for tile in tl.range(first_tile, tl.minimum(first_tile + share, tiles),
+                             num_stages=TILE_STAGES):
+            pages = tile * BLOCK_P + tl.arange(0, BLOCK_P)
+            middle = (pages > 0) & (pages < last)  # full pages, summarized
+            physical = tl.load(row_table + pages, mask=middle, other=0)
+            _mvar_tile(query_row, summaries, dst, physical, pages, middle, head, scale,
+                       scaled, halved_squares, stride_qh, stride_qd, stride_sp, stride_sh,
+                       stride_ss, stride_sd, stride_lg, GROUP, GROUP_DOT, HEAD_DIM, PAGE,
+                       MVAR_DOT, DOT_PRECISION)
 
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
@@ -197,7 +238,7 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         GROUP_DOT=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=PAGE_SIZE,
         BLOCK_P=PAGES_PER_PROGRAM, TILE_STAGES=TILE_STAGES,
         SIDE_BY_SIDE=EXACT_HEADS_SIDE_BY_SIDE, MVAR_DOT=MVAR_DOT,
-        DOT_PRECISION=MVAR_DOT_PRECISION, num_warps=NUM_WARPS,
+        DOT_PRECISION=MVAR_DOT_PRECISION, PREFETCH=PREFETCH_TABLE, num_warps=NUM_WARPS,
         **launch.options(programmatic_launch, "estimate"),
     )
     return log_masses
