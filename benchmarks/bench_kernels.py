@@ -153,10 +153,16 @@ class Shape:
         self.workspace_balanced = moira.DecodeWorkspace(
             batch, self.pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, device="cuda",
             config=moira.MoiraConfig(schedule="balanced"))
-        self.workspace_step = {programs: moira.DecodeWorkspace(
-            batch, self.pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, device="cuda",
-            config=moira.MoiraConfig(step_programs=programs)) for programs in (0, 256)}
+        self.workspace_step = {}  # step_programs -> workspace, built when an arm asks
         self.out = torch.empty_like(self.query)
+
+    def step_workspace(self, programs):
+        """A workspace whose config has ``step_programs=programs`` (the moira_eq4/t256 arms)."""
+        if programs not in self.workspace_step:
+            self.workspace_step[programs] = moira.DecodeWorkspace(
+                self.batch, self.pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, device="cuda",
+                config=moira.MoiraConfig(step_programs=programs))
+        return self.workspace_step[programs]
 
     def kv_bytes(self, counts):
         return int(counts.sum()) * PAGE_BYTES
@@ -397,7 +403,8 @@ def main():
                 for name, programs in (("moira_eq4", 0), ("moira_t256", 256)):
                     if name in arms:
                         timed(shape_name, name, lambda programs=programs: s.moira(
-                            lists, counts, s.workspace_step[programs]), tag, bytes_read, **info)
+                            lists, counts, s.step_workspace(programs)), tag, bytes_read,
+                              **info)
                 if "moira_hnd" in arms:
                     timed(shape_name, "moira_hnd", lambda: s.moira_hnd(lists, counts), tag,
                           bytes_read, **info)

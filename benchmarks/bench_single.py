@@ -56,10 +56,9 @@ WIDTH = 1030  # block-table pages of a 66k-token engine (vllm_tpot.py's single-r
 # and 2 pages; J the default (min_programs / rows capped at ceil(width / floor): 172, 258, 344,
 # 512 at width 1030), 32 or 16. J binds only where ceil(pages / J) exceeds the floor (not at
 # 2k, where an arm's J variants repeat it: a noise estimate; at 8k the J-16 arms all run 16
-# chunks of 8 pages)
-# chunks), all with step_programs 0 (Eq. 4 alone, the split before session 14); then the
-# short-row floor (MoiraConfig.step_programs T, session 14) at the default floor_rows and J:
-# (floor_rows, J, T)
+# chunks of 8 pages); all with step_programs 0 (Eq. 4 alone, the split before session 14);
+# then the short-row floor (MoiraConfig.step_programs T, session 14) at the default
+# floor_rows and J: (floor_rows, J, T)
 SPLIT_SWEEP = [(floor_rows, chunks, 0) for floor_rows in (32, 48, 64, 96)
                for chunks in (None, 32, 16)] + [(32, None, 128), (32, None, 256)]
 # the paper's mean read fraction at gamma 0.98 (Llama-3.1-8B, Table 3), clamped below 8k
@@ -157,10 +156,6 @@ def short_key(key):
     return key if key[2] else key[:2]
 
 
-def split_key(key):
-    return str(short_key(key))
-
-
 def split_report(paths, margin=0.3, gain=0.5):
     """The ``--split-sweep`` arms of one or more runs: a markdown table (µs per layer, mean of
     the runs, each run's in brackets, the best per shape in bold; shapes are contexts at batch
@@ -206,16 +201,16 @@ def split_report(paths, margin=0.3, gain=0.5):
     chosen = [key for key, m in mean.items()
               if all(c in m and m[c] <= best[c] + margin for c in contexts) and gains(m)]
     chosen.sort(key=lambda key: sum(mean[key].values()))
-    verdict = (f"rule met by floor_rows, J = {split_key(chosen[0])}" if chosen else
-               "rule not met: keep the default split")
+    verdict = (f"rule met by floor_rows, J = {short_key(chosen[0])}" if chosen else
+               "rule not met: keep Eq. 4's default split")
     # session 13's rule for changing the default (the first is stricter: near the best
     # everywhere): never more than `margin` slower than the default, `gain` faster at batch 1
     safe = sorted((key for key, m in mean.items() if key != default_key
                    and all(c in m and c in default and m[c] <= default[c] + margin
                            for c in contexts) and gains(m)),
                   key=lambda key: sum(mean[key].values()))
-    verdict += ("; no slower than the default anywhere and faster at batch 1: "
-                + (", ".join(map(split_key, safe)) if safe else "none"))
+    verdict += ("; no slower than Eq. 4's default anywhere and faster at batch 1: "
+                + (", ".join(map(str, map(short_key, safe))) if safe else "none"))
     return "\n".join(lines), (short_key(chosen[0]) if chosen else None), verdict
 
 

@@ -6,8 +6,9 @@
 #   e.g. bash benchmarks/tpot_pairs.sh 8k32,32k16,130k4 llama-3.1-8b 2
 #   ARMS="dense moira pdl" bash benchmarks/tpot_pairs.sh 2k1,8k1,16k1 llama-3.1-8b 2
 #     (batch 1: a third engine per pair with programmatic launch, <model>-moira-g098-pdl.json)
-#   ARMS="dense moira split": the third engine with Attend's batch-1 split from the sweep
-#     (bench_single.py --split-sweep: chunk floor 2 pages, 32 chunks per row), -split.json
+#   ARMS="dense moira split": the third engine with session 13's batch-1 split
+#     (floor_rows 96, min_programs 1: chunk floor 2 pages, 32 chunks per row; since session 14
+#     on top of the default short-row floor), -split.json
 #   ARMS="dense moira eq4": the third engine with Attend's split as before session 14 (the
 #     paper's Eq. 4 alone, step_programs 0), -eq4.json; "t256": step_programs 256, -t256.json
 # Results: $OUT/pair<i>/<model>-dense.json and <model>-moira-g098.json; report with

@@ -24,6 +24,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 
@@ -115,7 +116,7 @@ def main():
     from vllm import LLM, SamplingParams
 
     import moira.integrations.vllm as plugin
-    from moira.integrations.vllm.settings import MoiraSettings
+    from moira.integrations.vllm.settings import SPLIT_SETTINGS, MoiraSettings
 
     plugin.register()
     shapes = [(name, *SHAPES[name]) for name in args.shapes.split(",")]
@@ -128,7 +129,7 @@ def main():
                                                   "schedule": args.schedule,
                                                   "programmatic_launch":
                                                       args.programmatic_launch}})
-        for key in ("dense_below_tokens", "floor_rows", "min_programs", "step_programs"):
+        for key in ("dense_below_tokens", *SPLIT_SETTINGS):
             if getattr(args, key) is not None:
                 extra["additional_config"]["moira"][key] = getattr(args, key)
     else:
@@ -184,6 +185,11 @@ def main():
                            floor_rows=settings.floor_rows if settings else None,
                            min_programs=settings.min_programs if settings else None,
                            step_programs=settings.step_programs if settings else None,
+                           # what Attend ran with, set or default (None: the setting unset)
+                           attend_split={key: getattr(settings.config, key) for key in
+                                         ("chunk_pages", *SPLIT_SETTINGS)} if settings else None,
+                           commit=subprocess.run(["git", "rev-parse", "HEAD"],
+                                                 capture_output=True, text=True).stdout.strip(),
                            fractions="imposed (paper's measured reads), not the coverage rule"
                            if args.backend == "moira" else None,
                            startup_s=round(startup, 1), gpu=torch.cuda.get_device_name(),

@@ -63,14 +63,25 @@ def test_short_rows_of_a_small_step_are_cut_finer():
                          step_programs=8)
     num_kv_heads, group, head_dim = 2, 4, 64
     keys, values = make_cache(40, num_kv_heads, head_dim)
-    table, seq_lens = make_table([64 * 13 + 5], 40)
+    # a table wider than the row (as in an engine), so J's cap leaves more chunks than the
+    # floor gives: the chunk count then depends on step_rows and T
+    table, seq_lens = make_table([64 * 13 + 5], 40, extra_columns=26)
     query = make_query(1, num_kv_heads * group, head_dim)
     page_lists, page_counts = random_lists(seq_lens.cpu(), num_kv_heads, table.shape[1],
                                            fraction=0.7)
     counts = page_counts.cpu().flatten()
-    finer = ref.work_split(counts, 2, config)[2]
+    chunks_per_row, _, finer = ref.work_split(counts, 2, config, max_pages=table.shape[1])
     assert (finer > ref.work_split(counts, 2, config.replace(step_programs=0))[2]).any()
     check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
+    # the kernel's own split: the chunks whose log-sum-exp it wrote (split rows only)
+    workspace = moira.DecodeWorkspace(1, table.shape[1], num_kv_heads * group, num_kv_heads,
+                                      head_dim, device=DEVICE, config=config)
+    workspace.partial_lse.fill_(float("nan"))
+    moira.attend(query, keys, values, table, seq_lens, page_lists, page_counts,
+                 workspace=workspace, out=poisoned(*query.shape, dtype=query.dtype))
+    written = ~torch.isnan(workspace.partial_lse[:2 * chunks_per_row * group].cpu())
+    chunks = written.view(2, chunks_per_row, group).all(-1).sum(-1)
+    assert chunks.tolist() == [m if m > 1 else 0 for m in finer.tolist()]
 
 
 @pytest.mark.parametrize("group", [1, 4, 7, 8])

@@ -195,7 +195,7 @@ def test_planned_batch_splits_rows_as_the_padded_batch_does(monkeypatch):
     splits = []
     launch = moira.decode._launch_attend
     monkeypatch.setattr(moira.decode, "_launch_attend", lambda *args, **kwargs: (
-        splits.append((kwargs["chunk_floor"], kwargs["chunks_per_row"])),
+        splits.append((kwargs["chunk_floor"], kwargs["chunks_per_row"], kwargs["step_rows"])),
         launch(*args, **kwargs))[1])
     ctx, summaries = structured_step(batch=3)
     # the split depends on the row count here: 6 rows C = 3, J = 8; 8 rows C = 4, J = 6
@@ -213,6 +213,7 @@ def test_planned_batch_splits_rows_as_the_padded_batch_does(monkeypatch):
     unplanned = moira.sparse_decode(ctx.query, *caches, ctx.block_table, ctx.seq_lens,
                                     config=config)
     assert splits[0] == splits[1] != splits[2]
+    assert splits[1][2] == 8 and splits[2][2] == 6  # the short-row floor's rows: the planned
     assert torch.equal(eager, replay[:3])
     assert not replay[3].any()  # the padded row's output is zeros
     # another split rounds differently, nothing more

@@ -41,6 +41,10 @@ def test_settings_come_from_additional_config_then_environment():
     split = MoiraSettings.from_sources({"moira": {"floor_rows": 96}}, {"MOIRA_MIN_PROGRAMS": "1"})
     assert (split.config.floor_rows, split.config.min_programs) == (96, 1)
     assert split.config.chunk_floor(8) == 2 and split.config.chunks_per_row(8) == 32
+    eq4 = MoiraSettings.from_sources(None, {"MOIRA_STEP_PROGRAMS": "0"})
+    assert eq4.config.step_programs == 0
+    assert MoiraSettings.from_sources({"moira": {"step_programs": 256}}, {}
+                                      ).config.step_programs == 256
     assert MoiraSettings().config == moira.MoiraConfig()  # unset: MoiraConfig's defaults
     assert MoiraSettings().describe().startswith(
         "Moira attention: gamma=0.98, other settings default (")

@@ -65,8 +65,8 @@ def plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per
     count = tl.load(page_counts + b * stride_cb + head * stride_ch)
     floor = chunk_floor
     if step_programs > 0:
-        floor = tl.minimum(floor, tl.maximum(
-            2, tl.cdiv(count.to(tl.int64) * step_rows, step_programs).to(tl.int32)))
+        floor = tl.minimum(floor.to(tl.int64), tl.maximum(
+            2, tl.cdiv(count.to(tl.int64) * step_rows, step_programs))).to(tl.int32)
     chunk = tl.maximum(floor, tl.cdiv(count, chunks_per_row))
     if EVEN:
         chunk = tl.maximum(tl.cdiv(count, tl.maximum(tl.cdiv(count, chunk), 1)), 1)
@@ -225,6 +225,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     """Launch (batch * KV heads, J) programs. ``partial_out`` ``[>= rows * J * G * D]`` and
     ``partial_lse`` ``[>= rows * J * G]`` are float32 scratch (only split rows write them);
     ``step_rows``: the rows the split is planned for (a captured graph's padded batch)."""
+    assert step_rows > 0 or not step_programs, "step_programs needs the planned step_rows"
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads

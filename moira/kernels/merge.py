@@ -55,6 +55,7 @@ def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_flo
     """Write ``out`` ``[batch, num_heads, head_dim]`` for every row Attend split; with
     ``page_stats`` (int64 ``[2]``), also add (listed pages, pages of the rows: min(ceil(seq_len
     / page), max_pages)) summed over all rows."""
+    assert step_rows > 0 or not step_programs, "step_programs needs the planned step_rows"
     batch, num_heads, head_dim = out.shape
     group = num_heads // num_kv_heads
     has_stats = page_stats is not None
