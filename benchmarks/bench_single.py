@@ -58,9 +58,12 @@ WIDTH = 1030  # block-table pages of a 66k-token engine (vllm_tpot.py's single-r
 # 2k, where an arm's J variants repeat it: a noise estimate; at 8k the J-16 arms all run 16
 # chunks of 8 pages); all with step_programs 0 (Eq. 4 alone, the split before session 14);
 # then the short-row floor (MoiraConfig.step_programs T, session 14) at the default
-# floor_rows and J: (floor_rows, J, T)
+# floor_rows, with J the default or 32 (min_programs 1: no programs launched only to exit,
+# which J's default costs a short row; never slower than the default J in session 14's
+# sweep without T): (floor_rows, J, T)
 SPLIT_SWEEP = [(floor_rows, chunks, 0) for floor_rows in (32, 48, 64, 96)
-               for chunks in (None, 32, 16)] + [(32, None, 128), (32, None, 256)]
+               for chunks in (None, 32, 16)] + [(32, chunks, programs) for chunks in (None, 32)
+                                                for programs in (128, 256)]
 # the paper's mean read fraction at gamma 0.98 (Llama-3.1-8B, Table 3), clamped below 8k
 READS = {2048: 0.42, 8192: 0.42, 16384: 0.37, 32768: 0.31, 65536: 0.16, 131072: 0.15}
 
