@@ -6,16 +6,16 @@ alone. Program (row, j) reads the row's list length n from GPU memory and plans 
     c = max(C, ceil(n / J))      pages per chunk
     m = ceil(n / c)              chunks of this row (at least 1)
 
-where, with ``step_programs`` T > 0 (``MoiraConfig.step_programs``), C of this row is
-min(C, max(2, ceil(n * rows / T))): in a step of few rows a short row is cut finer, so the
-step still has about T programs (timed on the H200 at batches 1-4, benchmarks/NOTES.md,
-session 14); steps of T rows or more are unchanged.
-
 and processes pages [j c, min((j + 1) c, n)) or exits if j >= m. (``EVEN_CHUNKS``, off,
 makes the m chunks equal instead, c = ceil(n / m): timed slower at 8k x 32.) All G query
 heads of the group share each K/V tile (one read of every K/V byte per group). A
 single-chunk row writes its output directly; otherwise each chunk writes its normalized
 partial output and log-sum-exp for Merge.
+
+With ``step_programs`` T > 0 (``MoiraConfig.step_programs``), C of a row in a step planned
+for ``rows`` rows is min(C, max(2, ceil(n * rows / T))): in a step of few rows a short row is
+cut finer, so the step still has about T programs (timed on the H200 at batches 1-4,
+benchmarks/NOTES.md, session 14); steps of T rows or more get Eq. (4)'s chunk counts.
 
 Bytes: 2 * 64 * D cache elements per listed page, plus q, and the partials of split rows.
 """
