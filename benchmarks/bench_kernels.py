@@ -9,8 +9,9 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
 - ``moira_balanced`` the same lists with ``MoiraConfig(schedule="balanced")``: all rows'
                      pages split evenly over P programs (``moira/kernels/balanced.py``).
 - ``moira_hnd``      the same on the head-major layout the folded peers need.
-- ``moira_eq4``, ``moira_t256``: ``moira`` with the short-row floor off (``step_programs=0``,
-                     Eq. 4 alone) and at T = 256 instead of the default 128.
+- ``moira_eq4``, ``moira_t128``: ``moira`` with the short-row floor off (``step_programs=0``,
+                     Eq. 4 alone) and at T = 128 instead of the default 256 (session 14's;
+                     files of session 15 have ``moira_t256`` beside a default of 128).
 - ``fa3_varlen``     vLLM's FA3 (``vllm_flash_attn``, ``fa_version=3``), each (request, KV head)
                      row its own sequence over the HND cache viewed as ``[pages*Hkv, 64, 1, D]``;
                      scheduler metadata built beforehand on the GPU (``fa3_metadata``, timed
@@ -157,7 +158,7 @@ class Shape:
         self.out = torch.empty_like(self.query)
 
     def step_workspace(self, programs):
-        """A workspace whose config has ``step_programs=programs`` (the moira_eq4/t256 arms)."""
+        """A workspace whose config has ``step_programs=programs`` (the moira_eq4/t128 arms)."""
         if programs not in self.workspace_step:
             self.workspace_step[programs] = moira.DecodeWorkspace(
                 self.batch, self.pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, device="cuda",
@@ -400,7 +401,7 @@ def main():
                     timed(shape_name, "moira_balanced",
                           lambda: s.moira(lists, counts, s.workspace_balanced),
                           tag, bytes_read, **info)
-                for name, programs in (("moira_eq4", 0), ("moira_t256", 256)):
+                for name, programs in (("moira_eq4", 0), ("moira_t128", 128)):
                     if name in arms:
                         timed(shape_name, name, lambda programs=programs: s.moira(
                             lists, counts, s.step_workspace(programs)), tag, bytes_read,

@@ -27,8 +27,9 @@ arm is therefore timed over 32 layers captured in one CUDA graph
   Merge folded into Attend, and ``*_fboth``, both: options removed since, after measuring
   slower or too little faster; README.)
 - Every arm runs ``MoiraConfig``'s defaults but the fields it names; from commit d7033db
-  that includes the short-row floor (``step_programs`` 128), so the ``step*`` arms of later
-  files are not those of earlier ones at batches 1-4 (the ``--split-sweep`` arms set it).
+  that includes the short-row floor (``step_programs`` 128; 256 from session 15), so the
+  ``step*`` arms of later files are not those of earlier ones at batches 1-4 (the
+  ``--split-sweep`` arms set it).
 
 - ``--batches 1,2,4``: the same for B requests of that context each (own pages, one graph
   of 32 layers per step; combinations over ~80 GB of caches are skipped), to see where a split

@@ -10,7 +10,9 @@
 #     (floor_rows 96, min_programs 1: chunk floor 2 pages, 32 chunks per row; since session 14
 #     on top of the default short-row floor), -split.json
 #   ARMS="dense moira eq4": the third engine with Attend's split as before session 14 (the
-#     paper's Eq. 4 alone, step_programs 0), -eq4.json; "t256": step_programs 256, -t256.json
+#     paper's Eq. 4 alone, step_programs 0), -eq4.json; "t128": step_programs 128 (the
+#     default of session 14; 256 since), -t128.json; "jmin": min_programs 1 (J = 32), -jmin.json;
+#     "g099": Moira at the paper's gamma = 0.99 reads (Table 7), -g099.json
 # Results: $OUT/pair<i>/<model>-dense.json and <model>-moira-g098.json; report with
 #   python3 benchmarks/tpot_report.py --pairs results/<folder>/pair1 results/<folder>/pair2
 # About 4 x (engine start-up ~60 s + ~40 s per shape) for two pairs.
@@ -30,9 +32,13 @@ for pair in $(seq "$pairs"); do
              name=$model-moira-g098-split ;;
       eq4) args="--backend moira --step-programs 0"  # the split before session 14
            name=$model-moira-g098-eq4 ;;
-      t256) args="--backend moira --step-programs 256"
-            name=$model-moira-g098-t256 ;;
-      *) echo "unknown arm $arm (dense, moira, pdl, split, eq4, t256)"; exit 1 ;;
+      t128) args="--backend moira --step-programs 128"
+            name=$model-moira-g098-t128 ;;
+      g099) args="--backend moira --gamma 0.99"  # Table 7's reads
+            name=$model-moira-g099 ;;
+      jmin) args="--backend moira --min-programs 1"
+            name=$model-moira-g098-jmin ;;
+      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin)"; exit 1 ;;
     esac
     python3 benchmarks/vllm_tpot.py --model "$model" --shapes "$shapes" $args \
       --repeats 1 --out "$out/pair$pair/$name.json" 2>&1 | grep "tpot_ms\|Error\|Traceback" \

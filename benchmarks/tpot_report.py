@@ -166,7 +166,8 @@ def single_pairs_table(pair_runs):
             ("pdl", "the same, programmatic launch"),
             ("split", "Moira, Attend's split set (floor_rows, min_programs: in its JSON)"),
             ("T=0", "Moira, Attend's split by Eq. 4 alone (step_programs 0: before session 14)"),
-            ("T=256", "Moira, the short-row floor at T = 256 programs"),
+            ("T=128", "Moira, the short-row floor at T = 128 programs (session 14's default)"),
+            ("T=256", "Moira, the short-row floor at T = 256 programs (the default since session 15)"),
             ("fsel", "rows of ≤ N tokens read in full, Estimate + Select in one launch"),
             ("fmerge", "rows of ≤ N tokens read in full, Merge in Attend's launch"),
             ("fsel+fmerge", "rows of ≤ N tokens read in full, both in one launch")]

@@ -56,9 +56,10 @@ class MoiraConfig:
     step_programs:
         T: a row shorter than C * T / rows (rows: the step's requests x KV heads) gets a chunk
         floor of ceil(n * rows / T) pages (at least 2, at most C) instead of C, so that a
-        step of a few short rows still spreads over about T programs (one H200 SM each at
-        the default) rather than one or two chunks of C pages per row. Steps of T rows or
-        more are split as by C alone. 0 turns it off (the paper's Eq. 4).
+        step of a few short rows still spreads over about T programs (about two per H200
+        SM at the default) rather than one or two chunks of C pages per row. Steps of T rows
+        or more are split as by C alone. 0 turns it off (the paper's Eq. 4). 256 since
+        session 15 (128 before; README, "Short requests")
     min_chunks_per_row:
         N_J, the fewest programs Attend launches per row.
     min_programs:
@@ -78,7 +79,7 @@ class MoiraConfig:
     schedule: str = "rows"
     programmatic_launch: bool = False
     dense_below_pages: int = 0
-    step_programs: int = 128
+    step_programs: int = 256
     min_chunks_per_row: int = 32
     min_programs: int = 4096
     programs: int = 1056
@@ -112,6 +113,10 @@ class MoiraConfig:
                 or self.step_programs < 0):
             raise ValueError(f"step_programs must be an int >= 0 (0 turns it off), got "
                              f"{self.step_programs!r}")
+        if isinstance(self.chunk_pages, int) and self.step_programs * self.chunk_pages >= 2**31:
+            raise ValueError(f"step_programs * chunk_pages must be below 2**31 (the kernels plan "
+                             f"short rows in int32), got {self.step_programs!r} * "
+                             f"{self.chunk_pages!r}; lower step_programs")
         if (isinstance(self.dense_below_pages, bool) or not isinstance(self.dense_below_pages, int)
                 or self.dense_below_pages < 0):
             raise ValueError(f"dense_below_pages must be an int >= 0 (0 turns it off), got "

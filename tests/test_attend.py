@@ -6,6 +6,7 @@ from helpers import (DEVICE, SMALL_SPLIT, assert_attention_close, make_cache, ma
 import moira
 from moira import MoiraConfig
 from moira import reference as ref
+from moira.kernels import attend as attend_module
 
 
 def random_lists(seq_lens, num_kv_heads, width, fraction=0.5, shuffle=False):
@@ -54,6 +55,26 @@ def test_small_batch_scales_the_chunk_floor():
     query = make_query(1, num_kv_heads * group, head_dim)
     page_lists, page_counts = random_lists(seq_lens.cpu(), num_kv_heads, table.shape[1])
     check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
+
+
+@pytest.mark.parametrize("chunk_floor", [1, 2, 3, 6, 24])
+def test_the_floor_binds_exactly_up_to_short_row_pages(chunk_floor):
+    """``plan_row`` computes the short-row floor only for rows of at most
+    ``short_row_pages`` pages (int32, no division elsewhere): the same floor as the
+    reference's min(C, max(2, ceil(n * rows / T))) for every n, rows and T."""
+    counts = torch.arange(0, 800)
+    for rows in (1, 2, 7, 8, 32, 64, 128, 255, 256, 512):
+        for programs in (0, 1, 8, 128, 256, 1000):
+            config = MoiraConfig(chunk_pages=chunk_floor, floor_rows=1, step_programs=programs)
+            short = attend_module.short_row_pages(chunk_floor, rows, programs)
+            kernel_floor = torch.where(counts <= short, torch.clamp(
+                -(-counts * rows // max(programs, 1)), min=2), chunk_floor)
+            expected = torch.full_like(counts, chunk_floor)
+            if programs:
+                expected = torch.minimum(expected, torch.clamp(-(-counts * rows // programs),
+                                                               min=2))
+            assert torch.equal(kernel_floor, expected), (rows, programs)
+            assert short < 0 or short * rows <= (chunk_floor - 1) * programs < 2**31
 
 
 def test_short_rows_of_a_small_step_are_cut_finer():
@@ -113,8 +134,6 @@ def mixed_rows(num_kv_heads=2, group=4, head_dim=64):
 def test_several_pages_per_tile(monkeypatch, pages_per_iter):
     """The tuning knob that loads several listed pages per inner-loop tile: chunks whose length
     is not a multiple of it, partial last pages, empty and full rows."""
-    from moira.kernels import attend as attend_module
-
     monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
     check_attend(*mixed_rows(), SMALL_SPLIT)
 
@@ -123,8 +142,6 @@ def test_several_pages_per_tile(monkeypatch, pages_per_iter):
 def test_fa3_normalizer_convention_matches_reference(monkeypatch, schedule):
     """The softmax denominator summed from float32 weights (FA3's convention) instead of the
     rounded ones: within the same tolerance of the reference, on both schedules."""
-    from moira.kernels import attend as attend_module
-
     monkeypatch.setattr(attend_module, "SUM_ROUNDED_WEIGHTS", False)
     check_attend(*mixed_rows(), SMALL_SPLIT.replace(schedule=schedule))
 
@@ -139,8 +156,6 @@ def test_fa3_tile_order_matches_reference(monkeypatch, schedule, pages_per_iter)
     differently from the default order's somewhere (the balanced schedule's short segments
     here are about one tile, where the two orders coincide in the interpreter, whose fma is a
     multiply and an add)."""
-    from moira.kernels import attend as attend_module
-
     monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
     monkeypatch.setattr(attend_module, "SUM_ROUNDED_WEIGHTS", False)
     inputs = mixed_rows()
@@ -195,8 +210,6 @@ def test_equal_chunks_and_eq4_chunks(monkeypatch, even):
     """Rows whose Eq. (4) chunks are unequal (C = 4, J = 3: 5, 6 and 9 pages are 4 + 1, 4 + 2
     and 4 + 4 + 1, equal 3 + 2, 3 + 3 and 3 + 3 + 3): both rules (``EVEN_CHUNKS``), with Merge,
     against the reference."""
-    from moira.kernels import attend as attend_module
-
     monkeypatch.setattr(attend_module, "EVEN_CHUNKS", even)
     config = MoiraConfig(chunk_pages=4, floor_rows=1, min_chunks_per_row=3, min_programs=8)
     num_kv_heads, group, head_dim = 2, 4, 64

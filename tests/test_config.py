@@ -27,9 +27,10 @@ def test_chunks_per_row_capped_by_the_block_table():
     assert config.chunks_per_row(8, max_pages=517) == 87  # one request: C = 6, not 512
     assert config.chunks_per_row(256, max_pages=10_000) == 32  # no cap when it does not bind
     # the short-row floor's chunks (about T / rows) are never capped away: 2k x 1 in an engine
-    # of 133 pages per row keeps 23 (C = 6), and 32 with T = 256
-    assert config.chunks_per_row(8, max_pages=133) == 23
-    assert config.replace(step_programs=256).chunks_per_row(8, max_pages=133) == 32
+    # of 133 pages per row keeps 32 at the default T = 256 (32 programs per row), and 23
+    # (ceil(133 / C), C = 6) with T = 128
+    assert config.chunks_per_row(8, max_pages=133) == 32
+    assert config.replace(step_programs=128).chunks_per_row(8, max_pages=133) == 23
 
 
 def test_chunk_floor_shrinks_for_small_batches():
@@ -44,7 +45,7 @@ def test_chunk_floor_shrinks_for_small_batches():
     ("min_programs", 1.5), ("bisection_ways", ((256, 3),)), ("bisection_ways", ((256, 32),)),
     ("bisection_ways", ((1024, 8), (256, 4))), ("bisection_ways", ()),
     ("programmatic_launch", "yes"), ("step_programs", -1), ("step_programs", 1.5),
-    ("step_programs", True),
+    ("step_programs", True), ("step_programs", 2**27),  # 2**27 * 24 pages overflows int32
 ])
 def test_bad_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):

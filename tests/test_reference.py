@@ -85,13 +85,17 @@ def test_short_rows_of_a_small_step_are_cut_finer():
     floor of min(C, max(2, ceil(n * 32 / T))) instead of C = 24; long rows and steps of T rows
     or more keep Eq. (4)'s chunk count."""
     config, eq4 = MoiraConfig(), MoiraConfig(step_programs=0)
+    assert config.step_programs == 256
     counts = torch.tensor([2, 32, 54, 300, 2048])
     _, chunk, chunks = ref.work_split(counts, 32, config, max_pages=2048)
+    assert chunk.tolist() == [2, 4, 7, 24, 24] and chunks.tolist() == [1, 8, 8, 13, 86]
+    _, chunk, chunks = ref.work_split(counts, 32, config.replace(step_programs=128),
+                                      max_pages=2048)
     assert chunk.tolist() == [2, 8, 14, 24, 24] and chunks.tolist() == [1, 4, 4, 13, 86]
     _, chunk, chunks = ref.work_split(counts, 32, eq4, max_pages=2048)
     assert chunk.tolist() == [24] * 5 and chunks.tolist() == [1, 2, 3, 13, 86]
     counts = torch.arange(0, 3000)
-    for rows in (128, 256):
+    for rows in (256, 512):
         assert torch.equal(ref.work_split(counts, rows, config)[2],
                            ref.work_split(counts, rows, eq4)[2])
     # J's cap at the block table's width removes no chunk of the short-row floor either

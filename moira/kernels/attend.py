@@ -15,7 +15,8 @@ partial output and log-sum-exp for Merge.
 With ``step_programs`` T > 0 (``MoiraConfig.step_programs``), C of a row in a step planned
 for ``rows`` rows is min(C, max(2, ceil(n * rows / T))): in a step of few rows a short row is
 cut finer, so the step still has about T programs (timed on the H200 at batches 1-4,
-benchmarks/NOTES.md, session 14); steps of T rows or more get Eq. (4)'s chunk counts.
+benchmarks/NOTES.md, sessions 14-15; default 256); steps of T rows or more get Eq. (4)'s
+chunk counts.
 
 Bytes: 2 * 64 * D cache elements per listed page, plus q, and the partials of split rows.
 """
@@ -58,19 +59,28 @@ EVEN_CHUNKS = False
 
 @triton.jit
 def plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per_row,
-             step_rows, step_programs, EVEN: tl.constexpr):
+             step_rows, step_programs, short_pages, EVEN: tl.constexpr):
     """(list length n, pages per chunk c, chunks m) of a row: Eq. (4) with the short-row floor
-    (``step_programs`` over ``step_rows``, the planned step's rows; 0: off), its chunks made
-    equal with ``EVEN`` (``EVEN_CHUNKS``), shared with Merge (``reference.work_split``)."""
+    (``step_programs`` over ``step_rows``, the planned step's rows; rows of at most
+    ``short_pages`` pages, ``short_row_pages``: -1 when off), its chunks made equal with
+    ``EVEN`` (``EVEN_CHUNKS``), shared with Merge (``reference.work_split``)."""
     count = tl.load(page_counts + b * stride_cb + head * stride_ch)
     floor = chunk_floor
-    if step_programs > 0:
-        floor = tl.minimum(floor.to(tl.int64), tl.maximum(
-            2, tl.cdiv(count.to(tl.int64) * step_rows, step_programs))).to(tl.int32)
+    if count <= short_pages:  # only where the floor binds; n * rows <= (C - 1) * T: no overflow
+        floor = tl.maximum(2, tl.cdiv(count * step_rows, step_programs))
     chunk = tl.maximum(floor, tl.cdiv(count, chunks_per_row))
     if EVEN:
         chunk = tl.maximum(tl.cdiv(count, tl.maximum(tl.cdiv(count, chunk), 1)), 1)
     return count, chunk, tl.maximum(tl.cdiv(count, chunk), 1)
+
+
+def short_row_pages(chunk_floor, step_rows, step_programs):
+    """The longest row the short-row floor cuts finer than C: min(C, max(2, ceil(n * rows /
+    T))) < C exactly when n * rows <= (C - 1) * T (for C > 2; at C <= 2 it never binds);
+    -1 when it is off. Kernels test a row against it before any arithmetic of the floor."""
+    if not step_programs or chunk_floor <= 2:
+        return -1
+    return (chunk_floor - 1) * step_programs // step_rows
 
 
 @triton.jit
@@ -184,7 +194,7 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
                    stride_bt, stride_pb, stride_ph, stride_cb, stride_ch,
                    stride_ob, stride_oh, stride_od,
                    num_kv_heads, max_pages, qk_scale_log2, chunk_floor, chunks_per_row,
-                   step_rows, step_programs,
+                   step_rows, step_programs, short_pages,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr, SUM_ROUNDED: tl.constexpr,
                    FA3_ORDER: tl.constexpr, EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr):
@@ -195,7 +205,7 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
     head = row % num_kv_heads
     count, chunk, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
                                         chunk_floor, chunks_per_row, step_rows,
-                                        step_programs, EVEN_CHUNKS)
+                                        step_programs, short_pages, EVEN_CHUNKS)
     if chunk_id >= num_chunks:
         return
 
@@ -236,6 +246,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         block_table.stride(0), *page_lists.stride()[:2], *page_counts.stride(), *out.stride(),
         num_kv_heads, block_table.shape[1], scale * math.log2(math.e), chunk_floor,
         chunks_per_row, step_rows, step_programs,
+        short_row_pages(chunk_floor, step_rows, step_programs),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE=PAGE_SIZE, PAGES_PER_TILE=PAGES_PER_ITER, SUM_ROUNDED=SUM_ROUNDED_WEIGHTS,
         FA3_ORDER=FA3_TILE_ORDER, EVEN_CHUNKS=EVEN_CHUNKS,

@@ -17,7 +17,7 @@ import triton.language as tl
 from ..config import PAGE_SIZE
 from . import attend as attend_module
 from . import launch
-from .attend import plan_row
+from .attend import plan_row, short_row_pages
 from .combine import add_page_stats, merged
 
 
@@ -25,7 +25,7 @@ from .combine import add_page_stats, merged
 def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_stats,
                   stride_cb, stride_ch, stride_ob, stride_oh, stride_od,
                   num_kv_heads, max_pages, chunk_floor, chunks_per_row, step_rows,
-                  step_programs, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  step_programs, short_pages, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                   SPLITS_PAD: tl.constexpr,
                   SPLITS_PER_LOAD: tl.constexpr, HAS_STATS: tl.constexpr, PAGE: tl.constexpr,
                   EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr):
@@ -36,7 +36,7 @@ def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_sta
     head = row % num_kv_heads
     count, _, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
                                     chunk_floor, chunks_per_row, step_rows, step_programs,
-                                    EVEN_CHUNKS)
+                                    short_pages, EVEN_CHUNKS)
     if HAS_STATS:
         if g == 0:
             add_page_stats(page_stats, seq_lens, b, count, max_pages, PAGE)
@@ -64,6 +64,7 @@ def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_flo
         seq_lens if has_stats else page_counts, page_stats if has_stats else page_counts,
         *page_counts.stride(), *out.stride(), num_kv_heads, max_pages, chunk_floor,
         chunks_per_row, step_rows, step_programs,
+        short_row_pages(chunk_floor, step_rows, step_programs),
         GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
         SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)), HAS_STATS=has_stats,
         PAGE=PAGE_SIZE, EVEN_CHUNKS=attend_module.EVEN_CHUNKS, num_warps=4,

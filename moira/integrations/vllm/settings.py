@@ -61,7 +61,7 @@ key                environment variable     meaning
                                             request", times both at batch 1)
 ``step_programs``  ``MOIRA_STEP_PROGRAMS``  Attend's split: a short row of a small step is
                                             cut finer so the step has about this many
-                                            programs (default 128; 0: the paper's Eq. 4)
+                                            programs (default 256; 0: the paper's Eq. 4)
 =================  =======================  ==================================================
 """
 
