@@ -23,7 +23,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moira.kernels import attend, estimate, merge, select, summarize  # noqa: E402
+from moira.kernels import attend, estimate, imposed, merge, select, summarize  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -33,7 +33,8 @@ CACHE = dict(query="*bf16", key_cache="*bf16", value_cache="*bf16", out="*bf16",
 INDICES = dict(block_table="*i32", seq_lens="*i32", page_lists="*i32", page_counts="*i32",
                slot_mapping="*i32", page_stats="*i64")
 FLOATS = dict(log_masses="*fp32", partial_out="*fp32", partial_lse="*fp32", row_values="*fp32",
-              scale="fp32", gamma="fp32", qk_scale_log2="fp32")
+              scale="fp32", gamma="fp32", qk_scale_log2="fp32", fractions="*fp32",
+              log_tokens="*fp32", tables="*fp32")
 
 
 def specialize(kernel, constexprs):
@@ -136,7 +137,9 @@ def kernels(group, head_dim, block, pdl=False):
         return decode_step
     return decode_step + [
         (f"summarize (filled slots) D={head_dim}", summarize._summarize_filled_slots_kernel,
-         dict(HEAD_DIM=head_dim, PAGE=PAGE), 4, 3)]
+         dict(HEAD_DIM=head_dim, PAGE=PAGE), 4, 3),
+        ("imposed fractions (32 layers x 8 heads)", imposed._imposed_fractions_kernel,
+         dict(KNOTS=8, ENTRIES=256), 4, 3)]
 
 
 def main():

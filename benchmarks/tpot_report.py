@@ -58,7 +58,8 @@ def load(folders):
             if run["backend"] == "moira" and run.get("schedule", "rows") != "rows":
                 continue  # the table compares the default kernels; variants: their own folder
             key = (run["model"], "dense" if run["backend"] == "dense" else run["gamma"])
-            if run.get("dense_below_tokens"):  # short requests read in full: its own column
+            if run.get("dense_below_tokens") and run["gamma"] == 0.98:
+                # short requests read in full: its own column (γ = 0.99 runs: their γ column)
                 key = (run["model"], "fallback")
             # kernel variants of the same (programmatic launch; in older files Select in
             # Estimate's launch, Merge in Attend's): a column each, "+"-joined when combined
@@ -120,13 +121,18 @@ def pairs_table(pair_runs):
     """Interleaved pairs (issue 5: dense, Moira, dense, Moira engines one after another): one
     ``load`` result per pair; per (model, shape) each pair's speedup and their mean, the
     protocol of the paper's Table 3 (its pairs' speedups differ by at most 0.13)."""
-    cells, fused = {}, {}
+    cells, fused, strict = {}, {}, {}
     for runs in pair_runs:
         for row in table(runs)[1]:
             speedup = row["g0.98"]["speedup"]
             if speedup:
                 cells.setdefault((row["model"], row["shape"]), []).append(
                     (row["dense_ms"], row["g0.98"]["ms"], speedup, row["g0.98"]["paper"]))
+            # Table 7's reads (γ = 0.99) where the pair ran them: a column each pair keeps
+            # its place in ("–" without the run)
+            loose = row["g0.99"]
+            strict.setdefault((row["model"], row["shape"]), []).append(
+                (loose["ms"], loose["speedup"], loose["paper"]) if loose["speedup"] else None)
             variant = runs.get((row["model"], "fsel"))  # Estimate + Select in one launch
             ms = tpot_by_shape(variant).get(row["shape"]) if variant else None
             # a pair without the run keeps its place ("–"), so each value names its pair
@@ -135,6 +141,10 @@ def pairs_table(pair_runs):
     lines = ["| model | shape | dense FA3 (ms) | Moira γ=0.98 (ms) | speedup per pair | "
              "mean speedup | paper |", "|---|---|---|---|---|---|---|"]
     fused = {key: pairs for key, pairs in fused.items() if any(pairs)}
+    strict = {key: pairs for key, pairs in strict.items() if any(pairs)}
+    if strict:
+        lines[0] += " Moira γ=0.99 (ms) | speedup per pair | mean | paper (Table 7) |"
+        lines[1] += "---|---|---|---|"
     if fused:
         lines[0] += " the same, Estimate + Select in one launch: speedup per pair | mean |"
         lines[1] += "---|---|"
@@ -147,6 +157,16 @@ def pairs_table(pair_runs):
                 + " / ".join(f"{speedup:.2f}×" for _, _, speedup, _ in pairs) + " | "
                 + f"**{statistics.mean(p[2] for p in pairs):.2f}×** | "
                 + (f"{paper:.2f}×" if paper else "–") + " |")
+        if strict:
+            mine = strict.get((model, shape), [])
+            present = [x for x in mine if x is not None]
+            paper = next((x[2] for x in present if x[2]), None)
+            line += " " + (" / ".join("–" if x is None else f"{x[0]:.2f}" for x in mine)
+                           or "–") + " | " \
+                + (" / ".join("–" if x is None else f"{x[1]:.2f}×" for x in mine) or "–") \
+                + " | " + (f"**{statistics.mean(x[1] for x in present):.2f}×** | "
+                           if present else "– | ") \
+                + (f"{paper:.2f}× |" if paper else "– |")
         if fused:
             mine = fused.get((model, shape), [])
             present = [x for x in mine if x is not None]

@@ -263,6 +263,22 @@ def oracle_coverage(query, key_cache, block_table, seq_lens, gamma, scale=None):
 # --------------------------------------------------------------------------------------------
 
 
+def imposed_fractions(seq_lens, log_tokens, tables):
+    """Read fractions imposed for timing runs (issue 5): for each request, the per-(layer, KV
+    head) table ``tables[k]`` (``[knots, layers, heads]``) interpolated linearly in log context
+    length between the knots ``log_tokens`` (increasing), clamped at the first and last knot.
+    Returns float32 ``[layers, batch, heads]``."""
+    x = torch.log(seq_lens.float().clamp(min=1))
+    knots = tables.shape[0]
+    upper = torch.searchsorted(log_tokens, x).clamp(min=1).clamp(max=knots - 1)
+    lower = (upper - 1).clamp(min=0)
+    span = log_tokens[upper] - log_tokens[lower]
+    alpha = torch.where(upper > lower, (x - log_tokens[lower]) / torch.where(
+        span > 0, span, torch.ones_like(span)), torch.zeros_like(x)).clamp(0, 1)[:, None, None]
+    fractions = tables[lower] * (1 - alpha) + tables[upper] * alpha
+    return fractions.permute(1, 0, 2)
+
+
 def work_split(page_counts, num_rows, config=MoiraConfig(), max_pages=None, even=False):
     """Eq. (4) as a pure function of the row lengths.
 

@@ -244,6 +244,15 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
     (tmp_path / "pair1" / "f.json").unlink()
     text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
     assert "| 2.64× | – / 2.00× | **2.00×** |" in text
+    # Moira at Table 7's reads (γ = 0.99, tpot_pairs.sh arm g099) in the second pair only,
+    # with the plugin's short-row fallback recorded as every plugin run is: its own columns,
+    # before the fused one, the paper's Table 7 figure beside them
+    run = dict(backend="moira", model="llama-3.1-8b", gamma=0.99, dense_below_tokens=20480,
+               results=[dict(shape="130k4", tpot_ms=8.4, imposed_read_fraction=0.22)])
+    (tmp_path / "pair2" / "g.json").write_text(json.dumps(run))
+    text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+    assert "Moira γ=0.99 (ms) | speedup per pair | mean | paper (Table 7) |" in text
+    assert "| **2.50×** | 2.64× | – / 8.40 | – / 2.50× | **2.50×** | 2.27× | – / 2.00× |" in text
 
 
 def test_every_kernel_compiles_for_the_h200_without_spilling():

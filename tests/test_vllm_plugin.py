@@ -136,7 +136,9 @@ def test_imposed_fractions_follow_the_context_length():
     assert fractions.shape == (4, 5, 8)
     means = fractions.mean(dim=(0, 2))
     assert abs(means[1] - 0.42) < 1e-3 and abs(means[3] - 0.15) < 1e-3
-    assert means[0] == means[1] and means[4] == means[3]  # clamped outside the knots
+    # clamped outside the knots (at a knot, alpha may round to ~1e-7 instead of 0)
+    torch.testing.assert_close(means[0], means[1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(means[4], means[3], rtol=0, atol=1e-6)
     assert 0.15 < means[2] < 0.42  # halfway in log length
     assert fractions.data_ptr() == imposed.buffer.data_ptr()  # a view of the persistent buffer
 

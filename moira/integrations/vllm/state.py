@@ -1,4 +1,4 @@
-"""Per-layer state the plugin keeps beside vLLM's KV cache (plain torch; tested on CPU).
+"""Per-layer state the plugin keeps beside vLLM's KV cache (tested on CPU).
 
 - **Page summaries**: ``[num_blocks, num_kv_heads, 2, head_dim]`` in the cache's dtype, one per
   attention layer, allocated on first use *outside* the memory vLLM reserves for the KV cache
@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from ...kernels.imposed import imposed_fractions
 from ...synthetic import layer_head_fractions
 
 logger = logging.getLogger("moira")
@@ -75,19 +76,9 @@ class ImposedFractions:
                                   device=device)
 
     def fill(self, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Write the fractions of requests with these lengths; returns ``[layers, rows, heads]``."""
-        rows = seq_lens.shape[0]
-        if self.tables.shape[0] == 1:
-            self.buffer[:, :rows] = self.tables[0][:, None, :]
-            return self.buffer[:, :rows]
-        x = torch.log(seq_lens.float().clamp(min=1))
-        upper = torch.searchsorted(self.log_tokens, x).clamp(1, self.tables.shape[0] - 1)
-        lower = upper - 1
-        alpha = ((x - self.log_tokens[lower]) / (self.log_tokens[upper] - self.log_tokens[lower])
-                 ).clamp(0, 1)[:, None, None]
-        fractions = self.tables[lower] * (1 - alpha) + self.tables[upper] * alpha
-        self.buffer[:, :rows] = fractions.permute(1, 0, 2)
-        return self.buffer[:, :rows]
+        """Write the fractions of requests with these lengths (``reference.imposed_fractions``,
+        one kernel launch); returns ``[layers, rows, heads]``, a view of the buffer."""
+        return imposed_fractions(seq_lens, self.log_tokens, self.tables, self.buffer)
 
 
 def bf16_ulps(value: torch.Tensor, reference: torch.Tensor,
