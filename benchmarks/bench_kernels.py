@@ -276,6 +276,10 @@ def host_time_us(fn, repeats=30):
     return statistics.median(times)
 
 
+ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_eq4", "moira_t128", "fa3_varlen", "pad",
+        "pow2", "flashinfer", "flex"}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default=",".join(SHAPES))
@@ -284,6 +288,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="CV 0 and 1.0 only, no real-like")
     args = parser.parse_args()
     arms = set(args.arms.split(","))
+    if arms - ARMS:  # a misspelt or retired arm would time nothing and say nothing
+        parser.error(f"unknown arms {', '.join(sorted(arms - ARMS))}; known: "
+                     f"{', '.join(sorted(ARMS))} (moira_t256 is moira_t128 since session 15)")
     out_path = os.path.join(os.environ.get("OUT", "."), "kernels.json")
 
     versions = dict(torch=torch.__version__, triton=triton.__version__)

@@ -176,6 +176,17 @@ def pairs_table(pair_runs):
     return "\n".join(lines)
 
 
+def floor_note(pair_runs, arm):
+    """" (T = 128)": the short-row floor every run of a default column ran with (its JSON's
+    ``attend_split``, recorded since session 14's review; the default changed in session 15),
+    or nothing where a run predates the record."""
+    floors = {(run.get("attend_split") or {}).get("step_programs")
+              for runs in pair_runs for (_, kind), run in runs.items() if kind == arm}
+    if not floors or None in floors:
+        return ""
+    return f" (T = {' / '.join(str(t) for t in sorted(floors))})"
+
+
 def single_pairs_table(pair_runs):
     """Short-request shapes (batch 1 to 4) in interleaved pairs (``ARMS="dense moira pdl"
     tpot_pairs.sh``): per (model, shape) and arm, each pair's TPOT relative to that pair's
@@ -183,6 +194,7 @@ def single_pairs_table(pair_runs):
     batch 1."""
     arms = [(0.98, "Moira, every row selecting"),
             ("fallback", "Moira, rows of ≤ N tokens read in full"),
+            (0.99, "Moira at γ = 0.99's reads (tpot_pairs.sh arm g099)"),
             ("pdl", "the same, programmatic launch"),
             ("split", "Moira, Attend's split set (floor_rows, min_programs: in its JSON)"),
             ("T=0", "Moira, Attend's split by Eq. 4 alone (step_programs 0: before session 14)"),
@@ -211,7 +223,8 @@ def single_pairs_table(pair_runs):
                     if shape in SHORT and shape in dense_ms:
                         cells.setdefault((model, shape, arm), []).append(
                             (ms, ms / dense_ms[shape] - 1))
-    present = [(arm, label) for arm, label in arms if any(key[2] == arm for key in cells)]
+    present = [(arm, label + (floor_note(pair_runs, arm) if arm in (0.98, "fallback") else ""))
+               for arm, label in arms if any(key[2] == arm for key in cells)]
     lines = ["| model | shape | dense FA3 (ms) | " + " | ".join(
         f"{label} (ms) | vs dense per pair | mean" for _, label in present) + " |",
         "|---|---|---|" + "---|---|---|" * len(present)]

@@ -58,15 +58,15 @@ def test_small_batch_scales_the_chunk_floor():
 
 
 @pytest.mark.parametrize("chunk_floor", [1, 2, 3, 6, 24])
-def test_the_floor_binds_exactly_up_to_short_row_pages(chunk_floor):
-    """``plan_row`` computes the short-row floor only for rows of at most
-    ``short_row_pages`` pages (int32, no division elsewhere): the same floor as the
-    reference's min(C, max(2, ceil(n * rows / T))) for every n, rows and T."""
-    counts = torch.arange(0, 800)
+def test_short_row_pages_bounds_exactly_the_rows_the_floor_cuts_finer(chunk_floor):
+    """``short_row_pages`` L: ``plan_row``'s floor, computed only for rows of n <= L pages
+    (torch here; the kernel at the boundary: next test), equals the reference's
+    min(C, max(2, ceil(n * rows / T))) for every n, rows and T, within int32."""
+    counts = torch.arange(0, 24_001)
     for rows in (1, 2, 7, 8, 32, 64, 128, 255, 256, 512):
         for programs in (0, 1, 8, 128, 256, 1000):
-            config = MoiraConfig(chunk_pages=chunk_floor, floor_rows=1, step_programs=programs)
             short = attend_module.short_row_pages(chunk_floor, rows, programs)
+            assert short < counts[-1]  # the boundary is inside the range tested
             kernel_floor = torch.where(counts <= short, torch.clamp(
                 -(-counts * rows // max(programs, 1)), min=2), chunk_floor)
             expected = torch.full_like(counts, chunk_floor)
@@ -74,7 +74,8 @@ def test_the_floor_binds_exactly_up_to_short_row_pages(chunk_floor):
                 expected = torch.minimum(expected, torch.clamp(-(-counts * rows // programs),
                                                                min=2))
             assert torch.equal(kernel_floor, expected), (rows, programs)
-            assert short < 0 or short * rows <= (chunk_floor - 1) * programs < 2**31
+            # cdiv adds T - 1 to n * rows: at most C * T - 1, below 2**31 by MoiraConfig
+            assert short < 0 or short * rows + programs - 1 <= chunk_floor * programs - 1
 
 
 def test_short_rows_of_a_small_step_are_cut_finer():
@@ -94,15 +95,48 @@ def test_short_rows_of_a_small_step_are_cut_finer():
     chunks_per_row, _, finer = ref.work_split(counts, 2, config, max_pages=table.shape[1])
     assert (finer > ref.work_split(counts, 2, config.replace(step_programs=0))[2]).any()
     check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
-    # the kernel's own split: the chunks whose log-sum-exp it wrote (split rows only)
-    workspace = moira.DecodeWorkspace(1, table.shape[1], num_kv_heads * group, num_kv_heads,
-                                      head_dim, device=DEVICE, config=config)
+    assert kernel_chunks(query, keys, values, table, seq_lens, page_lists, page_counts, config,
+                         chunks_per_row) == [m if m > 1 else 0 for m in finer.tolist()]
+
+
+def kernel_chunks(query, keys, values, table, seq_lens, page_lists, page_counts, config,
+                  chunks_per_row):
+    """The kernel's own split: per row, the chunks whose log-sum-exp it wrote (0 for a row it
+    did not split)."""
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = keys.shape[2]
+    group, rows = num_heads // num_kv_heads, batch * num_kv_heads
+    workspace = moira.DecodeWorkspace(batch, table.shape[1], num_heads, num_kv_heads, head_dim,
+                                      device=DEVICE, config=config)
     workspace.partial_lse.fill_(float("nan"))
     moira.attend(query, keys, values, table, seq_lens, page_lists, page_counts,
                  workspace=workspace, out=poisoned(*query.shape, dtype=query.dtype))
-    written = ~torch.isnan(workspace.partial_lse[:2 * chunks_per_row * group].cpu())
-    chunks = written.view(2, chunks_per_row, group).all(-1).sum(-1)
-    assert chunks.tolist() == [m if m > 1 else 0 for m in finer.tolist()]
+    written = ~torch.isnan(workspace.partial_lse[:rows * chunks_per_row * group].cpu())
+    return written.view(rows, chunks_per_row, group).all(-1).sum(-1).tolist()
+
+
+def test_a_row_of_exactly_short_row_pages_gets_the_finer_floor():
+    """With C = 8, T = 16 over 2 rows, short_row_pages is 56: a row of 56 listed pages gets the
+    floor ceil(56 * 2 / 16) = 7 (8 chunks), one of 57 the floor C (8 chunks of up to 8); had
+    the boundary been exclusive, 56 pages would make 7 chunks."""
+    config = MoiraConfig(chunk_pages=8, floor_rows=1, min_chunks_per_row=16, min_programs=1,
+                         step_programs=16)
+    assert attend_module.short_row_pages(8, 2, 16) == 56
+    num_kv_heads, group, head_dim = 2, 4, 64
+    keys, values = make_cache(80, num_kv_heads, head_dim)
+    table, seq_lens = make_table([64 * 59 + 5], 80, extra_columns=10)
+    query = make_query(1, num_kv_heads * group, head_dim)
+    page_lists = torch.full((1, num_kv_heads, table.shape[1]), -1, dtype=torch.int32)
+    page_lists[0, 0, :56] = torch.arange(56, dtype=torch.int32)
+    page_lists[0, 1, :57] = torch.arange(57, dtype=torch.int32)
+    page_counts = torch.tensor([[56, 57]], dtype=torch.int32)
+    page_lists, page_counts = page_lists.to(DEVICE), page_counts.to(DEVICE)
+    chunks_per_row, chunk, chunks = ref.work_split(page_counts.cpu().flatten(), 2, config,
+                                                   max_pages=table.shape[1])
+    assert chunk.tolist() == [7, 8] and chunks.tolist() == [8, 8]
+    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
+    assert kernel_chunks(query, keys, values, table, seq_lens, page_lists, page_counts, config,
+                         chunks_per_row) == [8, 8]
 
 
 @pytest.mark.parametrize("group", [1, 4, 7, 8])

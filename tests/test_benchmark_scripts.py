@@ -384,6 +384,21 @@ def test_tpot_report_pairs_the_short_shapes_and_the_short_row_floor(tmp_path):
                              "+0.0% | **+0.0%** |")
     assert table[3].startswith("| llama-3.1-8b | 2k4 | 5.00 | 5.20 | +4.0% |")
     assert table[3].endswith("| 5.60 | +12.0% | **+12.0%** | 5.10 | +2.0% | **+2.0%** |")
+    assert "read in full (ms)" in table[0]  # the default run did not record its split
+    # runs that record the split they ran (attend_split, since session 14's review) name the
+    # default column's T
+    (folder / "moira.json").write_text(json.dumps(run(
+        "moira", (5.05, 5.2), dense_below_tokens=20480, attend_split=dict(step_programs=128))))
+    table = report.single_pairs_table([report.load([str(folder)])]).splitlines()
+    assert "read in full (T = 128) (ms)" in table[0]
+
+
+def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
+    bench = load("bench_kernels")
+    monkeypatch.setattr("sys.argv", ["bench_kernels.py", "--arms", "moira,moira_t256"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "unknown arms moira_t256" in capsys.readouterr().err
 
 
 def test_compile_check_rejects_memory_access_before_the_programmatic_wait():

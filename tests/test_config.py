@@ -45,11 +45,16 @@ def test_chunk_floor_shrinks_for_small_batches():
     ("min_programs", 1.5), ("bisection_ways", ((256, 3),)), ("bisection_ways", ((256, 32),)),
     ("bisection_ways", ((1024, 8), (256, 4))), ("bisection_ways", ()),
     ("programmatic_launch", "yes"), ("step_programs", -1), ("step_programs", 1.5),
-    ("step_programs", True), ("step_programs", 2**27),  # 2**27 * 24 pages overflows int32
+    ("step_programs", True),
+    ("step_programs", 89478486),  # * 24 pages = 2**31 + 16: the int32 floor would overflow
 ])
 def test_bad_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         MoiraConfig(**{field: value})
+
+
+def test_the_largest_step_programs_for_the_chunk_floor_is_accepted():
+    assert MoiraConfig(step_programs=89478485).step_programs == 89478485  # * 24 < 2**31
 
 
 def test_gamma_one_and_replace():

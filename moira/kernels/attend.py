@@ -66,7 +66,8 @@ def plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per
     ``EVEN`` (``EVEN_CHUNKS``), shared with Merge (``reference.work_split``)."""
     count = tl.load(page_counts + b * stride_cb + head * stride_ch)
     floor = chunk_floor
-    if count <= short_pages:  # only where the floor binds; n * rows <= (C - 1) * T: no overflow
+    if count <= short_pages:  # only where the floor binds: n * rows <= (C - 1) * T, so
+        # cdiv's n * rows + T - 1 <= C * T - 1 fits int32 (MoiraConfig: C * T < 2**31)
         floor = tl.maximum(2, tl.cdiv(count * step_rows, step_programs))
     chunk = tl.maximum(floor, tl.cdiv(count, chunks_per_row))
     if EVEN:
@@ -80,6 +81,7 @@ def short_row_pages(chunk_floor, step_rows, step_programs):
     -1 when it is off. Kernels test a row against it before any arithmetic of the floor."""
     if not step_programs or chunk_floor <= 2:
         return -1
+    assert chunk_floor * step_programs < 2**31, "the floor is planned in int32: lower T or C"
     return (chunk_floor - 1) * step_programs // step_rows
 
 
