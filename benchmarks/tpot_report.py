@@ -121,18 +121,18 @@ def pairs_table(pair_runs):
     """Interleaved pairs (issue 5: dense, Moira, dense, Moira engines one after another): one
     ``load`` result per pair; per (model, shape) each pair's speedup and their mean, the
     protocol of the paper's Table 3 (its pairs' speedups differ by at most 0.13)."""
-    cells, fused, strict = {}, {}, {}
+    cells, fused, cells_099 = {}, {}, {}
     for runs in pair_runs:
         for row in table(runs)[1]:
             speedup = row["g0.98"]["speedup"]
             if speedup:
                 cells.setdefault((row["model"], row["shape"]), []).append(
                     (row["dense_ms"], row["g0.98"]["ms"], speedup, row["g0.98"]["paper"]))
-            # Table 7's reads (γ = 0.99) where the pair ran them: a column each pair keeps
-            # its place in ("–" without the run)
-            loose = row["g0.99"]
-            strict.setdefault((row["model"], row["shape"]), []).append(
-                (loose["ms"], loose["speedup"], loose["paper"]) if loose["speedup"] else None)
+            # Moira at Table 7's reads (γ = 0.99) where the pair ran it; a pair without the
+            # run keeps its place ("–")
+            at_099 = row["g0.99"]
+            cells_099.setdefault((row["model"], row["shape"]), []).append(
+                (at_099["ms"], at_099["speedup"], at_099["paper"]) if at_099["speedup"] else None)
             variant = runs.get((row["model"], "fsel"))  # Estimate + Select in one launch
             ms = tpot_by_shape(variant).get(row["shape"]) if variant else None
             # a pair without the run keeps its place ("–"), so each value names its pair
@@ -141,8 +141,8 @@ def pairs_table(pair_runs):
     lines = ["| model | shape | dense FA3 (ms) | Moira γ=0.98 (ms) | speedup per pair | "
              "mean speedup | paper |", "|---|---|---|---|---|---|---|"]
     fused = {key: pairs for key, pairs in fused.items() if any(pairs)}
-    strict = {key: pairs for key, pairs in strict.items() if any(pairs)}
-    if strict:
+    cells_099 = {key: pairs for key, pairs in cells_099.items() if any(pairs)}
+    if cells_099:
         lines[0] += " Moira γ=0.99 (ms) | speedup per pair | mean | paper (Table 7) |"
         lines[1] += "---|---|---|---|"
     if fused:
@@ -157,8 +157,8 @@ def pairs_table(pair_runs):
                 + " / ".join(f"{speedup:.2f}×" for _, _, speedup, _ in pairs) + " | "
                 + f"**{statistics.mean(p[2] for p in pairs):.2f}×** | "
                 + (f"{paper:.2f}×" if paper else "–") + " |")
-        if strict:
-            mine = strict.get((model, shape), [])
+        if cells_099:
+            mine = cells_099.get((model, shape), [])
             present = [x for x in mine if x is not None]
             paper = next((x[2] for x in present if x[2]), None)
             line += " " + (" / ".join("–" if x is None else f"{x[0]:.2f}" for x in mine)
