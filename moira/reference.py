@@ -272,9 +272,9 @@ def imposed_fractions(seq_lens, log_tokens, tables):
     knots = tables.shape[0]
     upper = torch.searchsorted(log_tokens, x).clamp(min=1).clamp(max=knots - 1)
     lower = (upper - 1).clamp(min=0)
-    span = log_tokens[upper] - log_tokens[lower]
-    alpha = torch.where(upper > lower, (x - log_tokens[lower]) / torch.where(
-        span > 0, span, torch.ones_like(span)), torch.zeros_like(x)).clamp(0, 1)[:, None, None]
+    span = log_tokens[upper] - log_tokens[lower]  # 0 only with a single knot: alpha 0
+    alpha = ((x - log_tokens[lower]) / torch.where(span > 0, span, 1.0)).clamp(0, 1)
+    alpha = torch.where(span > 0, alpha, 0.0)[:, None, None]
     fractions = tables[lower] * (1 - alpha) + tables[upper] * alpha
     return fractions.permute(1, 0, 2)
 

@@ -68,8 +68,9 @@ MVAR_DOT_PRECISION = "tf32x3"
 # guess that the program has one tile, (block - 2) (its row has no more tiles than mvar
 # programs: every row at 131k x 4, where Estimate is furthest from its target); otherwise the
 # loop. Why: each program's chain is three dependent loads (length, block table, summaries),
-# ~4 waves of them at 131k x 4, and this takes the first link out. Off until timed
-# (benchmarks/NOTES.md, session 14: predicted 2-4 us of 16.8 at 131k x 4)
+# ~4 waves of them at 131k x 4, and this takes the first link out. Off: timed in session 15
+# 16.26 against 16.73 us at 128k x 4 and 15.89 against 16.31 at 8k x 32 (predicted 2-4 us
+# less at 128k x 4; the rule set before asked for 1.5; benchmarks/NOTES.md)
 PREFETCH_TABLE = False
 
 
