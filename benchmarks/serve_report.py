@@ -8,7 +8,7 @@ The folder holds ``serve-<arm>-<set>-<concurrency>[-<anything>].json`` (``serve_
 Slices of one set run apart (``serve_bench.py --offset K --limit N``, same arm, concurrency and
 output length) are pooled into one row: requests and tokens added, throughput = all tokens /
 all slices' wall time, medians over all requests' records. Writes ``<folder>.png`` and, with
-``--readme``, the README's ``serve`` section.
+``--readme``, the README's ``serve`` section (``--section`` another).
 """
 
 import argparse
@@ -129,6 +129,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("folder")
     parser.add_argument("--readme")
+    parser.add_argument("--section", default="serve", help="the README section to replace")
     args = parser.parse_args()
     runs = load(args.folder)
     text = table(runs)
@@ -146,7 +147,7 @@ def main():
                 "the streamed tokens' times. Random (dummy) weights: Moira reads the paper's "
                 "γ = 0.98 fractions per context, imposed, not chosen by the rule. Plot: "
                 f"`{source}.png`.")
-        write_section(args.readme, "serve", text + "\n\n" + note)
+        write_section(args.readme, args.section, text + "\n\n" + note)
 
 
 if __name__ == "__main__":

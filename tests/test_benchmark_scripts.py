@@ -591,3 +591,24 @@ def test_split_report_applies_the_batch_1_rule_to_the_mean_of_the_runs(tmp_path)
     table, chosen, verdict = bench_single.split_report([str(tmp_path / "d.json")])
     assert "| 32, default, T = 128 | 15.60 (15.60) `split_t128` | **19.00" in table
     assert chosen is None and verdict.endswith("faster at batch 1: (32, None, 128), (32, 16)")
+
+
+def test_serve_report_writes_the_section_it_is_given_and_leaves_the_others(tmp_path, monkeypatch):
+    import json
+
+    report = load("serve_report")
+    run = dict(label="dense", set="B", concurrency=8, requests=2, completed=2, output_tokens=8,
+               output_tokens_per_s=10.0, median_tpot_ms=50.0, median_ttft_s=9.0, wall_s=1.6,
+               date="2026-11-30 21:30:00", gpu="NVIDIA H200")
+    folder = tmp_path / "serve-b8"
+    folder.mkdir()
+    (folder / "serve-dense-B-8.json").write_text(json.dumps(run))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- serve:begin -->\nset A\n<!-- serve:end -->\n"
+                      "<!-- serve-b8:begin -->\n<!-- serve-b8:end -->\n")
+    monkeypatch.setattr(sys, "argv", ["serve_report.py", str(folder), "--readme", str(readme),
+                                      "--section", "serve-b8"])
+    report.main()
+    text = readme.read_text()
+    assert "<!-- serve:begin -->\nset A\n<!-- serve:end -->" in text
+    assert "| B | 8 | 2 × 8 | dense FA3 | 2/2 | 10.0 |" in text.split("serve-b8:begin")[1]

@@ -130,8 +130,9 @@ def test_imposed_fractions_follow_the_context_length():
         None, {"MOIRA_IMPOSED_FRACTION": "131072:0.15,8192:0.42"})
     assert settings.imposed_knots == ((8192, 0.42), (131072, 0.15))
     imposed = ImposedFractions(settings.imposed_knots, num_layers=4, num_kv_heads=8,
-                               max_batch=6, device="cpu")
-    seq_lens = torch.tensor([4096, 8192, 32768, 131072, 500000], dtype=torch.int32)
+                               max_batch=6, device=DEVICE)
+    seq_lens = torch.tensor([4096, 8192, 32768, 131072, 500000], dtype=torch.int32,
+                            device=DEVICE)
     fractions = imposed.fill(seq_lens)
     assert fractions.shape == (4, 5, 8)
     means = fractions.mean(dim=(0, 2))
