@@ -109,10 +109,9 @@ def kernels(group, head_dim, block, pdl=False):
     tag = f"G={group} D={head_dim}" + (" PDL" if pdl else "")
     decode_step = [
         (f"estimate {tag}", estimate._estimate_kernel,
-         dict(GROUP=group, GROUP_PAD=group_pad, GROUP_DOT=max(16, group_pad),
+         dict(GROUP=group, GROUP_DOT=estimate.exact_columns(group, estimate.EXACT_PAGES),
               HEAD_DIM=head_dim, PAGE=PAGE, BLOCK_P=estimate.PAGES_PER_PROGRAM,
-              TILE_STAGES=estimate.TILE_STAGES, SIDE_BY_SIDE=estimate.EXACT_HEADS_SIDE_BY_SIDE,
-              MVAR_DOT=estimate.MVAR_DOT, DOT_PRECISION=estimate.MVAR_DOT_PRECISION,
+              TILE_STAGES=estimate.TILE_STAGES, EXACT=estimate.EXACT_PAGES,
               PREFETCH=estimate.PREFETCH_TABLE, PDL=pdl),
          estimate.NUM_WARPS, 3),
         *[(f"select {mode} {tag} lanes={block}", select._select_kernel,
@@ -151,14 +150,17 @@ def main():
     spilled = [name for group, head_dim, block, pdl in geometries
                for name, kernel, constexprs, warps, stages in kernels(group, head_dim, block, pdl)
                if build(name, kernel, constexprs, warps, stages)]
-    # the options in tune_kernels.py's sweeps: Estimate's mvar on the tensor cores and its
-    # prefetched block table, and
+    # the options in tune_kernels.py's sweeps: Estimate's exact pages in one tile (both forms,
+    # at G = 4 and 8) and its prefetched block table, and
     # Attend with FA3's loop order and normalizer (what vllm_checks.py --fa3-arithmetic runs)
+    for group in (GROUP, 8):
+        for name, kernel, constexprs, warps, stages in kernels(group, HEAD_DIM, 2048):
+            for exact in ("side by side", "product") if name.startswith("estimate") else ():
+                if build(f"{name} exact {exact}", kernel, dict(
+                        constexprs, EXACT=exact, GROUP_DOT=estimate.exact_columns(group, exact)),
+                        warps, stages):
+                    spilled.append(f"{name} exact {exact}")
     for name, kernel, constexprs, warps, stages in kernels(GROUP, HEAD_DIM, 2048):
-        for precision in ("tf32x3", "tf32", "ieee") if name.startswith("estimate") else ():
-            if build(f"{name} mvar dot {precision}", kernel, dict(
-                    constexprs, MVAR_DOT=True, DOT_PRECISION=precision), warps, stages):
-                spilled.append(f"{name} mvar dot {precision}")
         if name.startswith("estimate") and build(f"{name} prefetched table", kernel, dict(
                 constexprs, PREFETCH=True), warps, stages):
             spilled.append(f"{name} prefetched table")

@@ -72,8 +72,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer variants")
     parser.add_argument("--kinds", default="estimate,select,attend,step",
-                        help="comma-separated subset of estimate,select,attend,tiles,balanced,"
-                             "fractions,step,wide")
+                        help="comma-separated subset of estimate,exact (Estimate's exact-page "
+                             "forms alone),select,attend,tiles,balanced,fractions,step,wide")
     parser.add_argument("--shapes", default="",
                         help="comma-separated subset of 8k32,32k16,64k8,128k4 (default: all)")
     parser.add_argument("--table-pages", type=int, default=2048,
@@ -139,16 +139,11 @@ def main():
         for prefetch in [False, True, False, True] if "estimate" in kinds else []:
             time_estimate(f"block table {'prefetched' if prefetch else 'after the length'}",
                           PREFETCH_TABLE=prefetch)
-        # the exact pages' heads side by side or head by head (the default)
-        for side_by_side in [True, False] if "estimate" in kinds else []:
-            time_estimate(f"exact heads {'side by side' if side_by_side else 'chained'}",
-                          EXACT_HEADS_SIDE_BY_SIDE=side_by_side)
-        # the middle pages' mvar as two matrix products, at each input precision, 4 and 8 warps
-        for precision, warps in itertools.product(
-                ["row sums", "tf32x3", "tf32", "ieee"] if "estimate" in kinds else [], [4, 8]):
-            time_estimate(f"mvar {precision} warps={warps}", NUM_WARPS=warps,
-                          MVAR_DOT=precision != "row sums",
-                          MVAR_DOT_PRECISION=precision if precision != "row sums" else "tf32x3")
+        # the exact pages' heads: chained (the default), side by side, or one tensor-core
+        # product (estimate.EXACT_PAGES), twice each in alternation
+        for exact in ["chained", "side by side", "product"] * 2 \
+                if kinds & {"estimate", "exact"} else []:
+            time_estimate(f"exact pages {exact}", EXACT_PAGES=exact)
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)

@@ -96,29 +96,21 @@ def test_estimate_bf16_summaries():
 @pytest.mark.parametrize("group", [1, 4, 7, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("lengths", list(SEQ_LENS))
-def test_exact_pages_with_heads_side_by_side(monkeypatch, group, head_dim, lengths):
-    """The [64, G] tile form of the sink's and current page's log-sum-exps (a tuning option)
-    against the reference, for every G including padded ones (7 -> 8), one-token rows and
-    pages with one valid token."""
-    from moira.kernels import estimate as estimate_module
-
-    monkeypatch.setattr(estimate_module, "EXACT_HEADS_SIDE_BY_SIDE", True)
+@pytest.mark.parametrize("exact", ["side by side", "product"])
+def test_exact_pages_in_one_tile(monkeypatch, group, head_dim, lengths, exact):
+    """The [64, G] tile forms of the sink's and current page's log-sum-exps (tuning options:
+    a row sum per head, or one tensor-core product with G padded to 16) against the
+    reference, for every G including padded ones (7 -> 8 or 16), one-token rows and pages
+    with one valid token."""
+    monkeypatch.setattr(estimate_module, "EXACT_PAGES", exact)
     test_estimate_matches_reference(group, head_dim, lengths)
 
 
-@pytest.mark.parametrize("group", [1, 4, 7, 8])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("lengths", ["mixed", "two-pages-partial"])
-@pytest.mark.parametrize("precision", ["tf32x3", "ieee", "tf32"])
-def test_mvar_as_matrix_products(monkeypatch, group, head_dim, lengths, precision):
-    """The middle pages' mvar as [pages, D] @ [D, G padded to 16] products (a tuning option)
-    against the reference, padded groups (7 -> 16) and a row spanning two programs included.
-    One tf32 product rounds the scaled query to 10 mantissa bits (2^-11 relative per term):
-    its tolerance is that error over D terms of this test's sizes."""
-    monkeypatch.setattr(estimate_module, "MVAR_DOT", True)
-    monkeypatch.setattr(estimate_module, "MVAR_DOT_PRECISION", precision)
-    tolerance = dict(rtol=2e-3, atol=2e-3) if precision == "tf32" else {}
-    test_estimate_matches_reference(group, head_dim, lengths, **tolerance)
+def test_exact_tile_columns():
+    assert [estimate_module.exact_columns(g, "product") for g in (1, 4, 7, 8, 32)] == \
+        [16, 16, 16, 16, 32]
+    assert [estimate_module.exact_columns(g, "side by side") for g in (1, 4, 7, 8)] == \
+        [1, 4, 8, 8]
 
 
 @pytest.mark.parametrize("group", [1, 4, 7])

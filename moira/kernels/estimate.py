@@ -46,24 +46,24 @@ MAX_TILES_PER_PROGRAM = 8
 # for the previous tile's stores; more only matter where programs hold several tiles, i.e.
 # with TARGET_PROGRAMS below the table's tiles over the batch)
 TILE_STAGES = 1
-# the sink's and the current page's exact log-masses: True computes the G heads' log-sum-exps
-# over the page's tokens side by side in one [64, G] tile (two reductions across the program
-# for all heads: 41 barriers in the sm_90 build instead of 57 at G = 4, as Select's softmaxes
-# side by side were 19-48% faster), False head by head (two each, in a chain: the timed form).
-# Off until timed: it costs registers (118 -> 127 at G = 4, still 4 blocks per SM; 128 -> 155
-# at G = 8, 3 blocks)
-EXACT_HEADS_SIDE_BY_SIDE = False
-# the middle pages' mvar as two matrix products, [pages, D] @ [D, G] for the means and the
-# variances (G padded to 16), instead of G row-wise multiply-adds and cross-thread sums per
-# tile. Why: Estimate sits at 41-44% of the SMs' issue rate and 27-35% of DRAM bandwidth (ncu,
-# session 9), a chain of reductions per head. MVAR_DOT_PRECISION is tl.dot's input precision:
-# "tf32x3" (three tf32 products: float32's accuracy; the bf16 summaries are exact in tf32, but
-# the sm_90 build takes 255 registers), "tf32" (one product: the scaled query rounded to 10
-# mantissa bits, ~5e-4 relative per term; 115 registers) or "ieee" (float32 on the FMA units;
-# 113 registers, 48 KB of shared memory). Off: timed slower on the H200 (session 10, 128k x 4:
-# row sums 16.9 us, tf32 19.1, tf32x3 43.4, ieee 162; G = 4 is padded to 16 columns)
-MVAR_DOT = False
-MVAR_DOT_PRECISION = "tf32x3"
+# how the sink's and the current page's exact log-masses are computed (G heads over the
+# page's 64 tokens):
+# - "chained" (the timed default): head by head, a row sum over D, then the head's
+#   log-sum-exp (two reductions across the program), each head after the other;
+# - "side by side": the G heads' logits in one [64, G] tile, then one pair of reductions for
+#   all heads (41 barriers in the sm_90 build instead of 57 at G = 4; registers 118 -> 127 at
+#   G = 4, 128 -> 155 at G = 8). Timed (sessions 9-10): 15.3 against 16.3 us at 8k x 32,
+#   16.6 against 16.9 at 128k x 4, equal at 32k x 16, below the 10% bar set before;
+# - "product": the [64, G] logits as one tensor-core product, keys [64, D] @ queries [D, G]
+#   (G padded to 16, both in the cache's dtype, whose products float32 holds exactly, summed
+#   in float32), scaled after, then one pair of reductions. Why: Estimate's time barely
+#   follows its bytes (17-21 us for 17-34 MB) but follows its rows: 21.0 / 19.6 / 18.8 us at
+#   32k x 16 / 64k x 8 / 131k x 4 (256 / 128 / 64 exact programs, the same summary bytes and
+#   mvar grid), so the exact programs' chains of reductions look like the part to shorten.
+#   Untimed (sm_90: 104 registers, 35 barriers against the default's 118 and 57).
+# (The middle pages' mvar as two such products, G padded to 16, was timed slower in session
+# 10, 19.1 to 162 us against 16.9 at 128k x 4 depending on the precision, and removed.)
+EXACT_PAGES = "chained"
 # a program's first tile's block-table entries loaded at once, beside the row's length, on the
 # guess that the program has one tile, (block - 2) (its row has no more tiles than mvar
 # programs: every row at 131k x 4, where Estimate is furthest from its target); otherwise the
@@ -72,6 +72,13 @@ MVAR_DOT_PRECISION = "tf32x3"
 # 16.26 against 16.73 us at 128k x 4 and 15.89 against 16.31 at 8k x 32 (predicted 2-4 us
 # less at 128k x 4; the rule set before asked for 1.5; benchmarks/NOTES.md)
 PREFETCH_TABLE = False
+
+
+def exact_columns(group, exact):
+    """Width of the exact pages' ``[64, columns]`` tile of logits: G rounded up to a power of
+    two, and to 16 for the tensor-core product (``EXACT_PAGES``)."""
+    columns = triton.next_power_of_2(group)
+    return max(16, columns) if exact == "product" else columns
 
 
 def programs_per_row(rows, max_pages):
@@ -90,31 +97,22 @@ def _log_sum_exp(logits):
 
 
 @triton.jit
-def _mvar_tile(query_row, summaries, dst, physical, pages, middle, head, scale, scaled,
-               halved_squares, stride_qh, stride_qd, stride_sp, stride_sh, stride_ss,
-               stride_sd, stride_lg, GROUP: tl.constexpr, GROUP_DOT: tl.constexpr,
-               HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, MVAR_DOT: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+def _mvar_tile(query_row, summaries, dst, physical, pages, middle, head, scale, stride_qh,
+               stride_qd, stride_sp, stride_sh, stride_ss, stride_sd, stride_lg,
+               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
     """mvar of the ``middle`` pages among ``pages`` (their physical ids ``physical``) for
-    every head of the group, stored at ``dst[g, page]`` (``MVAR_DOT``: from the group's
-    scaled queries ``scaled`` and their halved squares, ``[D, GROUP_DOT]``)."""
+    every head of the group, stored at ``dst[g, page]``: G is small, so plain FMAs and a row
+    sum per head."""
     dims = tl.arange(0, HEAD_DIM)
     src = summaries + physical.to(tl.int64)[:, None] * stride_sp + head * stride_sh \
         + dims[None, :] * stride_sd
     mean = tl.load(src, mask=middle[:, None], other=0.0).to(tl.float32)
     var = tl.load(src + stride_ss, mask=middle[:, None], other=0.0).to(tl.float32)
-    if MVAR_DOT:
-        columns = tl.arange(0, GROUP_DOT)
-        est = tl.dot(mean, scaled, input_precision=DOT_PRECISION) \
-            + tl.dot(var, halved_squares, input_precision=DOT_PRECISION) + math.log(PAGE)
-        tl.store(dst + columns[None, :] * stride_lg + pages[:, None], est,
-                 mask=middle[:, None] & (columns[None, :] < GROUP))
-    else:  # G is small: plain FMAs and a row sum per head
-        for g in tl.static_range(GROUP):
-            q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
-            est = tl.sum(mean * q_g[None, :] + var * (0.5 * q_g * q_g)[None, :], axis=1) \
-                + math.log(PAGE)
-            tl.store(dst + g * stride_lg + pages, est, mask=middle)
+    for g in tl.static_range(GROUP):
+        q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
+        est = tl.sum(mean * q_g[None, :] + var * (0.5 * q_g * q_g)[None, :], axis=1) \
+            + math.log(PAGE)
+        tl.store(dst + g * stride_lg + pages, est, mask=middle)
 
 
 @triton.jit(do_not_specialize=["mvar_programs"])  # one build for every batch size
@@ -124,11 +122,10 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
                      stride_sp, stride_sh, stride_ss, stride_sd,
                      stride_bt, stride_lr, stride_lg,
                      num_kv_heads, max_pages, scale, dense_below_pages, mvar_programs,
-                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_DOT: tl.constexpr,
+                     GROUP: tl.constexpr, GROUP_DOT: tl.constexpr,
                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
-                     TILE_STAGES: tl.constexpr, SIDE_BY_SIDE: tl.constexpr,
-                     MVAR_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                     TILE_STAGES: tl.constexpr, EXACT: tl.constexpr, PREFETCH: tl.constexpr,
+                     PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     block = tl.program_id(1)
@@ -167,33 +164,37 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
         physical = tl.load(row_table + page).to(tl.int64)
         keys = tl.load(key_cache + physical * stride_kp + head * stride_kh
                        + tokens[:, None] * stride_kt + dims[None, :] * stride_kd,
-                       mask=valid[:, None], other=0.0).to(tl.float32)
-        heads = tl.arange(0, GROUP_PAD)
-        tile = tl.zeros([PAGE, GROUP_PAD], dtype=tl.float32)  # SIDE_BY_SIDE: every head's
-        for g in tl.static_range(GROUP):
-            q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
-            logits = tl.sum(keys * q_g[None, :], axis=1)
-            if SIDE_BY_SIDE:
-                tile = tl.where(heads[None, :] == g, logits[:, None], tile)
-            else:
-                logits = tl.where(valid, logits, float("-inf"))
+                       mask=valid[:, None], other=0.0)
+        if EXACT == "chained":
+            keys = keys.to(tl.float32)
+            for g in tl.static_range(GROUP):
+                q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) \
+                    * scale
+                logits = tl.where(valid, tl.sum(keys * q_g[None, :], axis=1), float("-inf"))
                 tl.store(dst + g * stride_lg + page, _log_sum_exp(logits))
-        if SIDE_BY_SIDE:
-            # a page has a valid token (page <= last): every real head's peak is finite
+        else:  # the G heads' logits side by side in one [64, GROUP_DOT] tile
+            heads = tl.arange(0, GROUP_DOT)
+            if EXACT == "product":  # one product in the cache's dtype, float32 sums
+                queries = tl.load(query_row + heads[None, :] * stride_qh
+                                  + dims[:, None] * stride_qd,
+                                  mask=heads[None, :] < GROUP, other=0.0)
+                tile = tl.dot(keys, queries) * scale
+            else:  # "side by side": a row sum per head, gathered into the tile
+                keys = keys.to(tl.float32)
+                tile = tl.zeros([PAGE, GROUP_DOT], dtype=tl.float32)
+                for g in tl.static_range(GROUP):
+                    q_g = tl.load(query_row + g * stride_qh + dims * stride_qd) \
+                        .to(tl.float32) * scale
+                    logits = tl.sum(keys * q_g[None, :], axis=1)
+                    tile = tl.where(heads[None, :] == g, logits[:, None], tile)
+            # a page has a valid token (page <= last): every head's peak is finite (padded
+            # heads' logits are 0 and not stored)
             tile = tl.where(valid[:, None], tile, float("-inf"))
             peak = tl.max(tile, axis=0)
             lse = peak + tl.log(tl.sum(tl.exp(tile - peak[None, :]), axis=0))
             tl.store(dst + heads * stride_lg + page, lse, mask=heads < GROUP)
         return
 
-    if MVAR_DOT:  # the group's scaled queries as the columns of [D, 16 or more]
-        columns = tl.arange(0, GROUP_DOT)
-        scaled = tl.load(query_row + columns[None, :] * stride_qh + dims[:, None] * stride_qd,
-                         mask=columns[None, :] < GROUP, other=0.0).to(tl.float32) * scale
-        halved_squares = 0.5 * scaled * scaled
-    else:  # unused
-        scaled = scale
-        halved_squares = scale
     # this program's tiles of the row: an even share of the row's own tiles
     tiles = tl.cdiv(pages_in_row, BLOCK_P)
     share = tl.cdiv(tiles, mvar_programs)
@@ -202,9 +203,8 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
         if first_tile < tiles:
             middle = (guess_pages > 0) & (guess_pages < last)  # full pages, summarized
             _mvar_tile(query_row, summaries, dst, tl.where(middle, guess_physical, 0),
-                       guess_pages, middle, head, scale, scaled, halved_squares, stride_qh,
-                       stride_qd, stride_sp, stride_sh, stride_ss, stride_sd, stride_lg, GROUP,
-                       GROUP_DOT, HEAD_DIM, PAGE, MVAR_DOT, DOT_PRECISION)
+                       guess_pages, middle, head, scale, stride_qh, stride_qd, stride_sp,
+                       stride_sh, stride_ss, stride_sd, stride_lg, GROUP, HEAD_DIM, PAGE)
     else:
         for tile in tl.range(first_tile, tl.minimum(first_tile + share, tiles),
                              num_stages=TILE_STAGES):
@@ -212,9 +212,8 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
             middle = (pages > 0) & (pages < last)  # full pages, summarized
             physical = tl.load(row_table + pages, mask=middle, other=0)
             _mvar_tile(query_row, summaries, dst, physical, pages, middle, head, scale,
-                       scaled, halved_squares, stride_qh, stride_qd, stride_sp, stride_sh,
-                       stride_ss, stride_sd, stride_lg, GROUP, GROUP_DOT, HEAD_DIM, PAGE,
-                       MVAR_DOT, DOT_PRECISION)
+                       stride_qh, stride_qd, stride_sp, stride_sh, stride_ss, stride_sd,
+                       stride_lg, GROUP, HEAD_DIM, PAGE)
 
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
@@ -235,11 +234,9 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         *query.stride(), *key_cache.stride(), *summaries.stride(),
         block_table.stride(0), log_masses.stride(0), log_masses.stride(1),
         num_kv_heads, max_pages, scale, dense_below_pages, per_row,
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
-        GROUP_DOT=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=PAGE_SIZE,
-        BLOCK_P=PAGES_PER_PROGRAM, TILE_STAGES=TILE_STAGES,
-        SIDE_BY_SIDE=EXACT_HEADS_SIDE_BY_SIDE, MVAR_DOT=MVAR_DOT,
-        DOT_PRECISION=MVAR_DOT_PRECISION, PREFETCH=PREFETCH_TABLE, num_warps=NUM_WARPS,
+        GROUP=group, GROUP_DOT=exact_columns(group, EXACT_PAGES), HEAD_DIM=head_dim,
+        PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM, TILE_STAGES=TILE_STAGES, EXACT=EXACT_PAGES,
+        PREFETCH=PREFETCH_TABLE, num_warps=NUM_WARPS,
         **launch.options(programmatic_launch, "estimate"),
     )
     return log_masses
