@@ -106,6 +106,16 @@ def test_exact_pages_in_one_tile(monkeypatch, group, head_dim, lengths, exact):
     test_estimate_matches_reference(group, head_dim, lengths)
 
 
+def test_an_unknown_exact_form_is_refused(monkeypatch):
+    monkeypatch.setattr(estimate_module, "EXACT_PAGES", "sidebyside")
+    keys, _ = make_cache(4, 1, 64)
+    table, seq_lens = make_table([100], 4)
+    log_masses = poisoned(1, 1, table.shape[1], dtype=torch.float32)
+    with pytest.raises(ValueError, match="EXACT_PAGES"):
+        estimate(make_query(1, 1, 64), keys, torch.zeros(4, 1, 2, 64, device=DEVICE), table,
+                 seq_lens, 0.125, log_masses)
+
+
 def test_exact_tile_columns():
     assert [estimate_module.exact_columns(g, "product") for g in (1, 4, 7, 8, 32)] == \
         [16, 16, 16, 16, 32]

@@ -57,13 +57,15 @@ TILE_STAGES = 1
 # - "product": the [64, G] logits as one tensor-core product, keys [64, D] @ queries [D, G]
 #   (G padded to 16, both in the cache's dtype, whose products float32 holds exactly, summed
 #   in float32), scaled after, then one pair of reductions. Why: Estimate's time barely
-#   follows its bytes (17-21 us for 17-34 MB) but follows its rows: 21.0 / 19.6 / 18.8 us at
-#   32k x 16 / 64k x 8 / 131k x 4 (256 / 128 / 64 exact programs, the same summary bytes and
-#   mvar grid), so the exact programs' chains of reductions look like the part to shorten.
-#   Untimed (sm_90: 104 registers, 35 barriers against the default's 118 and 57).
+#   follows its bytes (17-21 us for 17-34 MB); at 32k x 16 / 64k x 8 / 131k x 4 (the same
+#   summary bytes and mvar grid) it takes 21.0 / 19.6 / 18.8 us with 256 / 128 / 64 exact
+#   programs, so their chains of reductions may be a part to shorten (a hypothesis: the mvar
+#   programs per row change with them). Untimed (sm_90: 104 registers, 35 barriers against
+#   the default's 118 and 57).
 # (The middle pages' mvar as two such products, G padded to 16, was timed slower in session
 # 10, 19.1 to 162 us against 16.9 at 128k x 4 depending on the precision, and removed.)
 EXACT_PAGES = "chained"
+EXACT_FORMS = ("chained", "side by side", "product")
 # a program's first tile's block-table entries loaded at once, beside the row's length, on the
 # guess that the program has one tile, (block - 2) (its row has no more tiles than mvar
 # programs: every row at 131k x 4, where Estimate is furthest from its target); otherwise the
@@ -221,6 +223,8 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     """Fill ``log_masses`` ``[batch * num_kv_heads, G, >= max_pages]`` float32 (pages past a
     row's end, and rows of at most ``dense_below_pages`` pages, are not written), and write
     ``summaries`` of every row's current page that is full."""
+    if EXACT_PAGES not in EXACT_FORMS:
+        raise ValueError(f"estimate.EXACT_PAGES is {EXACT_PAGES!r}: use one of {EXACT_FORMS}")
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
