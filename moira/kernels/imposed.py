@@ -5,8 +5,9 @@ knots ``(log_tokens[k], tables[k])`` and clamped outside them (``reference.impos
 One program per row writes ``fractions[:, row, :]``. Why a kernel: the plugin fills these
 before every decode step, outside the captured graph, and the same arithmetic as PyTorch ops
 put ~18 small kernels on the GPU's stream per step (session 15; predicted ~2 us each, ~0.7%
-of a 5 ms step, not yet timed), a cost of the timing harness that neither dense vLLM nor
-Moira's coverage mode pays; this is one launch.
+of a 5 ms step), a cost of the timing harness that neither dense vLLM nor Moira's coverage
+mode pays; this is one launch. Session 16's TPOT pairs showed no effect of it beyond the
+host-to-host spread (~1 point at batch 1; benchmarks/NOTES.md).
 """
 
 import triton
