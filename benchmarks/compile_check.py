@@ -109,7 +109,7 @@ def kernels(group, head_dim, block, pdl=False):
     tag = f"G={group} D={head_dim}" + (" PDL" if pdl else "")
     decode_step = [
         (f"estimate {tag}", estimate._estimate_kernel,
-         dict(GROUP=group, GROUP_DOT=estimate.exact_columns(group, estimate.EXACT_PAGES),
+         dict(GROUP=group, GROUP_DOT=group_pad,
               HEAD_DIM=head_dim, PAGE=PAGE, BLOCK_P=estimate.PAGES_PER_PROGRAM,
               TILE_STAGES=estimate.TILE_STAGES, EXACT=estimate.EXACT_PAGES,
               PREFETCH=estimate.PREFETCH_TABLE, PDL=pdl),
@@ -150,16 +150,15 @@ def main():
     spilled = [name for group, head_dim, block, pdl in geometries
                for name, kernel, constexprs, warps, stages in kernels(group, head_dim, block, pdl)
                if build(name, kernel, constexprs, warps, stages)]
-    # the options in tune_kernels.py's sweeps: Estimate's exact pages in one tile (both forms,
-    # at G = 4 and 8) and its prefetched block table, and
+    # the options in tune_kernels.py's sweeps: Estimate's exact pages in one tile (at G = 4
+    # and 8) and its prefetched block table, and
     # Attend with FA3's loop order and normalizer (what vllm_checks.py --fa3-arithmetic runs)
     for group in (GROUP, 8):
         for name, kernel, constexprs, warps, stages in kernels(group, HEAD_DIM, 2048):
-            for exact in ("side by side", "product") if name.startswith("estimate") else ():
-                if build(f"{name} exact {exact}", kernel, dict(
-                        constexprs, EXACT=exact, GROUP_DOT=estimate.exact_columns(group, exact)),
-                        warps, stages):
-                    spilled.append(f"{name} exact {exact}")
+            if name.startswith("estimate") and build(
+                    f"{name} exact side by side", kernel,
+                    dict(constexprs, EXACT="side by side"), warps, stages):
+                spilled.append(f"{name} exact side by side")
     for name, kernel, constexprs, warps, stages in kernels(GROUP, HEAD_DIM, 2048):
         if name.startswith("estimate") and build(f"{name} prefetched table", kernel, dict(
                 constexprs, PREFETCH=True), warps, stages):

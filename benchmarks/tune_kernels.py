@@ -139,9 +139,9 @@ def main():
         for prefetch in [False, True, False, True] if "estimate" in kinds else []:
             time_estimate(f"block table {'prefetched' if prefetch else 'after the length'}",
                           PREFETCH_TABLE=prefetch)
-        # the exact pages' heads: chained (the default), side by side, or one tensor-core
-        # product (estimate.EXACT_PAGES), twice each in alternation
-        for exact in ["chained", "side by side", "product"] * 2 \
+        # the exact pages' heads: chained (the default) or side by side
+        # (estimate.EXACT_PAGES), twice each in alternation
+        for exact in ["chained", "side by side"] * 2 \
                 if kinds & {"estimate", "exact"} else []:
             time_estimate(f"exact pages {exact}", EXACT_PAGES=exact)
 

@@ -425,7 +425,7 @@ def test_serve_slices_are_the_whole_runs_prompts_and_pool_into_one_row(tmp_path)
                     requests=len(records), completed=len(records), wall_s=wall,
                     output_tokens_per_s=100 * len(records) / wall, median_tpot_ms=0.0,
                     median_ttft_s=1.0, per_request=records, command=f"slice {offset}",
-                    date="2026-11-30 08:00:00")
+                    date="2026-11-30 23:00:00" if offset == 0 else "2026-12-01 00:20:00")
 
     for label, tpots, wall in (("dense", (30.0, 31.0), 10.0), ("moira", (20.0, 21.0), 8.0)):
         (tmp_path / f"serve-{label}-A-16.json").write_text(
@@ -437,6 +437,8 @@ def test_serve_slices_are_the_whole_runs_prompts_and_pool_into_one_row(tmp_path)
     assert (moira["requests"], moira["slices"], moira["wall_s"]) == (4, 2, 16.0)
     assert moira["output_tokens_per_s"] == 400 / 16.0
     assert moira["median_tpot_ms"] == 21.5  # of 20, 21, 22, 23
+    # slices run on two days: the report's note names both
+    assert report.days([moira]) == ["2026-11-30", "2026-12-01"]
     line = next(line for line in report.table(list(runs.values())).splitlines()
                 if "| Moira |" in line)
     assert "| 4 in 2 slices × 100 |" in line and "**+25.0%**" in line

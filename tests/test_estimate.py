@@ -96,13 +96,11 @@ def test_estimate_bf16_summaries():
 @pytest.mark.parametrize("group", [1, 4, 7, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("lengths", list(SEQ_LENS))
-@pytest.mark.parametrize("exact", ["side by side", "product"])
-def test_exact_pages_in_one_tile(monkeypatch, group, head_dim, lengths, exact):
-    """The [64, G] tile forms of the sink's and current page's log-sum-exps (tuning options:
-    a row sum per head, or one tensor-core product with G padded to 16) against the
-    reference, for every G including padded ones (7 -> 8 or 16), one-token rows and pages
-    with one valid token."""
-    monkeypatch.setattr(estimate_module, "EXACT_PAGES", exact)
+def test_exact_pages_in_one_tile(monkeypatch, group, head_dim, lengths):
+    """The [64, G] tile form of the sink's and current page's log-sum-exps (a tuning option)
+    against the reference, for every G including padded ones (7 -> 8), one-token rows and
+    pages with one valid token."""
+    monkeypatch.setattr(estimate_module, "EXACT_PAGES", "side by side")
     test_estimate_matches_reference(group, head_dim, lengths)
 
 
@@ -114,13 +112,6 @@ def test_an_unknown_exact_form_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="EXACT_PAGES"):
         estimate(make_query(1, 1, 64), keys, torch.zeros(4, 1, 2, 64, device=DEVICE), table,
                  seq_lens, 0.125, log_masses)
-
-
-def test_exact_tile_columns():
-    assert [estimate_module.exact_columns(g, "product") for g in (1, 4, 7, 8, 32)] == \
-        [16, 16, 16, 16, 32]
-    assert [estimate_module.exact_columns(g, "side by side") for g in (1, 4, 7, 8)] == \
-        [1, 4, 8, 8]
 
 
 @pytest.mark.parametrize("group", [1, 4, 7])

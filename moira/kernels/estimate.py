@@ -54,18 +54,14 @@ TILE_STAGES = 1
 #   all heads (41 barriers in the sm_90 build instead of 57 at G = 4; registers 118 -> 127 at
 #   G = 4, 128 -> 155 at G = 8). Timed (sessions 9-10): 15.3 against 16.3 us at 8k x 32,
 #   16.6 against 16.9 at 128k x 4, equal at 32k x 16, below the 10% bar set before;
-# - "product": the [64, G] logits as one tensor-core product, keys [64, D] @ queries [D, G]
-#   (G padded to 16, both in the cache's dtype, whose products float32 holds exactly, summed
-#   in float32), scaled after, then one pair of reductions. Why: Estimate's time barely
-#   follows its bytes (17-21 us for 17-34 MB); at 32k x 16 / 64k x 8 / 131k x 4 (the same
-#   summary bytes and mvar grid) it takes 21.0 / 19.6 / 18.8 us with 256 / 128 / 64 exact
-#   programs, so their chains of reductions may be a part to shorten (a hypothesis: the mvar
-#   programs per row change with them). Untimed (sm_90: 104 registers, 35 barriers against
-#   the default's 118 and 57).
+# ("product", the [64, G] logits as one tensor-core product keys [64, D] @ queries [D, 16]
+# in the cache's dtype, 104 registers and 35 barriers, was timed in session 17: 14.3 against
+# 16.2 us at 8k x 32 but 19.5 against 19.4 at 32k x 16 and 16.6 against 16.9 at 128k x 4,
+# short of the 0.8 us at 8k x 32 and 32k x 16 the rule set before asked for: removed.)
 # (The middle pages' mvar as two such products, G padded to 16, was timed slower in session
 # 10, 19.1 to 162 us against 16.9 at 128k x 4 depending on the precision, and removed.)
 EXACT_PAGES = "chained"
-EXACT_FORMS = ("chained", "side by side", "product")
+EXACT_FORMS = ("chained", "side by side")
 # a program's first tile's block-table entries loaded at once, beside the row's length, on the
 # guess that the program has one tile, (block - 2) (its row has no more tiles than mvar
 # programs: every row at 131k x 4, where Estimate is furthest from its target); otherwise the
@@ -74,13 +70,6 @@ EXACT_FORMS = ("chained", "side by side", "product")
 # 16.26 against 16.73 us at 128k x 4 and 15.89 against 16.31 at 8k x 32 (predicted 2-4 us
 # less at 128k x 4; the rule set before asked for 1.5; benchmarks/NOTES.md)
 PREFETCH_TABLE = False
-
-
-def exact_columns(group, exact):
-    """Width of the exact pages' ``[64, columns]`` tile of logits: G rounded up to a power of
-    two, and to 16 for the tensor-core product (``EXACT_PAGES``)."""
-    columns = triton.next_power_of_2(group)
-    return max(16, columns) if exact == "product" else columns
 
 
 def programs_per_row(rows, max_pages):
@@ -174,21 +163,15 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
                     * scale
                 logits = tl.where(valid, tl.sum(keys * q_g[None, :], axis=1), float("-inf"))
                 tl.store(dst + g * stride_lg + page, _log_sum_exp(logits))
-        else:  # the G heads' logits side by side in one [64, GROUP_DOT] tile
+        else:  # "side by side": the G heads' logits in one [64, GROUP_DOT] tile
             heads = tl.arange(0, GROUP_DOT)
-            if EXACT == "product":  # one product in the cache's dtype, float32 sums
-                queries = tl.load(query_row + heads[None, :] * stride_qh
-                                  + dims[:, None] * stride_qd,
-                                  mask=heads[None, :] < GROUP, other=0.0)
-                tile = tl.dot(keys, queries) * scale
-            else:  # "side by side": a row sum per head, gathered into the tile
-                keys = keys.to(tl.float32)
-                tile = tl.zeros([PAGE, GROUP_DOT], dtype=tl.float32)
-                for g in tl.static_range(GROUP):
-                    q_g = tl.load(query_row + g * stride_qh + dims * stride_qd) \
-                        .to(tl.float32) * scale
-                    logits = tl.sum(keys * q_g[None, :], axis=1)
-                    tile = tl.where(heads[None, :] == g, logits[:, None], tile)
+            keys = keys.to(tl.float32)
+            tile = tl.zeros([PAGE, GROUP_DOT], dtype=tl.float32)
+            for g in tl.static_range(GROUP):
+                q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) \
+                    * scale
+                logits = tl.sum(keys * q_g[None, :], axis=1)
+                tile = tl.where(heads[None, :] == g, logits[:, None], tile)
             # a page has a valid token (page <= last): every head's peak is finite (padded
             # heads' logits are 0 and not stored)
             tile = tl.where(valid[:, None], tile, float("-inf"))
@@ -238,7 +221,7 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         *query.stride(), *key_cache.stride(), *summaries.stride(),
         block_table.stride(0), log_masses.stride(0), log_masses.stride(1),
         num_kv_heads, max_pages, scale, dense_below_pages, per_row,
-        GROUP=group, GROUP_DOT=exact_columns(group, EXACT_PAGES), HEAD_DIM=head_dim,
+        GROUP=group, GROUP_DOT=triton.next_power_of_2(group), HEAD_DIM=head_dim,
         PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM, TILE_STAGES=TILE_STAGES, EXACT=EXACT_PAGES,
         PREFETCH=PREFETCH_TABLE, num_warps=NUM_WARPS,
         **launch.options(programmatic_launch, "estimate"),
