@@ -31,6 +31,20 @@ arm is therefore timed over 32 layers captured in one CUDA graph
   ``step*`` arms of later files are not those of earlier ones at batches 1-4 (the
   ``--split-sweep`` arms set it).
 
+- ``--width PAGES``: the block table's pages per row (default 1030, a 66k-token engine; a
+  vLLM engine admitting 131,072 tokens, as ``serve_bench.sh``'s, has 2,048). Attend's J and
+  Estimate's grid follow the width, so programs that exit at once grow with it.
+- ``--spread``: per-(layer, KV head) read fractions as the plugin imposes them
+  (``moira.synthetic.layer_head_fractions``: layer means 9-68%, CV 0.7 across heads) instead of
+  one fraction for every head, so some rows list far more pages than the mean (the
+  ``attend_merge`` arm reuses the last layer's lists in every layer; the step arms select
+  their own).
+- ``--programs-sweep``: the step as the plugin runs it (rows of at most ``dense_below_tokens``
+  / B tokens read in full) at each ``PROGRAMS_SWEEP`` N_T (``MoiraConfig.min_programs``, which
+  sets J = max(N_J, ceil(N_T / rows)) below the width's cap): ``step_p<N_T>``;
+  ``--programs-report`` tables them. Also ``step_launch<N>``: J as by default, but Attend
+  launching ceil(N / rows) programs per row, each taking every P-th chunk
+  (``attend.LAUNCHED_PROGRAMS``).
 - ``--batches 1,2,4``: the same for B requests of that context each (own pages, one graph
   of 32 layers per step; combinations over ~80 GB of caches are skipped), to see where a split
   chosen at batch 1 stands at small batches.
@@ -51,7 +65,9 @@ import triton
 
 import moira
 from moira.integrations.vllm.settings import MoiraSettings, full_read_pages
+from moira.kernels import attend as attend_module
 from moira.kernels import launch
+from moira.synthetic import layer_head_fractions
 from tune_kernels import patched
 
 KV_HEADS, GROUP, HEAD_DIM, PAGE, LAYERS = 8, 4, 128, 64, 32
@@ -68,6 +84,12 @@ WIDTH = 1030  # block-table pages of a 66k-token engine (vllm_tpot.py's single-r
 SPLIT_SWEEP = [(floor_rows, chunks, 0) for floor_rows in (32, 48, 64, 96)
                for chunks in (None, 32, 16)] + [(32, chunks, programs) for chunks in (None, 32)
                                                 for programs in (128, 256)]
+# --programs-sweep: N_T (MoiraConfig.min_programs; 4096 the default); at 8 rows (batch 1) and
+# a 2,048-page table J = 342 / 256 / 128 / 64 / 32, at 32 rows (131k x 4) 86 / 64 / 32 / 32 / 32
+PROGRAMS_SWEEP = (4096, 2048, 1024, 512, 256)
+# and Attend launching fewer programs than J, each taking every P-th chunk of its row
+# (attend.LAUNCHED_PROGRAMS; the default N_T): step_launch<N>
+LAUNCHED_SWEEP = (396, 792)
 # the paper's mean read fraction at gamma 0.98 (Llama-3.1-8B, Table 3), clamped below 8k
 READS = {2048: 0.42, 8192: 0.42, 16384: 0.37, 32768: 0.31, 65536: 0.16, 131072: 0.15}
 
@@ -87,9 +109,9 @@ class Layers:
     """``LAYERS`` layers of ``batch`` requests: own caches, summaries, queries; a shared
     workspace. Each request's pages sit at random places in its layer's cache."""
 
-    def __init__(self, context, batch=1):
+    def __init__(self, context, batch=1, width=WIDTH, spread=False):
         pages = context // PAGE
-        self.width = max(WIDTH, pages + 2)
+        self.width = max(width, pages + 2)
         self.context, self.batch = context, batch
         dt = torch.bfloat16
         self.caches = []
@@ -107,7 +129,11 @@ class Layers:
         self.summaries = [moira.summarize(k, table, self.seq_lens) for k, _ in self.caches]
         self.out = torch.empty_like(self.queries[0])
         fraction = READS[min(READS, key=lambda c: abs(math.log(c / context)))]
-        self.fractions = torch.full((KV_HEADS,), fraction, device="cuda")
+        # per layer: [KV_HEADS] fractions (one value, or the plugin's spread)
+        if spread:
+            self.fractions = list(layer_head_fractions(fraction, LAYERS, KV_HEADS).cuda())
+        else:
+            self.fractions = [torch.full((KV_HEADS,), fraction, device="cuda")] * LAYERS
         self.fraction = fraction
         self.scale = 1 / math.sqrt(HEAD_DIM)
 
@@ -221,6 +247,43 @@ def split_report(paths, margin=0.3, gain=0.5):
     return "\n".join(lines), (short_key(chosen[0]) if chosen else None), verdict
 
 
+def programs_report(paths):
+    """The ``--programs-sweep`` arms of one or more runs as a markdown table: µs per layer per
+    shape (``<context>×<batch>``, with the run's J in brackets), the mean of the runs, the
+    fastest per shape in bold, and each arm's difference from the default (N_T = 4096, J
+    programs per row); ``launch N`` columns: the default J with ``LAUNCHED_PROGRAMS`` N."""
+    default = (4096, 0)
+    times, chunks = {}, {}  # (batch, context) -> (N_T, launched) -> [µs per run]; J
+    for path in paths:
+        with open(path) as f:
+            for row in json.load(f)["results"]:
+                shape = (row["batch"], row["context"])
+                for name, arm in row.get("programs_sweep", {}).items():
+                    if name in row["us_per_layer"]:
+                        key = (arm["min_programs"], arm.get("launched", 0))
+                        times.setdefault(shape, {}).setdefault(key, []).append(
+                            row["us_per_layer"][name])
+                        chunks[shape, key] = arm["chunks_per_row"]
+    keys = sorted({k for per in times.values() for k in per}, key=lambda k: (k[1], -k[0]))
+    lines = ["| shape | " + " | ".join(f"launch {k[1]}" if k[1] else f"N_T = {k[0]}"
+                                       for k in keys) + " |",
+             "|---" * (len(keys) + 1) + "|"]
+    for shape in sorted(times):
+        mean = {k: sum(v) / len(v) for k, v in times[shape].items()}
+        base = mean.get(default)
+        cells = []
+        for p in keys:
+            if p not in mean:
+                cells.append("–")
+                continue
+            text = f"{mean[p]:.2f} (J {chunks[shape, p]})"
+            if base is not None and p != default:
+                text += f" {mean[p] - base:+.2f}"
+            cells.append(f"**{text}**" if mean[p] == min(mean.values()) else text)
+        lines.append(f"| {shape[1] // 1024}k×{shape[0]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--contexts", default="2048,8192,32768,65536,131072")
@@ -232,11 +295,21 @@ def main():
     parser.add_argument("--split-sweep", action="store_true",
                         help="also time the step (rows as the plugin runs them) at each "
                              "SPLIT_SWEEP chunk floor and J: split_c<floor>_j<J>")
+    parser.add_argument("--width", type=int, default=WIDTH,
+                        help="block-table pages per row (2048: a 131,072-token vLLM engine)")
+    parser.add_argument("--spread", action="store_true",
+                        help="per-(layer, KV head) fractions as the plugin imposes them")
+    parser.add_argument("--programs-sweep", action="store_true",
+                        help="also time the step at each PROGRAMS_SWEEP min_programs")
+    parser.add_argument("--programs-report", nargs="+", metavar="JSON",
+                        help="only print the --programs-sweep table of these runs")
     parser.add_argument("--split-report", nargs="+", metavar="JSON",
                         help="only print the --split-sweep table of these runs and the rule")
     args = parser.parse_args()
     if args.plot:
         return plot(args.plot)
+    if args.programs_report:
+        return print(programs_report(args.programs_report))
     if args.split_report:
         table, _, verdict = split_report(args.split_report)
         return print(f"{table}\n\n{verdict}")
@@ -255,10 +328,10 @@ def main():
         if cache_bytes(context, batch) > 80e9:
             print(f"{context:>7} x{batch}: skipped (caches over 80 GB)", flush=True)
             continue
-        s = Layers(context, batch)
+        s = Layers(context, batch, args.width, args.spread)
         rows = batch * KV_HEADS
         row = dict(context=context, batch=batch, read_fraction=s.fraction, width=s.width,
-                   us_per_layer={})
+                   spread=args.spread, us_per_layer={})
         times = row["us_per_layer"]
 
         def timed(name, layer_fn):
@@ -290,7 +363,7 @@ def main():
         ways = workspace.config.bisection_ways_for(s.width)
         timed("select", lambda layer: _launch_select(
             log_masses, s.seq_lens, lists, counts, num_kv_heads=KV_HEADS, max_pages=s.width,
-            gamma=0.98, top_k=None, ways=ways, keep_fractions=s.fractions))
+            gamma=0.98, top_k=None, ways=ways, keep_fractions=s.fractions[layer]))
         row["pages_listed_per_row"] = float(counts.float().mean())
         timed("attend_merge", lambda layer: moira.attend(
             s.queries[layer], *s.caches[layer], s.table, s.seq_lens, lists, counts,
@@ -322,13 +395,30 @@ def main():
                     name += f"_f{floor_rows}"
                 arms[name] = (s.workspace(config), full)
                 row.setdefault("split_sweep", {})[name] = [floor_rows, chunks, step_programs]
+        attend_settings = {}  # arm -> attend module constants it runs with
+        if args.programs_sweep:  # the row as the plugin runs it, J from N_T
+            full = full_read_pages(MoiraSettings().dense_below_tokens, batch)
+            for programs in PROGRAMS_SWEEP:
+                config = moira.MoiraConfig(min_programs=programs)
+                arms[f"step_p{programs}"] = (s.workspace(config), full)
+                row.setdefault("programs_sweep", {})[f"step_p{programs}"] = dict(
+                    min_programs=programs, chunks_per_row=config.chunks_per_row(rows, s.width))
+            for programs in LAUNCHED_SWEEP:
+                name = f"step_launch{programs}"
+                arms[name] = (workspace, full)
+                attend_settings[name] = dict(LAUNCHED_PROGRAMS=programs)
+                row["programs_sweep"][name] = dict(
+                    min_programs=workspace.config.min_programs, launched=programs,
+                    chunks_per_row=workspace.config.chunks_per_row(rows, s.width))
         for name, (ws, full) in arms.items():
             chain = next((c for suffix, c in chains.items() if suffix and name.endswith(suffix)),
                          launch.CHAINED)
-            with patched(launch, CHAINED=frozenset(chain)):  # graphs are captured inside
+            # graphs are captured inside
+            with patched(launch, CHAINED=frozenset(chain)), \
+                    patched(attend_module, **attend_settings.get(name, {})):
                 timed(name, lambda layer, ws=ws, full=full: moira.sparse_decode(
                     s.queries[layer], *s.caches[layer], s.summaries[layer], s.table,
-                    s.seq_lens, keep_fractions=s.fractions, dense_below_pages=full,
+                    s.seq_lens, keep_fractions=s.fractions[layer], dense_below_pages=full,
                     workspace=ws, out=s.out))
         if "fa3_dense" in times:
             row["minus_dense"] = {name: round(times[name] - times["fa3_dense"], 2)

@@ -139,7 +139,7 @@ def main():
     runs = load(args.folder)
     text = table(runs)
     print(text)
-    folder = os.path.normpath(args.folder)
+    folder = os.path.abspath(args.folder)  # "." names the folder itself, not ".png"
     plot(runs, folder + ".png")
     if args.readme:
         base = os.path.dirname(os.path.abspath(args.readme))

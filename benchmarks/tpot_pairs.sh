@@ -13,6 +13,8 @@
 #     paper's Eq. 4 alone, step_programs 0), -eq4.json; "t128": step_programs 128 (the
 #     default of session 14; 256 since), -t128.json; "jmin": min_programs 1 (J = 32), -jmin.json;
 #     "g099": Moira at the paper's gamma = 0.99 reads (Table 7), -g099.json
+#   TPOT_ARGS: more vllm_tpot.py options for every engine, e.g. "--max-model-len 131072" (the
+#     block table of serve_bench.sh's server, 2,048 pages per row, at any shape)
 # Results: $OUT/pair<i>/<model>-dense.json and <model>-moira-g098.json; report with
 #   python3 benchmarks/tpot_report.py --pairs results/<folder>/pair1 results/<folder>/pair2
 # About 4 x (engine start-up ~60 s + ~40 s per shape) for two pairs.
@@ -40,7 +42,7 @@ for pair in $(seq "$pairs"); do
             name=$model-moira-g098-jmin ;;
       *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin)"; exit 1 ;;
     esac
-    python3 benchmarks/vllm_tpot.py --model "$model" --shapes "$shapes" $args \
+    python3 benchmarks/vllm_tpot.py --model "$model" --shapes "$shapes" $args ${TPOT_ARGS:-} \
       --repeats 1 --out "$out/pair$pair/$name.json" 2>&1 | grep "tpot_ms\|Error\|Traceback" \
       | cut -c1-120 || true
   done

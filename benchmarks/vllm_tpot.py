@@ -108,6 +108,10 @@ def main():
     parser.add_argument("--step-programs", type=int, default=None,
                         help="moira: Attend's split, MoiraConfig.step_programs (default: its "
                              "own; 0: the paper's Eq. 4)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the engine's max_model_len (default: the longest shape + the "
+                             "tokens + 64; 131072 sizes the block table as serve_bench.sh's "
+                             "server, 2,048 pages per row)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tpot.json"))
     args = parser.parse_args()
 
@@ -137,7 +141,7 @@ def main():
     settings = (MoiraSettings.from_sources(extra["additional_config"], os.environ)
                 if args.backend == "moira" else None)  # what the plugin runs with
     longest = max(context for _, context, _ in shapes)
-    max_model_len = longest + args.tokens + 64
+    max_model_len = max(args.max_model_len or 0, longest + args.tokens + 64)
     max_num_seqs = max(b for _, _, b in shapes)
     start = time.time()
     # vLLM's warm-up runs one request of max_num_batched_tokens tokens; beyond max_model_len
@@ -177,6 +181,7 @@ def main():
             print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:
             json.dump(dict(backend=args.backend, model=args.model, gamma=args.gamma,
+                           max_model_len=max_model_len,
                            schedule=args.schedule if args.backend == "moira" else None,
                            programmatic_launch=args.programmatic_launch
                            if args.backend == "moira" else None,

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+import moira
+
 BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 
 
@@ -595,6 +597,37 @@ def test_split_report_applies_the_batch_1_rule_to_the_mean_of_the_runs(tmp_path)
     assert chosen is None and verdict.endswith("faster at batch 1: (32, None, 128), (32, 16)")
 
 
+def test_programs_report_means_runs_and_compares_each_n_t_with_the_default(tmp_path):
+    bench_single = load("bench_single")
+    # the J each N_T gives at a 2,048-page table, as the sweep's comment states
+    assert [moira.MoiraConfig(min_programs=p).chunks_per_row(8, 2048)
+            for p in bench_single.PROGRAMS_SWEEP] == [342, 256, 128, 64, 32]
+    assert [moira.MoiraConfig(min_programs=p).chunks_per_row(32, 2048)
+            for p in bench_single.PROGRAMS_SWEEP] == [86, 64, 32, 32, 32]
+
+    def run(path, times):  # {(context, batch): {N_T: µs}}
+        results = [dict(context=context, batch=batch, us_per_layer={
+            f"step_p{p}": us for p, us in arms.items()}, programs_sweep={
+            f"step_p{p}": dict(min_programs=p, chunks_per_row=4096 // p) for p in arms})
+            for (context, batch), arms in times.items()]
+        path.write_text(json.dumps(dict(results=results)))
+        return str(path)
+
+    first = run(tmp_path / "a.json", {(8192, 1): {4096: 22.0, 512: 19.0},
+                                      (131072, 4): {4096: 60.0, 512: 61.0}})
+    second = run(tmp_path / "b.json", {(8192, 1): {4096: 22.2, 512: 19.4}})
+    # a launched-programs arm: the default N_T, its own column after the N_T ones
+    rows = json.loads((tmp_path / "b.json").read_text())
+    rows["results"][0]["us_per_layer"]["step_launch396"] = 20.0
+    rows["results"][0]["programs_sweep"]["step_launch396"] = dict(
+        min_programs=4096, launched=396, chunks_per_row=342)
+    (tmp_path / "b.json").write_text(json.dumps(rows))
+    lines = bench_single.programs_report([first, second]).splitlines()
+    assert lines[0] == "| shape | N_T = 4096 | N_T = 512 | launch 396 |"
+    assert lines[2] == "| 8k×1 | 22.10 (J 1) | **19.20 (J 8) -2.90** | 20.00 (J 342) -2.10 |"
+    assert lines[3] == "| 128k×4 | **60.00 (J 1)** | 61.00 (J 8) +1.00 | – |"
+
+
 def test_serve_report_writes_the_section_it_is_given_and_leaves_the_others(tmp_path, monkeypatch):
     import json
 
@@ -614,3 +647,20 @@ def test_serve_report_writes_the_section_it_is_given_and_leaves_the_others(tmp_p
     text = readme.read_text()
     assert "<!-- serve:begin -->\nset A\n<!-- serve:end -->" in text
     assert "| B | 8 | 2 × 8 | dense FA3 | 2/2 | 10.0 |" in text.split("serve-b8:begin")[1]
+
+
+def test_serve_report_run_inside_its_folder_plots_beside_the_folder(tmp_path, monkeypatch):
+    import json
+
+    report = load("serve_report")
+    run = dict(label="dense", set="B", concurrency=8, requests=1, completed=1, output_tokens=8,
+               output_tokens_per_s=10.0, median_tpot_ms=50.0, median_ttft_s=9.0, wall_s=0.8,
+               date="2026-12-01 03:00:00", gpu="NVIDIA H200")
+    folder = tmp_path / "serve-b8"
+    folder.mkdir()
+    (folder / "serve-dense-B-8.json").write_text(json.dumps(run))
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(sys, "argv", ["serve_report.py", "."])
+    report.main()
+    assert (tmp_path / "serve-b8.png").is_file()
+    assert not list(folder.glob(".*png"))
