@@ -628,16 +628,20 @@ def test_programs_report_means_runs_and_compares_each_n_t_with_the_default(tmp_p
     assert lines[3] == "| 128k×4 | **60.00 (J 1)** | 61.00 (J 8) +1.00 | – |"
 
 
-def test_serve_report_writes_the_section_it_is_given_and_leaves_the_others(tmp_path, monkeypatch):
-    import json
-
-    report = load("serve_report")
+def dense_b8_folder(tmp_path):
+    """A folder ``serve-b8`` holding one dense run of set B at concurrency 8 (2 requests)."""
     run = dict(label="dense", set="B", concurrency=8, requests=2, completed=2, output_tokens=8,
                output_tokens_per_s=10.0, median_tpot_ms=50.0, median_ttft_s=9.0, wall_s=1.6,
                date="2026-11-30 21:30:00", gpu="NVIDIA H200")
     folder = tmp_path / "serve-b8"
     folder.mkdir()
     (folder / "serve-dense-B-8.json").write_text(json.dumps(run))
+    return folder
+
+
+def test_serve_report_writes_the_section_it_is_given_and_leaves_the_others(tmp_path, monkeypatch):
+    report = load("serve_report")
+    folder = dense_b8_folder(tmp_path)
     readme = tmp_path / "README.md"
     readme.write_text("<!-- serve:begin -->\nset A\n<!-- serve:end -->\n"
                       "<!-- serve-b8:begin -->\n<!-- serve-b8:end -->\n")
@@ -650,15 +654,8 @@ def test_serve_report_writes_the_section_it_is_given_and_leaves_the_others(tmp_p
 
 
 def test_serve_report_run_inside_its_folder_plots_beside_the_folder(tmp_path, monkeypatch):
-    import json
-
     report = load("serve_report")
-    run = dict(label="dense", set="B", concurrency=8, requests=1, completed=1, output_tokens=8,
-               output_tokens_per_s=10.0, median_tpot_ms=50.0, median_ttft_s=9.0, wall_s=0.8,
-               date="2026-12-01 03:00:00", gpu="NVIDIA H200")
-    folder = tmp_path / "serve-b8"
-    folder.mkdir()
-    (folder / "serve-dense-B-8.json").write_text(json.dumps(run))
+    folder = dense_b8_folder(tmp_path)
     monkeypatch.chdir(folder)
     monkeypatch.setattr(sys, "argv", ["serve_report.py", "."])
     report.main()
