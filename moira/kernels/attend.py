@@ -6,9 +6,9 @@ alone. Program (row, j) reads the row's list length n from GPU memory and plans 
     c = max(C, ceil(n / J))      pages per chunk
     m = ceil(n / c)              chunks of this row (at least 1)
 
-and processes pages [j c, min((j + 1) c, n)) or exits if j >= m (with ``LAUNCHED_PROGRAMS``,
-fewer programs per row, each taking every P-th chunk: an experiment, off). (``EVEN_CHUNKS``, off,
-makes the m chunks equal instead, c = ceil(n / m): timed slower at 8k x 32.) All G query
+and processes pages [j c, min((j + 1) c, n)) or exits if j >= m (``LAUNCHED_PROGRAMS``, off:
+fewer programs per row, each taking every P-th chunk). (``EVEN_CHUNKS``, off, makes the m
+chunks equal instead, c = ceil(n / m): timed slower at 8k x 32.) All G query
 heads of the group share each K/V tile (one read of every K/V byte per group). A
 single-chunk row writes its output directly; otherwise each chunk writes its normalized
 partial output and log-sum-exp for Merge.
