@@ -44,7 +44,7 @@ arm is therefore timed over 32 layers captured in one CUDA graph
   sets J = max(N_J, ceil(N_T / rows)) below the width's cap): ``step_p<N_T>``;
   ``--programs-report`` tables them. Also ``step_launch<N>``: J as by default, but Attend
   launching ceil(N / rows) programs per row, each taking every P-th chunk
-  (``attend.LAUNCHED_PROGRAMS``).
+  (``MoiraConfig.launched_programs``).
 - ``--batches 1,2,4``: the same for B requests of that context each (own pages, one graph
   of 32 layers per step; combinations over ~80 GB of caches are skipped), to see where a split
   chosen at batch 1 stands at small batches.
@@ -65,7 +65,6 @@ import triton
 
 import moira
 from moira.integrations.vllm.settings import MoiraSettings, full_read_pages
-from moira.kernels import attend as attend_module
 from moira.kernels import launch
 from moira.synthetic import layer_head_fractions
 from tune_kernels import patched
@@ -88,7 +87,7 @@ SPLIT_SWEEP = [(floor_rows, chunks, 0) for floor_rows in (32, 48, 64, 96)
 # a 2,048-page table J = 342 / 256 / 128 / 64 / 32, at 32 rows (131k x 4) 86 / 64 / 32 / 32 / 32
 PROGRAMS_SWEEP = (4096, 2048, 1024, 512, 256)
 # and Attend launching fewer programs than J, each taking every P-th chunk of its row
-# (attend.LAUNCHED_PROGRAMS; the default N_T): step_launch<N>
+# (MoiraConfig.launched_programs; the default N_T): step_launch<N>
 LAUNCHED_SWEEP = (396, 792)
 # the paper's mean read fraction at gamma 0.98 (Llama-3.1-8B, Table 3), clamped below 8k
 READS = {2048: 0.42, 8192: 0.42, 16384: 0.37, 32768: 0.31, 65536: 0.16, 131072: 0.15}
@@ -251,7 +250,7 @@ def programs_report(paths):
     """The ``--programs-sweep`` arms of one or more runs as a markdown table: µs per layer per
     shape (``<context>×<batch>``, with the run's J in brackets), the mean of the runs, the
     fastest per shape in bold, and each arm's difference from the default (N_T = 4096, J
-    programs per row); ``launch N`` columns: the default J with ``LAUNCHED_PROGRAMS`` N."""
+    programs per row); ``launch N`` columns: the default J with ``launched_programs`` N."""
     default = (4096, 0)
     times, chunks = {}, {}  # (batch, context) -> (N_T, launched) -> [µs per run]; J
     for path in paths:
@@ -395,7 +394,6 @@ def main():
                     name += f"_f{floor_rows}"
                 arms[name] = (s.workspace(config), full)
                 row.setdefault("split_sweep", {})[name] = [floor_rows, chunks, step_programs]
-        attend_settings = {}  # arm -> attend module constants it runs with
         if args.programs_sweep:  # the row as the plugin runs it, J from N_T
             full = full_read_pages(MoiraSettings().dense_below_tokens, batch)
             for programs in PROGRAMS_SWEEP:
@@ -404,18 +402,15 @@ def main():
                 row.setdefault("programs_sweep", {})[f"step_p{programs}"] = dict(
                     min_programs=programs, chunks_per_row=config.chunks_per_row(rows, s.width))
             for programs in LAUNCHED_SWEEP:
-                name = f"step_launch{programs}"
-                arms[name] = (workspace, full)
-                attend_settings[name] = dict(LAUNCHED_PROGRAMS=programs)
-                row["programs_sweep"][name] = dict(
-                    min_programs=workspace.config.min_programs, launched=programs,
-                    chunks_per_row=workspace.config.chunks_per_row(rows, s.width))
+                config = moira.MoiraConfig(launched_programs=programs)
+                arms[f"step_launch{programs}"] = (s.workspace(config), full)
+                row["programs_sweep"][f"step_launch{programs}"] = dict(
+                    min_programs=config.min_programs, launched=programs,
+                    chunks_per_row=config.chunks_per_row(rows, s.width))
         for name, (ws, full) in arms.items():
             chain = next((c for suffix, c in chains.items() if suffix and name.endswith(suffix)),
                          launch.CHAINED)
-            # graphs are captured inside
-            with patched(launch, CHAINED=frozenset(chain)), \
-                    patched(attend_module, **attend_settings.get(name, {})):
+            with patched(launch, CHAINED=frozenset(chain)):  # graphs are captured inside
                 timed(name, lambda layer, ws=ws, full=full: moira.sparse_decode(
                     s.queries[layer], *s.caches[layer], s.summaries[layer], s.table,
                     s.seq_lens, keep_fractions=s.fractions[layer], dense_below_pages=full,

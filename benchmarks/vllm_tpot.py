@@ -108,6 +108,9 @@ def main():
     parser.add_argument("--step-programs", type=int, default=None,
                         help="moira: Attend's split, MoiraConfig.step_programs (default: its "
                              "own; 0: the paper's Eq. 4)")
+    parser.add_argument("--launched-programs", type=int, default=None,
+                        help="moira: Attend's grid, MoiraConfig.launched_programs (default: "
+                             "its own, 0: J programs per row)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="the engine's max_model_len (default: the longest shape + the "
                              "tokens + 64; 131072 sizes the block table as serve_bench.sh's "

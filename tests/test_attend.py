@@ -267,18 +267,18 @@ def test_equal_chunks_and_eq4_chunks(monkeypatch, even):
 
 
 @pytest.mark.parametrize("launched", [1, 10, 25])
-def test_fewer_programs_than_chunks_take_every_pth_chunk(monkeypatch, launched):
-    """``LAUNCHED_PROGRAMS``: 1 and 10 launch one program per row (10 rows), which then runs
+def test_fewer_programs_than_chunks_take_every_pth_chunk(launched):
+    """``launched_programs``: 1 and 10 launch one program per row (10 rows), which then runs
     all of its row's chunks, 25 three per row (chunks p, p + 3, ...); the chunks, and so the
     partials Merge combines, stay Eq. (4)'s: the kernel writes every chunk the reference plans,
     and the output matches the reference."""
-    monkeypatch.setattr(attend_module, "LAUNCHED_PROGRAMS", launched)
-    config = MoiraConfig(chunk_pages=2, min_chunks_per_row=8, min_programs=8)
+    config = MoiraConfig(chunk_pages=2, min_chunks_per_row=8, min_programs=8,
+                         launched_programs=launched)
     query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows()
     rows = page_counts.numel()
     chunks_per_row, _, chunks = ref.work_split(page_counts.cpu().flatten(), rows, config,
                                                max_pages=table.shape[1])
-    per_row = attend_module.launched_per_row(rows, chunks_per_row)
+    per_row = attend_module.launched_per_row(rows, chunks_per_row, launched)
     assert per_row == min(chunks_per_row, -(-launched // rows))
     assert chunks.max() > per_row  # some program runs several chunks
     check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)

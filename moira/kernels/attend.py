@@ -6,7 +6,7 @@ alone. Program (row, j) reads the row's list length n from GPU memory and plans 
     c = max(C, ceil(n / J))      pages per chunk
     m = ceil(n / c)              chunks of this row (at least 1)
 
-and processes pages [j c, min((j + 1) c, n)) or exits if j >= m (``LAUNCHED_PROGRAMS``, off:
+and processes pages [j c, min((j + 1) c, n)) or exits if j >= m (``launched_programs``, off:
 fewer programs per row, each taking every P-th chunk). (``EVEN_CHUNKS``, off, makes the m
 chunks equal instead, c = ceil(n / m): timed slower at 8k x 32.) All G query
 heads of the group share each K/V tile (one read of every K/V byte per group). A
@@ -56,16 +56,12 @@ FA3_TILE_ORDER = False
 # on the H200 (session 9, tune_kernels.py --kinds step, 22% of every row) 7% slower at 8k x 32
 # (72.2 against 67.4 us) and equal at 32k-131k (within 0.3%): off, Eq. (4) as is
 EVEN_CHUNKS = False
-# programs Attend launches over the step: 0 launches J per row (Eq. 4's grid: program (row, j)
-# takes chunk j or exits at once); N > 0 launches P = min(J, max(1, ceil(N / rows))) per row,
-# program (row, p) taking its row's chunks p, p + P, p + 2P, ... The chunks (so the partials
-# and Merge) are Eq. 4's either way. Why: J covers the longest list a row of the block table's
-# width can hold (342 per row at batch 1 with a 2,048-page table, 86 at 4 requests), so most
-# programs of a typical step exit at once, and an exiting program still takes one of an SM's
-# three Attend slots (72 KB of shared memory, 147 registers each) while it loads its row's
-# length. Untimed (session 18).
-LAUNCHED_PROGRAMS = 0
-# registers of the strided build (0: ptxas's choice, 255 on sm_90, i.e. two programs per SM
+# registers of the strided build (``MoiraConfig.launched_programs``: fewer programs than J,
+# each taking every P-th chunk of its row; why: J covers the longest list a row of the block
+# table's width can hold, 342 per row at batch 1 with a 2,048-page table and 86 at 4 requests,
+# so most programs of a typical step exit at once, and an exiting program still takes one of
+# an SM's three Attend slots, 72 KB of shared memory and 147 registers, while it loads its
+# row's length) (0: ptxas's choice, 255 on sm_90, i.e. two programs per SM
 # instead of the plain build's three at 147; 168 keeps three with 48 bytes of stack spilled:
 # tune_kernels.py --kinds launched times both)
 STRIDED_MAX_REGISTERS = 0
@@ -224,7 +220,7 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
                                         step_programs, short_pages, EVEN_CHUNKS)
     # two call sites, not one loop: the loop in the default build takes 255 registers (two
     # programs per SM) against 147 (three) on sm_90
-    if STRIDED:  # fewer programs than J: each takes every P-th chunk (LAUNCHED_PROGRAMS)
+    if STRIDED:  # fewer programs than J: each takes every P-th chunk (launched_programs)
         for chunk_id in range(tl.program_id(1), num_chunks, tl.num_programs(1)):
             attend_chunk(query, key_cache, value_cache, block_table, seq_lens, page_lists,
                          out, partial_out, partial_lse, row, b, head, chunk_id, chunk, count,
@@ -281,17 +277,17 @@ def attend_chunk(query, key_cache, value_cache, block_table, seq_lens, page_list
         tl.store(partial_lse + slot, lse, mask=groups < GROUP)
 
 
-def launched_per_row(rows, chunks_per_row):
-    """Programs Attend launches per row: J, or fewer with ``LAUNCHED_PROGRAMS``."""
-    if not LAUNCHED_PROGRAMS:
+def launched_per_row(rows, chunks_per_row, launched_programs):
+    """Programs Attend launches per row: J, or fewer with ``launched_programs`` N > 0."""
+    if not launched_programs:
         return chunks_per_row
-    return min(chunks_per_row, max(1, triton.cdiv(LAUNCHED_PROGRAMS, max(rows, 1))))
+    return min(chunks_per_row, max(1, triton.cdiv(launched_programs, max(rows, 1))))
 
 
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
            scale, chunk_floor, chunks_per_row, out, partial_out, partial_lse, step_rows=0,
-           step_programs=0, programmatic_launch=False):
-    """Launch (batch * KV heads, J) programs (fewer with ``LAUNCHED_PROGRAMS``).
+           step_programs=0, launched_programs=0, programmatic_launch=False):
+    """Launch (batch * KV heads, J) programs (fewer with ``launched_programs``).
     ``partial_out`` ``[>= rows * J * G * D]`` and ``partial_lse`` ``[>= rows * J * G]`` are
     float32 scratch (only split rows write them);
     ``step_rows``: the rows the split is planned for (a captured graph's padded batch)."""
@@ -300,7 +296,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     rows = batch * num_kv_heads
-    launched = launched_per_row(rows, chunks_per_row)
+    launched = launched_per_row(rows, chunks_per_row, launched_programs)
     strided = launched < chunks_per_row
     registers = {"maxnreg": STRIDED_MAX_REGISTERS} if strided and STRIDED_MAX_REGISTERS else {}
     _attend_kernel[(rows, launched)](
