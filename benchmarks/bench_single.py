@@ -66,6 +66,7 @@ import triton
 import moira
 from moira.integrations.vllm.settings import MoiraSettings, full_read_pages
 from moira.kernels import launch
+from moira.kernels.attend import launched_per_row
 from moira.synthetic import layer_head_fractions
 from tune_kernels import patched
 
@@ -251,7 +252,7 @@ def programs_report(paths):
     shape (``<context>×<batch>``, with the run's J in brackets), the mean of the runs, the
     fastest per shape in bold, and each arm's difference from the default (N_T = 4096, J
     programs per row); ``launch N`` columns: the default J with ``launched_programs`` N."""
-    default = (4096, 0)
+    default = (moira.MoiraConfig().min_programs, 0)
     times, chunks = {}, {}  # (batch, context) -> (N_T, launched) -> [µs per run]; J
     for path in paths:
         with open(path) as f:
@@ -262,7 +263,7 @@ def programs_report(paths):
                         key = (arm["min_programs"], arm.get("launched", 0))
                         times.setdefault(shape, {}).setdefault(key, []).append(
                             row["us_per_layer"][name])
-                        chunks[shape, key] = arm["chunks_per_row"]
+                        chunks[shape, key] = arm["chunks_per_row"], arm.get("programs_per_row")
     keys = sorted({k for per in times.values() for k in per}, key=lambda k: (k[1], -k[0]))
     lines = ["| shape | " + " | ".join(f"launch {k[1]}" if k[1] else f"N_T = {k[0]}"
                                        for k in keys) + " |",
@@ -275,7 +276,8 @@ def programs_report(paths):
             if p not in mean:
                 cells.append("–")
                 continue
-            text = f"{mean[p]:.2f} (J {chunks[shape, p]})"
+            j, launched = chunks[shape, p]
+            text = f"{mean[p]:.2f} (J {j}" + (f", P {launched})" if launched else ")")
             if base is not None and p != default:
                 text += f" {mean[p] - base:+.2f}"
             cells.append(f"**{text}**" if mean[p] == min(mean.values()) else text)
@@ -404,9 +406,10 @@ def main():
             for programs in LAUNCHED_SWEEP:
                 config = moira.MoiraConfig(launched_programs=programs)
                 arms[f"step_launch{programs}"] = (s.workspace(config), full)
+                chunks = config.chunks_per_row(rows, s.width)
                 row["programs_sweep"][f"step_launch{programs}"] = dict(
-                    min_programs=config.min_programs, launched=programs,
-                    chunks_per_row=config.chunks_per_row(rows, s.width))
+                    min_programs=config.min_programs, launched=programs, chunks_per_row=chunks,
+                    programs_per_row=launched_per_row(rows, chunks, programs))
         for name, (ws, full) in arms.items():
             chain = next((c for suffix, c in chains.items() if suffix and name.endswith(suffix)),
                          launch.CHAINED)

@@ -193,6 +193,7 @@ def main():
                            floor_rows=settings.floor_rows if settings else None,
                            min_programs=settings.min_programs if settings else None,
                            step_programs=settings.step_programs if settings else None,
+                           launched_programs=settings.launched_programs if settings else None,
                            # what Attend ran with, set or default (None: the setting unset)
                            attend_split={key: getattr(settings.config, key) for key in
                                          ("chunk_pages", *SPLIT_SETTINGS)} if settings else None,

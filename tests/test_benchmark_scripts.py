@@ -540,6 +540,14 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
     assert "Merge in Attend's launch (ms) |" in text.splitlines()[0]
     assert text.splitlines()[2].endswith(
         "| 5.05 | +1.0% | **+1.0%** | 5.10 | +2.0% | **+2.0%** | 5.01 | +0.2% | **+0.2%** |")
+    # Attend's grid set (tpot_pairs.sh arm launch): its own column beside the plain Moira run
+    run = dict(model="llama-3.1-8b", gamma=0.98, backend="moira", dense_below_tokens=20480,
+               launched_programs=792,
+               results=[dict(shape="2k1", tpot_ms=5.02, imposed_read_fraction=0.4)])
+    (tmp_path / "pair1" / "launch.json").write_text(json.dumps(run))
+    text = report.single_pairs_table([report.load([str(tmp_path / "pair1")])])
+    assert text.splitlines()[0].endswith("| Moira, P=792 (ms) | vs dense per pair | mean |")
+    assert text.splitlines()[2].endswith("| 5.02 | +0.4% | **+0.4%** |")
 
 
 def test_split_report_applies_the_batch_1_rule_to_the_mean_of_the_runs(tmp_path):
@@ -620,11 +628,12 @@ def test_programs_report_means_runs_and_compares_each_n_t_with_the_default(tmp_p
     rows = json.loads((tmp_path / "b.json").read_text())
     rows["results"][0]["us_per_layer"]["step_launch396"] = 20.0
     rows["results"][0]["programs_sweep"]["step_launch396"] = dict(
-        min_programs=4096, launched=396, chunks_per_row=342)
+        min_programs=4096, launched=396, chunks_per_row=342, programs_per_row=50)
     (tmp_path / "b.json").write_text(json.dumps(rows))
     lines = bench_single.programs_report([first, second]).splitlines()
     assert lines[0] == "| shape | N_T = 4096 | N_T = 512 | launch 396 |"
-    assert lines[2] == "| 8k×1 | 22.10 (J 1) | **19.20 (J 8) -2.90** | 20.00 (J 342) -2.10 |"
+    assert lines[2] == ("| 8k×1 | 22.10 (J 1) | **19.20 (J 8) -2.90** | 20.00 (J 342, P 50) "
+                        "-2.10 |")
     assert lines[3] == "| 128k×4 | **60.00 (J 1)** | 61.00 (J 8) +1.00 | – |"
 
 

@@ -63,7 +63,8 @@ EVEN_CHUNKS = False
 # an SM's three Attend slots, 72 KB of shared memory and 147 registers, while it loads its
 # row's length) (0: ptxas's choice, 255 on sm_90, i.e. two programs per SM
 # instead of the plain build's three at 147; 168 keeps three with 48 bytes of stack spilled:
-# tune_kernels.py --kinds launched times both)
+# tune_kernels.py --kinds launched times both; compile_check.py, which fails on any spill,
+# would then need to allow those bytes)
 STRIDED_MAX_REGISTERS = 0
 
 
