@@ -31,9 +31,11 @@ arm is therefore timed over 32 layers captured in one CUDA graph
   ``step*`` arms of later files are not those of earlier ones at batches 1-4 (the
   ``--split-sweep`` arms set it).
 
-- ``--width PAGES``: the block table's pages per row (default 1030, a 66k-token engine; a
-  vLLM engine admitting 131,072 tokens, as ``serve_bench.sh``'s, has 2,048). Attend's J and
-  Estimate's grid follow the width, so programs that exit at once grow with it.
+- ``--width PAGES[,PAGES...]``: the block table's pages per row (default 1030, a 66k-token
+  engine; a vLLM engine admitting 131,072 tokens, as ``serve_bench.sh``'s, has 2,048, one
+  admitting 16k + 512 tokens 261). Attend's J and Estimate's grid follow the width, so
+  programs that exit at once grow with it. Several widths time each shape at each in turn,
+  in one run (each result row gives its ``width``).
 - ``--spread``: per-(layer, KV head) read fractions as the plugin imposes them
   (``moira.synthetic.layer_head_fractions``: layer means 9-68%, CV 0.7 across heads) instead of
   one fraction for every head, so some rows list far more pages than the mean (the
@@ -42,9 +44,9 @@ arm is therefore timed over 32 layers captured in one CUDA graph
 - ``--programs-sweep``: the step as the plugin runs it (rows of at most ``dense_below_tokens``
   / B tokens read in full) at each ``PROGRAMS_SWEEP`` N_T (``MoiraConfig.min_programs``, which
   sets J = max(N_J, ceil(N_T / rows)) below the width's cap): ``step_p<N_T>``;
-  ``--programs-report`` tables them. Also ``step_launch<N>``: J as by default, but Attend
-  launching ceil(N / rows) programs per row, each taking every P-th chunk
-  (``MoiraConfig.launched_programs``).
+  ``--programs-report`` tables them. (Files of session 19 also time ``step_launch<N>``:
+  Attend launching ceil(N / rows) programs per row, each taking every P-th chunk, an option
+  timed slower there and removed.)
 - ``--batches 1,2,4``: the same for B requests of that context each (own pages, one graph
   of 32 layers per step; combinations over ~80 GB of caches are skipped), to see where a split
   chosen at batch 1 stands at small batches.
@@ -66,7 +68,6 @@ import triton
 import moira
 from moira.integrations.vllm.settings import MoiraSettings, full_read_pages
 from moira.kernels import launch
-from moira.kernels.attend import launched_per_row
 from moira.synthetic import layer_head_fractions
 from tune_kernels import patched
 
@@ -87,9 +88,6 @@ SPLIT_SWEEP = [(floor_rows, chunks, 0) for floor_rows in (32, 48, 64, 96)
 # --programs-sweep: N_T (MoiraConfig.min_programs; 4096 the default); at 8 rows (batch 1) and
 # a 2,048-page table J = 342 / 256 / 128 / 64 / 32, at 32 rows (131k x 4) 86 / 64 / 32 / 32 / 32
 PROGRAMS_SWEEP = (4096, 2048, 1024, 512, 256)
-# and Attend launching fewer programs than J, each taking every P-th chunk of its row
-# (MoiraConfig.launched_programs; the default N_T): step_launch<N>
-LAUNCHED_SWEEP = (396, 792)
 # the paper's mean read fraction at gamma 0.98 (Llama-3.1-8B, Table 3), clamped below 8k
 READS = {2048: 0.42, 8192: 0.42, 16384: 0.37, 32768: 0.31, 65536: 0.16, 131072: 0.15}
 
@@ -173,8 +171,10 @@ def plot(path):
     ax.bar([i + 0.27 for i in x], [r["us_per_layer"].get("summarize", 0.0)
                                    + r["us_per_layer"].get("step_full_rows", 0.0) for r in rows],
            0.27, color="tab:purple", label="Moira, row read in full")
-    ax.set_xticks(list(x), [f"{r['context'] // 1024}k\n(reads {r['read_fraction']:.2f})"
-                            for r in rows])
+    widths = len({r.get("width") for r in rows}) > 1  # name each bar's width when they differ
+    ax.set_xticks(list(x), [f"{r['context'] // 1024}k" + (f", {r['width']} pages" if widths
+                                                          else "")
+                            + f"\n(reads {r['read_fraction']:.2f})" for r in rows])
     ax.set_ylabel("µs per layer (32 layers per graph)")
     ax.set_title(f"one request, Llama-3.1-8B geometry, {report['gpu']}, {report['date']}",
                  fontsize=9)
@@ -251,7 +251,8 @@ def programs_report(paths):
     """The ``--programs-sweep`` arms of one or more runs as a markdown table: µs per layer per
     shape (``<context>×<batch>``, with the run's J in brackets), the mean of the runs, the
     fastest per shape in bold, and each arm's difference from the default (N_T = 4096, J
-    programs per row); ``launch N`` columns: the default J with ``launched_programs`` N."""
+    programs per row); ``launch N`` columns (session 19's files): the default J with Attend
+    launching about N programs, each taking every P-th chunk (an option since removed)."""
     default = (moira.MoiraConfig().min_programs, 0)
     times, chunks = {}, {}  # (batch, context) -> (N_T, launched) -> [µs per run]; J
     for path in paths:
@@ -296,8 +297,9 @@ def main():
     parser.add_argument("--split-sweep", action="store_true",
                         help="also time the step (rows as the plugin runs them) at each "
                              "SPLIT_SWEEP chunk floor and J: split_c<floor>_j<J>")
-    parser.add_argument("--width", type=int, default=WIDTH,
-                        help="block-table pages per row (2048: a 131,072-token vLLM engine)")
+    parser.add_argument("--width", default=str(WIDTH),
+                        help="block-table pages per row (2048: a 131,072-token vLLM engine); "
+                             "several, e.g. 261,2048, time each shape at each width in turn")
     parser.add_argument("--spread", action="store_true",
                         help="per-(layer, KV head) fractions as the plugin imposes them")
     parser.add_argument("--programs-sweep", action="store_true",
@@ -322,14 +324,18 @@ def main():
         fa, vllm_version = None, f"unavailable: {error}"
     from moira.decode import _launch_estimate, _launch_select
 
+    widths = [int(width) for width in args.width.split(",")]
+    if len(widths) > 1 and (args.programs_sweep or args.split_sweep):
+        parser.error("--programs-sweep and --split-sweep take one --width (their reports key "
+                     "rows by shape)")
     results = []
-    shapes = [(context, batch) for context in map(int, args.contexts.split(","))
-              for batch in map(int, args.batches.split(","))]
-    for context, batch in shapes:
+    shapes = [(context, batch, width) for context in map(int, args.contexts.split(","))
+              for batch in map(int, args.batches.split(",")) for width in widths]
+    for context, batch, width in shapes:
         if cache_bytes(context, batch) > 80e9:
-            print(f"{context:>7} x{batch}: skipped (caches over 80 GB)", flush=True)
+            print(f"{context:>7} x{batch} w{width}: skipped (caches over 80 GB)", flush=True)
             continue
-        s = Layers(context, batch, args.width, args.spread)
+        s = Layers(context, batch, width, args.spread)
         rows = batch * KV_HEADS
         row = dict(context=context, batch=batch, read_fraction=s.fraction, width=s.width,
                    spread=args.spread, us_per_layer={})
@@ -340,10 +346,12 @@ def main():
                 times[name] = round(bench(s.each(layer_fn)) / LAYERS, 2)
             except Exception as error:  # noqa: BLE001 -- one failed arm must not lose the rest
                 row.setdefault("errors", {})[name] = f"{type(error).__name__}: {error}"[:300]
-                print(f"{context:>7} x{batch} {name:<24} failed: {row['errors'][name]}",
+                print(f"{context:>7} x{batch} w{s.width} {name:<24} failed: "
+                      f"{row['errors'][name]}",
                       flush=True)
                 return
-            print(f"{context:>7} x{batch} {name:<24} {times[name]:8.2f} us/layer", flush=True)
+            print(f"{context:>7} x{batch} w{s.width} {name:<24} {times[name]:8.2f} us/layer",
+                  flush=True)
 
         if fa is not None:
             cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
@@ -403,13 +411,6 @@ def main():
                 arms[f"step_p{programs}"] = (s.workspace(config), full)
                 row.setdefault("programs_sweep", {})[f"step_p{programs}"] = dict(
                     min_programs=programs, chunks_per_row=config.chunks_per_row(rows, s.width))
-            for programs in LAUNCHED_SWEEP:
-                config = moira.MoiraConfig(launched_programs=programs)
-                arms[f"step_launch{programs}"] = (s.workspace(config), full)
-                chunks = config.chunks_per_row(rows, s.width)
-                row["programs_sweep"][f"step_launch{programs}"] = dict(
-                    min_programs=config.min_programs, launched=programs, chunks_per_row=chunks,
-                    programs_per_row=launched_per_row(rows, chunks, programs))
         for name, (ws, full) in arms.items():
             chain = next((c for suffix, c in chains.items() if suffix and name.endswith(suffix)),
                          launch.CHAINED)

@@ -70,12 +70,12 @@ def check_waits_first(name, ptx):
         sys.exit(f"{name}: {early.group(0)} before griddepcontrol.wait")
 
 
-def build(name, kernel, constexprs, num_warps, num_stages=3, max_registers=None):
+def build(name, kernel, constexprs, num_warps, num_stages=3):
     signature, constexprs, attrs = specialize(kernel, constexprs)
     pdl = bool(constexprs.get("PDL"))
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
                               options=dict(num_warps=num_warps, num_stages=num_stages,
-                                           launch_pdl=pdl, maxnreg=max_registers))
+                                           launch_pdl=pdl))
     if pdl:
         check_waits_first(name, compiled.asm["ptx"])
     usage = sass = ""
@@ -126,8 +126,7 @@ def kernels(group, head_dim, block, pdl=False):
         (f"attend {tag}", attend._attend_kernel,
          dict(GROUP=group, GROUP_PAD=max(16, group_pad), HEAD_DIM=head_dim, PAGE=PAGE,
               PAGES_PER_TILE=attend.PAGES_PER_ITER, SUM_ROUNDED=attend.SUM_ROUNDED_WEIGHTS,
-              FA3_ORDER=attend.FA3_TILE_ORDER, EVEN_CHUNKS=attend.EVEN_CHUNKS,
-              STRIDED=False, PDL=pdl),
+              FA3_ORDER=attend.FA3_TILE_ORDER, EVEN_CHUNKS=attend.EVEN_CHUNKS, PDL=pdl),
          attend.NUM_WARPS, attend.NUM_STAGES),
         (f"merge {tag}", merge._merge_kernel,
          dict(GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
@@ -154,7 +153,6 @@ def main():
     # the options in tune_kernels.py's sweeps: Estimate's exact pages in one tile (at G = 4
     # and 8) and its prefetched block table, and
     # Attend with FA3's loop order and normalizer (what vllm_checks.py --fa3-arithmetic runs)
-    # and with fewer programs than chunks (MoiraConfig.launched_programs)
     for group in (GROUP, 8):
         for name, kernel, constexprs, warps, stages in kernels(group, HEAD_DIM, 2048):
             if name.startswith("estimate") and build(
@@ -168,10 +166,6 @@ def main():
         if name.startswith("attend") and build(f"{name} FA3 order", kernel, dict(
                 constexprs, FA3_ORDER=True, SUM_ROUNDED=False), warps, stages):
             spilled.append(f"{name} FA3 order")
-        if name.startswith("attend") and build(
-                f"{name} strided (launched_programs)", kernel, dict(constexprs, STRIDED=True),
-                warps, stages, attend.STRIDED_MAX_REGISTERS or None):
-            spilled.append(f"{name} strided")
     if spilled:
         sys.exit(f"spills registers: {', '.join(spilled)}")
 

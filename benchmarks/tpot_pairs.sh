@@ -12,8 +12,6 @@
 #   ARMS="dense moira eq4": the third engine with Attend's split as before session 14 (the
 #     paper's Eq. 4 alone, step_programs 0), -eq4.json; "t128": step_programs 128 (the
 #     default of session 14; 256 since), -t128.json; "jmin": min_programs 1 (J = 32), -jmin.json;
-#     "launch": launched_programs 792 (Attend's grid: ~792 programs, each taking every P-th
-#     chunk of its row, instead of J per row), -launch.json;
 #     "g099": Moira at the paper's gamma = 0.99 reads (Table 7), -g099.json
 #   TPOT_ARGS: more vllm_tpot.py options for every engine, e.g. "--max-model-len 131072" (the
 #     block table of serve_bench.sh's server, 2,048 pages per row, at any shape)
@@ -42,10 +40,7 @@ for pair in $(seq "$pairs"); do
             name=$model-moira-g099 ;;
       jmin) args="--backend moira --min-programs 1"
             name=$model-moira-g098-jmin ;;
-      launch) args="--backend moira --launched-programs 792"
-              name=$model-moira-g098-launch ;;
-      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin, launch)"
-         exit 1 ;;
+      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin)"; exit 1 ;;
     esac
     python3 benchmarks/vllm_tpot.py --model "$model" --shapes "$shapes" $args ${TPOT_ARGS:-} \
       --repeats 1 --out "$out/pair$pair/$name.json" 2>&1 | grep "tpot_ms\|Error\|Traceback" \

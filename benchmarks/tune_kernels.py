@@ -23,7 +23,6 @@ import torch
 import triton
 
 import moira
-from moira.synthetic import spread_fractions
 from moira.kernels import attend as attend_module
 from moira.kernels import estimate as estimate_module
 from moira.kernels import select as select_module
@@ -32,10 +31,6 @@ KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
 SHAPES = [(8192, 32), (32768, 16), (65536, 8), (131072, 4)]
 EXTRA_SHAPES = [(16384, 32)]  # timed only when named in --shapes (256-page rows: Select's warps)
 PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
-# --kinds launched: (MoiraConfig.launched_programs, attend.STRIDED_MAX_REGISTERS); 396 = three
-# programs on each of the H200's 132 SMs, one wave. Alternated, so drift shows as a difference
-# between an arm's two timings
-LAUNCHED_VARIANTS = [(0, 0), (396, 168), (792, 168), (1584, 168), (792, 0), (0, 0), (792, 168)]
 
 
 def bench(fn):
@@ -78,8 +73,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer variants")
     parser.add_argument("--kinds", default="estimate,select,attend,step",
                         help="comma-separated subset of estimate,exact (Estimate's exact-page "
-                             "forms alone),select,attend,tiles,balanced,fractions,step,wide,"
-                             "launched (Attend with fewer programs than J)")
+                             "forms alone),select,attend,tiles,balanced,fractions,step,wide")
     parser.add_argument("--shapes", default="",
                         help="comma-separated subset of 8k32,32k16,64k8,128k4 (default: all)")
     parser.add_argument("--table-pages", type=int, default=2048,
@@ -273,33 +267,6 @@ def main():
                                                        workspace=wide, out=out))
             record("step22", shape, f"estimate+select+attend+merge, {name}", micros,
                    sparse_bytes + summary_bytes)
-        if "launched" in kinds:
-            # fewer Attend programs than J (MoiraConfig.launched_programs), at the engine's table
-            # width: J covers a list as long as the table, so with 22% lists most programs
-            # exit at once; CV 0 lists and lists spread with CV 1.0 (mean 22%), whose long
-            # rows have more chunks than the programs launched per row
-            width = max(args.table_pages, pages)
-            wide_table = torch.cat([table, torch.zeros(batch, width - pages, dtype=table.dtype,
-                                                       device="cuda")], dim=1)
-            fractions = spread_fractions(batch * KV_HEADS, 0.22, 1.0,
-                                         torch.Generator().manual_seed(0))
-            spread_counts = (fractions * pages).round().clamp(1, pages).int().view(
-                batch, KV_HEADS).cuda()
-            for label, page_lists, page_counts in (("CV 0", sparse_lists, sparse_counts),
-                                                   ("CV 1", full_lists, spread_counts)):
-                read = int(page_counts.sum()) * PAGE_KV_BYTES
-                for programs, registers in LAUNCHED_VARIANTS:
-                    wide = moira.DecodeWorkspace(
-                        batch, width, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, device="cuda",
-                        config=moira.MoiraConfig(launched_programs=programs))
-                    with patched(attend_module, STRIDED_MAX_REGISTERS=registers):
-                        micros = bench(lambda: moira.attend(
-                            query, keys, values, wide_table, seq_lens, page_lists,
-                            page_counts, workspace=wide, out=out))
-                    name = (f"table {width}, {label}, launched "
-                            + (f"{programs} (max {registers or 'any'} registers)" if programs
-                               else "J per row"))
-                    record("attend", shape, name, micros, read)
         if "step" in kinds:
             # a row's chunks made equal (the default since session 8) and Eq. (4)'s as is
             for even in (True, False):

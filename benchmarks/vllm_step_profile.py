@@ -2,7 +2,8 @@
 the paper's read fractions, Llama-3.1-8B geometry, random weights, FULL CUDA graphs.
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/vllm_step_profile.py --backend moira \
-        [--shapes 8k32,32k16,130k4] [--steps 32] [--out $OUT/step-moira.json]
+        [--shapes 8k32,32k16,130k4] [--steps 32] [--max-model-len 131072] \
+        [--out $OUT/step-moira.json]
 
 Per shape: the prompts fill the cache (one output token, prefix caching on), then a second run
 of ``--steps`` tokens is traced with the PyTorch profiler (CUPTI reports the kernels inside
@@ -53,6 +54,10 @@ def main():
     parser.add_argument("--backend", choices=["dense", "moira"], required=True)
     parser.add_argument("--shapes", default="8k32,32k16,130k4")
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the engine's max_model_len (default: the longest shape + the "
+                             "steps + 64; 131072 sizes the block table as serve_bench.sh's "
+                             "server, 2,048 pages per row)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                       "step-profile.json"))
     args = parser.parse_args()
@@ -71,9 +76,12 @@ def main():
         extra = dict(attention_backend="CUSTOM", additional_config={
             "moira": {"imposed_fraction": knots, "stats_interval": 0}})
     longest = max(context for _, context, _ in shapes)
+    max_model_len = max(args.max_model_len or 0, longest + args.steps + 64)
     llm = LLM(model=model_dir("llama-3.1-8b", 0), load_format="dummy", skip_tokenizer_init=True,
-              block_size=64, max_model_len=longest + args.steps + 64, enable_prefix_caching=True,
-              max_num_seqs=max(b for _, _, b in shapes), max_num_batched_tokens=16384,
+              block_size=64, max_model_len=max_model_len, enable_prefix_caching=True,
+              max_num_seqs=max(b for _, _, b in shapes),
+              # vLLM's warm-up request of this many tokens must fit max_model_len (vllm_tpot.py)
+              max_num_batched_tokens=min(16384, max_model_len * max(b for _, _, b in shapes)),
               gpu_memory_utilization=0.88, seed=0, **extra)
     rng = random.Random(0)
     results = []
@@ -128,7 +136,8 @@ def main():
                                               "total_ms", "gpu_span_ms_per_step",
                                               "gpu_idle_ms_per_step", "wall_ms_per_step")}), flush=True)
         with open(args.out, "w") as f:
-            json.dump(dict(backend=args.backend, gpu=torch.cuda.get_device_name(),
+            json.dump(dict(backend=args.backend, max_model_len=max_model_len,
+                           gpu=torch.cuda.get_device_name(),
                            versions=dict(torch=torch.__version__),
                            command="python3 " + " ".join(sys.argv),
                            date=time.strftime("%Y-%m-%d %H:%M:%S"),

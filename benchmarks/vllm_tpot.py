@@ -108,9 +108,6 @@ def main():
     parser.add_argument("--step-programs", type=int, default=None,
                         help="moira: Attend's split, MoiraConfig.step_programs (default: its "
                              "own; 0: the paper's Eq. 4)")
-    parser.add_argument("--launched-programs", type=int, default=None,
-                        help="moira: Attend's grid, MoiraConfig.launched_programs (default: "
-                             "its own, 0: J programs per row)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="the engine's max_model_len (default: the longest shape + the "
                              "tokens + 64; 131072 sizes the block table as serve_bench.sh's "
@@ -193,7 +190,6 @@ def main():
                            floor_rows=settings.floor_rows if settings else None,
                            min_programs=settings.min_programs if settings else None,
                            step_programs=settings.step_programs if settings else None,
-                           launched_programs=settings.launched_programs if settings else None,
                            # what Attend ran with, set or default (None: the setting unset)
                            attend_split={key: getattr(settings.config, key) for key in
                                          ("chunk_pages", *SPLIT_SETTINGS)} if settings else None,

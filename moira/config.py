@@ -64,12 +64,6 @@ class MoiraConfig:
         N_J, the fewest programs Attend launches per row.
     min_programs:
         N_T, the fewest programs Attend launches in all (so a few long rows still fill the GPU).
-    launched_programs:
-        ``"rows"`` only. 0: Attend launches J programs per row, program j taking chunk j (Eq. 4's
-        grid). N > 0: it launches P = min(J, ceil(N / rows)) per row, program p taking chunks
-        p, p + P, ... of the same split (so Merge and the partials are unchanged). In an engine
-        J covers a list as long as the block table, and most programs of a typical step exit
-        at once. Untimed (session 18): off.
     programs:
         P of the balanced schedule: programs launched per step.
     bisection_ways:
@@ -88,7 +82,6 @@ class MoiraConfig:
     step_programs: int = 256
     min_chunks_per_row: int = 32
     min_programs: int = 4096
-    launched_programs: int = 0
     programs: int = 1056
     bisection_ways: tuple[tuple[int, int], ...] = ((256, 8), (4096, 4), (32768, 2))
 
@@ -124,13 +117,6 @@ class MoiraConfig:
             raise ValueError(f"step_programs * chunk_pages must be below 2**31 (the kernels plan "
                              f"short rows in int32), got {self.step_programs!r} * "
                              f"{self.chunk_pages!r}; lower step_programs")
-        if (isinstance(self.launched_programs, bool)
-                or not isinstance(self.launched_programs, int) or self.launched_programs < 0):
-            raise ValueError(f"launched_programs must be an int >= 0 (0: J programs per row), "
-                             f"got {self.launched_programs!r}")
-        if self.launched_programs and self.schedule != "rows":
-            raise ValueError("launched_programs sets the 'rows' schedule's grid; use "
-                             "schedule='rows' or launched_programs=0")
         if (isinstance(self.dense_below_pages, bool) or not isinstance(self.dense_below_pages, int)
                 or self.dense_below_pages < 0):
             raise ValueError(f"dense_below_pages must be an int >= 0 (0 turns it off), got "

@@ -314,10 +314,8 @@ def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page
                      step_rows=rows, step_programs=config.step_programs)
         attend_kernel, merge_kernel = _launch_attend, _launch_merge
         split["programmatic_launch"] = config.programmatic_launch
-    grid = {} if config.schedule == "balanced" else dict(
-        launched_programs=config.launched_programs)  # Attend's alone; Merge reads the split
     attend_kernel(*inputs, scale=scale, out=out, partial_out=partials[0],
-                  partial_lse=partials[1], **split, **grid)
+                  partial_lse=partials[1], **split)
     merge_kernel(page_counts, *partials, out, num_kv_heads=num_kv_heads, **split, **stats)
     return out
 

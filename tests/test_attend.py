@@ -264,26 +264,3 @@ def test_equal_chunks_and_eq4_chunks(monkeypatch, even):
                  workspace=workspace, out=out)
     args = [t.cpu() for t in (query, keys, values, table, seq_lens, page_lists, page_counts)]
     assert_attention_close(out, ref.attend(*args), ref.attend(*args, dtype=query.dtype))
-
-
-@pytest.mark.parametrize("launched, per_row", [(1, 1), (10, 1), (25, 3)])
-def test_fewer_programs_than_chunks_take_every_pth_chunk(launched, per_row):
-    """``launched_programs``: 1 and 10 launch one program per row (10 rows), which then runs
-    all of its row's chunks, 25 three per row (chunks p, p + 3, ...); the chunks, and so the
-    partials Merge combines, stay Eq. (4)'s: the kernel writes every chunk the reference plans,
-    and the output matches the reference."""
-    config = MoiraConfig(chunk_pages=2, min_chunks_per_row=8, min_programs=8,
-                         launched_programs=launched)
-    query, keys, values, table, seq_lens, _, _ = mixed_rows()
-    # every page of each row listed (some rows empty): chunk counts 1 to 8, the same every run
-    page_lists, page_counts = random_lists(seq_lens.cpu(), 2, table.shape[1], fraction=1.0,
-                                           shuffle=True)
-    rows = page_counts.numel()
-    chunks_per_row, _, chunks = ref.work_split(page_counts.cpu().flatten(), rows, config,
-                                               max_pages=table.shape[1])
-    assert rows == 10 and chunks_per_row == 8 and chunks.max() == 8  # so P < a row's chunks
-    assert attend_module.launched_per_row(rows, chunks_per_row, launched) == per_row
-    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
-    split = [c if c > 1 else 0 for c in chunks.tolist()]  # one-chunk rows write no partial
-    assert kernel_chunks(query, keys, values, table, seq_lens, page_lists, page_counts, config,
-                         chunks_per_row) == split

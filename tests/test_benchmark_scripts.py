@@ -540,7 +540,8 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
     assert "Merge in Attend's launch (ms) |" in text.splitlines()[0]
     assert text.splitlines()[2].endswith(
         "| 5.05 | +1.0% | **+1.0%** | 5.10 | +2.0% | **+2.0%** | 5.01 | +0.2% | **+0.2%** |")
-    # Attend's grid set (tpot_pairs.sh arm launch): its own column beside the plain Moira run
+    # Attend's grid set (session 19's arm launch, since removed; its files stay readable): its
+    # own column beside the plain Moira run
     run = dict(model="llama-3.1-8b", gamma=0.98, backend="moira", dense_below_tokens=20480,
                launched_programs=792,
                results=[dict(shape="2k1", tpot_ms=5.02, imposed_read_fraction=0.4)])
@@ -624,7 +625,8 @@ def test_programs_report_means_runs_and_compares_each_n_t_with_the_default(tmp_p
     first = run(tmp_path / "a.json", {(8192, 1): {4096: 22.0, 512: 19.0},
                                       (131072, 4): {4096: 60.0, 512: 61.0}})
     second = run(tmp_path / "b.json", {(8192, 1): {4096: 22.2, 512: 19.4}})
-    # a launched-programs arm: the default N_T, its own column after the N_T ones
+    # a launched-programs arm (session 19's files): the default N_T, its own column after the
+    # N_T ones
     rows = json.loads((tmp_path / "b.json").read_text())
     rows["results"][0]["us_per_layer"]["step_launch396"] = 20.0
     rows["results"][0]["programs_sweep"]["step_launch396"] = dict(
@@ -670,3 +672,36 @@ def test_serve_report_run_inside_its_folder_plots_beside_the_folder(tmp_path, mo
     report.main()
     assert (tmp_path / "serve-b8.png").is_file()
     assert not list(folder.glob(".*png"))
+
+
+def test_bench_single_takes_several_widths_but_its_sweeps_only_one(monkeypatch, capsys):
+    bench_single = load("bench_single")
+    monkeypatch.setattr(sys, "argv", ["bench_single.py", "--width", "261,2048",
+                                      "--programs-sweep"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_single.main()
+    assert exit_info.value.code == 2
+    assert "take one --width" in capsys.readouterr().err
+
+
+def test_bench_single_plot_names_the_widths_when_a_run_has_several(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    bench_single = load("bench_single")
+    rows = [dict(context=8192, batch=1, width=width, read_fraction=0.42,
+                 us_per_layer=dict(fa3_dense=15.0, estimate=4.8, select=6.4, attend_merge=11.0,
+                                   step_full_rows=21.0 + width / 1000))
+            for width in (261, 2048)]
+    path = tmp_path / "single.json"
+    path.write_text(json.dumps(dict(gpu="H200", date="2026-12-01", results=rows)))
+    labels = []
+    original = matplotlib.axes.Axes.set_xticks
+
+    def record(self, ticks, names=None, **kwargs):
+        labels.extend(names or [])
+        return original(self, ticks, names, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_xticks", record)
+    bench_single.plot(str(path))
+    assert labels == ["8k, 261 pages\n(reads 0.42)", "8k, 2048 pages\n(reads 0.42)"]
+    assert (tmp_path / "single.png").is_file()

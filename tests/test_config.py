@@ -47,17 +47,10 @@ def test_chunk_floor_shrinks_for_small_batches():
     ("programmatic_launch", "yes"), ("step_programs", -1), ("step_programs", 1.5),
     ("step_programs", True),
     ("step_programs", 89478486),  # * 24 pages = 2**31 + 16: the int32 floor would overflow
-    ("launched_programs", -1), ("launched_programs", 2.0), ("launched_programs", True),
 ])
 def test_bad_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         MoiraConfig(**{field: value})
-
-
-def test_launched_programs_belongs_to_the_rows_schedule():
-    assert MoiraConfig(launched_programs=792).launched_programs == 792
-    with pytest.raises(ValueError, match="launched_programs sets the 'rows' schedule's grid"):
-        MoiraConfig(schedule="balanced", launched_programs=792)
 
 
 def test_the_largest_step_programs_for_the_chunk_floor_is_accepted():

@@ -17,10 +17,7 @@ pytestmark = pytest.mark.cuda
                                                     (0.95, None, "rows, programmatic launch"),
                                                     (0.98, 12, "rows, programmatic launch"),
                                                     (0.95, None,
-                                                     "rows, programmatic launch, short rows"),
-                                                    (0.95, None, "rows, launched programs"),
-                                                    (0.95, None, "rows, programmatic launch, "
-                                                                 "launched programs")])
+                                                     "rows, programmatic launch, short rows")])
 def test_graph_replay_matches_eager(gamma, top_k, schedule):
     batch, num_kv_heads, group, head_dim, width = 4, 8, 4, 128, 96
     ctx = synthetic_context(width * PAGE_SIZE, batch=batch, num_kv_heads=num_kv_heads,
@@ -41,10 +38,7 @@ def test_graph_replay_matches_eager(gamma, top_k, schedule):
                                       config=moira.MoiraConfig(
                                           schedule=schedule.split(",")[0], programs=264,
                                           programmatic_launch="programmatic" in schedule,
-                                          dense_below_pages=48 if "short" in schedule else 0,
-                                          # 32 rows: one Attend program per row, looping
-                                          launched_programs=32 if "launched" in schedule
-                                          else 0))
+                                          dense_below_pages=48 if "short" in schedule else 0))
     # with programmatic launch, the same step launched plainly is the reference too: a kernel
     # reading before the previous one's writes land would differ from it
     plain = moira.DecodeWorkspace(batch, width, num_kv_heads * group, num_kv_heads, head_dim,

@@ -32,9 +32,7 @@ PDL = dict(programmatic_launch=True)
                          # on a GPU, one eager step with griddepcontrol between the kernels
                          # (the interpreter launches plainly; the race test is in
                          # test_cuda_graph.py)
-                         + [(4, 128, PDL)]
-                         # Attend's grid of one program per row, which runs all its chunks
-                         + [(4, 128, dict(launched_programs=1))])
+                         + [(4, 128, PDL)])
 def test_sparse_decode_matches_reference(group, head_dim, options):
     ctx, summaries = structured_step(group=group, head_dim=head_dim)
     inputs = (ctx.query, ctx.key_cache, ctx.value_cache, summaries, ctx.block_table,

@@ -45,8 +45,6 @@ def test_settings_come_from_additional_config_then_environment():
     assert eq4.config.step_programs == 0
     assert MoiraSettings.from_sources({"moira": {"step_programs": 256}}, {}
                                       ).config.step_programs == 256
-    assert MoiraSettings.from_sources(None, {"MOIRA_LAUNCHED_PROGRAMS": "792"}
-                                      ).config.launched_programs == 792
     assert MoiraSettings().config == moira.MoiraConfig()  # unset: MoiraConfig's defaults
     assert MoiraSettings().describe().startswith(
         "Moira attention: gamma=0.98, other settings default (")

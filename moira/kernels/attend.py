@@ -6,9 +6,8 @@ alone. Program (row, j) reads the row's list length n from GPU memory and plans 
     c = max(C, ceil(n / J))      pages per chunk
     m = ceil(n / c)              chunks of this row (at least 1)
 
-and processes pages [j c, min((j + 1) c, n)) or exits if j >= m (``launched_programs``, off:
-fewer programs per row, each taking every P-th chunk). (``EVEN_CHUNKS``, off, makes the m
-chunks equal instead, c = ceil(n / m): timed slower at 8k x 32.) All G query
+and processes pages [j c, min((j + 1) c, n)) or exits if j >= m. (``EVEN_CHUNKS``, off,
+makes the m chunks equal instead, c = ceil(n / m): timed slower at 8k x 32.) All G query
 heads of the group share each K/V tile (one read of every K/V byte per group). A
 single-chunk row writes its output directly; otherwise each chunk writes its normalized
 partial output and log-sum-exp for Merge.
@@ -56,16 +55,6 @@ FA3_TILE_ORDER = False
 # on the H200 (session 9, tune_kernels.py --kinds step, 22% of every row) 7% slower at 8k x 32
 # (72.2 against 67.4 us) and equal at 32k-131k (within 0.3%): off, Eq. (4) as is
 EVEN_CHUNKS = False
-# registers of the strided build (``MoiraConfig.launched_programs``: fewer programs than J,
-# each taking every P-th chunk of its row; why: J covers the longest list a row of the block
-# table's width can hold, 342 per row at batch 1 with a 2,048-page table and 86 at 4 requests,
-# so most programs of a typical step exit at once, and an exiting program still takes one of
-# an SM's three Attend slots, 72 KB of shared memory and 147 registers, while it loads its
-# row's length) (0: ptxas's choice, 255 on sm_90, i.e. two programs per SM
-# instead of the plain build's three at 147; 168 keeps three with 48 bytes of stack spilled:
-# tune_kernels.py --kinds launched times both; compile_check.py, which fails on any spill,
-# would then need to allow those bytes)
-STRIDED_MAX_REGISTERS = 0
 
 
 @triton.jit
@@ -210,54 +199,18 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
                    step_rows, step_programs, short_pages,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr, SUM_ROUNDED: tl.constexpr,
-                   FA3_ORDER: tl.constexpr, EVEN_CHUNKS: tl.constexpr, STRIDED: tl.constexpr,
-                   PDL: tl.constexpr):
+                   FA3_ORDER: tl.constexpr, EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
+    chunk_id = tl.program_id(1)
     b = row // num_kv_heads
     head = row % num_kv_heads
     count, chunk, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
                                         chunk_floor, chunks_per_row, step_rows,
                                         step_programs, short_pages, EVEN_CHUNKS)
-    # two call sites, not one loop: the loop in the default build takes 255 registers (two
-    # programs per SM) against 147 (three) on sm_90
-    if STRIDED:  # fewer programs than J: each takes every P-th chunk (launched_programs)
-        for chunk_id in range(tl.program_id(1), num_chunks, tl.num_programs(1)):
-            attend_chunk(query, key_cache, value_cache, block_table, seq_lens, page_lists,
-                         out, partial_out, partial_lse, row, b, head, chunk_id, chunk, count,
-                         num_chunks, stride_qb, stride_qh, stride_qd,
-                         stride_kp, stride_kt, stride_kh, stride_kd,
-                         stride_vp, stride_vt, stride_vh, stride_vd,
-                         stride_bt, stride_pb, stride_ph, stride_ob, stride_oh, stride_od,
-                         max_pages, qk_scale_log2, chunks_per_row, GROUP, GROUP_PAD,
-                         HEAD_DIM, PAGE, PAGES_PER_TILE, SUM_ROUNDED, FA3_ORDER)
-    else:
-        chunk_id = tl.program_id(1)
-        if chunk_id >= num_chunks:
-            return
-        attend_chunk(query, key_cache, value_cache, block_table, seq_lens, page_lists,
-                     out, partial_out, partial_lse, row, b, head, chunk_id, chunk, count,
-                     num_chunks, stride_qb, stride_qh, stride_qd,
-                     stride_kp, stride_kt, stride_kh, stride_kd,
-                     stride_vp, stride_vt, stride_vh, stride_vd,
-                     stride_bt, stride_pb, stride_ph, stride_ob, stride_oh, stride_od,
-                     max_pages, qk_scale_log2, chunks_per_row, GROUP, GROUP_PAD,
-                     HEAD_DIM, PAGE, PAGES_PER_TILE, SUM_ROUNDED, FA3_ORDER)
+    if chunk_id >= num_chunks:
+        return
 
-
-@triton.jit
-def attend_chunk(query, key_cache, value_cache, block_table, seq_lens, page_lists,
-                 out, partial_out, partial_lse, row, b, head, chunk_id, chunk, count,
-                 num_chunks, stride_qb, stride_qh, stride_qd,
-                 stride_kp, stride_kt, stride_kh, stride_kd,
-                 stride_vp, stride_vt, stride_vh, stride_vd,
-                 stride_bt, stride_pb, stride_ph, stride_ob, stride_oh, stride_od,
-                 max_pages, qk_scale_log2, chunks_per_row,
-                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr, SUM_ROUNDED: tl.constexpr,
-                 FA3_ORDER: tl.constexpr):
-    """Chunk ``chunk_id`` of row (b, head): its listed pages ``[chunk_id * chunk, ...)``,
-    written to ``out`` when it is the row's only chunk, else to the partials for Merge."""
     start = chunk_id * chunk
     result, lse = attend_segment(
         query, key_cache, value_cache, block_table, seq_lens, page_lists, b, head, start,
@@ -278,29 +231,17 @@ def attend_chunk(query, key_cache, value_cache, block_table, seq_lens, page_list
         tl.store(partial_lse + slot, lse, mask=groups < GROUP)
 
 
-def launched_per_row(rows, chunks_per_row, launched_programs):
-    """Programs Attend launches per row: J, or fewer with ``launched_programs`` N > 0."""
-    if not launched_programs:
-        return chunks_per_row
-    return min(chunks_per_row, max(1, triton.cdiv(launched_programs, max(rows, 1))))
-
-
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
            scale, chunk_floor, chunks_per_row, out, partial_out, partial_lse, step_rows=0,
-           step_programs=0, launched_programs=0, programmatic_launch=False):
-    """Launch (batch * KV heads, J) programs (fewer with ``launched_programs``).
-    ``partial_out`` ``[>= rows * J * G * D]`` and ``partial_lse`` ``[>= rows * J * G]`` are
-    float32 scratch (only split rows write them);
+           step_programs=0, programmatic_launch=False):
+    """Launch (batch * KV heads, J) programs. ``partial_out`` ``[>= rows * J * G * D]`` and
+    ``partial_lse`` ``[>= rows * J * G]`` are float32 scratch (only split rows write them);
     ``step_rows``: the rows the split is planned for (a captured graph's padded batch)."""
     assert step_rows > 0 or not step_programs, "step_programs needs the planned step_rows"
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    rows = batch * num_kv_heads
-    launched = launched_per_row(rows, chunks_per_row, launched_programs)
-    strided = launched < chunks_per_row
-    registers = {"maxnreg": STRIDED_MAX_REGISTERS} if strided and STRIDED_MAX_REGISTERS else {}
-    _attend_kernel[(rows, launched)](
+    _attend_kernel[(batch * num_kv_heads, chunks_per_row)](
         query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
         out, partial_out, partial_lse,
         *query.stride(), *key_cache.stride(), *value_cache.stride(),
@@ -310,8 +251,8 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         short_row_pages(chunk_floor, step_rows, step_programs),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE=PAGE_SIZE, PAGES_PER_TILE=PAGES_PER_ITER, SUM_ROUNDED=SUM_ROUNDED_WEIGHTS,
-        FA3_ORDER=FA3_TILE_ORDER, EVEN_CHUNKS=EVEN_CHUNKS, STRIDED=strided,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **registers,
+        FA3_ORDER=FA3_TILE_ORDER, EVEN_CHUNKS=EVEN_CHUNKS,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         **launch.options(programmatic_launch, "attend"),
     )
     return out

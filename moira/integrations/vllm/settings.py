@@ -63,9 +63,6 @@ key                environment variable     meaning
 ``step_programs``  ``MOIRA_STEP_PROGRAMS``  Attend's split: a short row of a small step is
                                             cut finer so the step has about this many
                                             programs (default 256; 0: the paper's Eq. 4)
-``launched_programs``  ``MOIRA_LAUNCHED_PROGRAMS``  Attend's grid: about this many programs
-                                            per step, each taking every P-th chunk of its
-                                            row, instead of J per row (default 0: J; untimed)
 =================  =======================  ==================================================
 """
 
@@ -78,7 +75,7 @@ from collections.abc import Mapping
 from ...config import PAGE_SIZE, MoiraConfig
 
 # settings passed through to MoiraConfig's fields of the same name (None: its default)
-SPLIT_SETTINGS = ("floor_rows", "min_programs", "step_programs", "launched_programs")
+SPLIT_SETTINGS = ("floor_rows", "min_programs", "step_programs")
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_KV_CACHE_DTYPES = (None, "auto", "bfloat16", "float16")
@@ -99,7 +96,6 @@ class MoiraSettings:
     floor_rows: int | None = None  # None: MoiraConfig's
     min_programs: int | None = None
     step_programs: int | None = None
-    launched_programs: int | None = None
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
             "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE",
@@ -108,8 +104,7 @@ class MoiraSettings:
             "exact_prefill": "MOIRA_EXACT_PREFILL",
             "dense_below_tokens": "MOIRA_DENSE_BELOW_TOKENS",
             "calibration": "MOIRA_CALIBRATION", "floor_rows": "MOIRA_FLOOR_ROWS",
-            "min_programs": "MOIRA_MIN_PROGRAMS", "step_programs": "MOIRA_STEP_PROGRAMS",
-            "launched_programs": "MOIRA_LAUNCHED_PROGRAMS"}
+            "min_programs": "MOIRA_MIN_PROGRAMS", "step_programs": "MOIRA_STEP_PROGRAMS"}
 
     def __post_init__(self):
         tokens = self.dense_below_tokens
