@@ -70,7 +70,7 @@ def load(folders):
                 variant = "+".join(filter(None, [variant, "split"]))  # Attend's split changed
             if run.get("step_programs") is not None:  # the short-row floor (0: Eq. 4 alone)
                 variant = "+".join(filter(None, [variant, f"T={run['step_programs']}"]))
-            if run.get("launched_programs"):  # Attend's grid (session 19's arm launch, since removed)
+            if run.get("launched_programs"):  # Attend's grid (session 19's arm, removed)
                 variant = "+".join(filter(None, [variant, f"P={run['launched_programs']}"]))
             if variant:
                 key = (run["model"], variant)
