@@ -32,8 +32,8 @@ arm is therefore timed over 32 layers captured in one CUDA graph
   ``--split-sweep`` arms set it).
 
 - ``--width PAGES[,PAGES...]``: the block table's pages per row (default 1030, a 66k-token
-  engine; a vLLM engine admitting 131,072 tokens, as ``serve_bench.sh``'s, has 2,048, one
-  admitting 16k + 512 tokens 261). Attend's J and Estimate's grid follow the width, so
+  engine; a vLLM engine admitting 131,072 tokens, as ``serve_bench.sh``'s, has 2,048;
+  ``vllm_tpot.py``'s 2k1,8k1,16k1 engine, 16,704 tokens, 261). Attend's J and Estimate's grid follow the width, so
   programs that exit at once grow with it. Several widths time each shape at each in turn,
   in one run (each result row gives its ``width``).
 - ``--spread``: per-(layer, KV head) read fractions as the plugin imposes them
@@ -147,8 +147,8 @@ class Layers:
 
 
 def plot(path):
-    """Per-layer time against context: FA3, Moira's step (its kernels stacked, with the
-    summarize launch of files that timed one) and the step with the row read in full;
+    """Per-layer time against context: FA3 (runs with vLLM), Moira's step (its kernels stacked,
+    with the summarize launch of files that timed one) and the step with the row read in full;
     ``<path>.png``."""
     import matplotlib
 
@@ -157,11 +157,12 @@ def plot(path):
 
     with open(path) as f:
         report = json.load(f)
-    rows = [r for r in report["results"] if "fa3_dense" in r["us_per_layer"]]
+    rows = [r for r in report["results"] if "attend_merge" in r["us_per_layer"]]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(8, 4))
-    ax.bar([i - 0.27 for i in x], [r["us_per_layer"]["fa3_dense"] for r in rows], 0.27,
-           color="0.6", label="dense FA3")
+    if any("fa3_dense" in r["us_per_layer"] for r in rows):  # runs without vLLM have no FA3
+        ax.bar([i - 0.27 for i in x], [r["us_per_layer"].get("fa3_dense", 0.0) for r in rows],
+               0.27, color="0.6", label="dense FA3")
     bottom = [0.0] * len(rows)
     for part, color in (("summarize", "tab:gray"), ("estimate", "tab:green"),
                         ("select", "tab:orange"), ("attend_merge", "tab:blue")):
@@ -171,7 +172,8 @@ def plot(path):
     ax.bar([i + 0.27 for i in x], [r["us_per_layer"].get("summarize", 0.0)
                                    + r["us_per_layer"].get("step_full_rows", 0.0) for r in rows],
            0.27, color="tab:purple", label="Moira, row read in full")
-    widths = len({r.get("width") for r in rows}) > 1  # name each bar's width when they differ
+    # name each bar's table width when a shape was timed at several
+    widths = len({(r["context"], r["batch"]) for r in rows}) < len(rows)
     ax.set_xticks(list(x), [f"{r['context'] // 1024}k" + (f", {r['width']} pages" if widths
                                                           else "")
                             + f"\n(reads {r['read_fraction']:.2f})" for r in rows])
@@ -286,6 +288,27 @@ def programs_report(paths):
     return "\n".join(lines)
 
 
+def page_widths(text):
+    """``--width``: comma-separated positive page counts."""
+    try:
+        widths = [int(width) for width in text.split(",")]
+    except ValueError:
+        widths = []
+    if not widths or min(widths) < 1:
+        raise argparse.ArgumentTypeError(f"expected pages per row, e.g. 2048 or 261,2048; got "
+                                          f"{text!r}")
+    return widths
+
+
+def timed_shapes(contexts, batches, widths):
+    """(context, batch, table width) in timing order, each width at least the row's pages and
+    two more (as ``Layers`` builds the table), so a shape whose rows outgrow several of the
+    requested widths is timed once at the width it gets."""
+    batches, widths = list(batches), list(widths)
+    return list(dict.fromkeys((context, batch, max(width, context // PAGE + 2))
+                              for context in contexts for batch in batches for width in widths))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--contexts", default="2048,8192,32768,65536,131072")
@@ -297,7 +320,7 @@ def main():
     parser.add_argument("--split-sweep", action="store_true",
                         help="also time the step (rows as the plugin runs them) at each "
                              "SPLIT_SWEEP chunk floor and J: split_c<floor>_j<J>")
-    parser.add_argument("--width", default=str(WIDTH),
+    parser.add_argument("--width", default=[WIDTH], type=page_widths,
                         help="block-table pages per row (2048: a 131,072-token vLLM engine); "
                              "several, e.g. 261,2048, time each shape at each width in turn")
     parser.add_argument("--spread", action="store_true",
@@ -316,6 +339,9 @@ def main():
     if args.split_report:
         table, _, verdict = split_report(args.split_report)
         return print(f"{table}\n\n{verdict}")
+    if len(args.width) > 1 and (args.programs_sweep or args.split_sweep):
+        parser.error("--programs-sweep and --split-sweep take one --width (their reports key "
+                     "rows by shape)")
     try:
         import vllm
         from vllm.vllm_flash_attn import flash_attn_interface as fa
@@ -324,17 +350,15 @@ def main():
         fa, vllm_version = None, f"unavailable: {error}"
     from moira.decode import _launch_estimate, _launch_select
 
-    widths = [int(width) for width in args.width.split(",")]
-    if len(widths) > 1 and (args.programs_sweep or args.split_sweep):
-        parser.error("--programs-sweep and --split-sweep take one --width (their reports key "
-                     "rows by shape)")
     results = []
-    shapes = [(context, batch, width) for context in map(int, args.contexts.split(","))
-              for batch in map(int, args.batches.split(",")) for width in widths]
+    shapes = timed_shapes(map(int, args.contexts.split(",")), map(int, args.batches.split(",")),
+                          args.width)
     for context, batch, width in shapes:
         if cache_bytes(context, batch) > 80e9:
             print(f"{context:>7} x{batch} w{width}: skipped (caches over 80 GB)", flush=True)
             continue
+        s = None  # the previous shape's caches go before this one's are made
+        torch.cuda.empty_cache()
         s = Layers(context, batch, width, args.spread)
         rows = batch * KV_HEADS
         row = dict(context=context, batch=batch, read_fraction=s.fraction, width=s.width,

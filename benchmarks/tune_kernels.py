@@ -81,6 +81,10 @@ def main():
                              "context is this many pages (vllm_tpot.py's: ~2,040)")
     args = parser.parse_args()
     kinds = set(args.kinds.split(","))
+    known = {"estimate", "exact", "select", "attend", "tiles", "balanced", "fractions", "step",
+             "wide"}
+    if kinds - known:  # a kind since removed would otherwise time nothing, silently
+        parser.error(f"--kinds: unknown {sorted(kinds - known)}; known: {sorted(known)}")
     results = []
     names = {f"{context // 1024}k{batch}" for context, batch in SHAPES + EXTRA_SHAPES}
     wanted = set(filter(None, args.shapes.split(",")))

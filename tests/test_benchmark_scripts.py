@@ -674,14 +674,28 @@ def test_serve_report_run_inside_its_folder_plots_beside_the_folder(tmp_path, mo
     assert not list(folder.glob(".*png"))
 
 
-def test_bench_single_takes_several_widths_but_its_sweeps_only_one(monkeypatch, capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--width", "261,2048", "--programs-sweep"], "take one --width"),
+    (["--width", "261,2048", "--split-sweep"], "take one --width"),
+    (["--width", "26l"], "expected pages per row"),
+    (["--width", "261,"], "expected pages per row"),
+    (["--width", "0"], "expected pages per row"),
+])
+def test_bench_single_refuses_bad_widths_before_it_starts(monkeypatch, capsys, argv, message):
     bench_single = load("bench_single")
-    monkeypatch.setattr(sys, "argv", ["bench_single.py", "--width", "261,2048",
-                                      "--programs-sweep"])
+    monkeypatch.setattr(sys, "argv", ["bench_single.py", *argv])
     with pytest.raises(SystemExit) as exit_info:
         bench_single.main()
     assert exit_info.value.code == 2
-    assert "take one --width" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
+
+
+def test_bench_single_times_each_shape_once_per_distinct_width():
+    bench_single = load("bench_single")
+    assert bench_single.page_widths("261,2048") == [261, 2048]
+    # 8k rows (128 pages) fit both tables; 128k rows (2,048 pages) outgrow both: one 2,050
+    assert bench_single.timed_shapes([8192, 131072], [1], [261, 2048]) == [
+        (8192, 1, 261), (8192, 1, 2048), (131072, 1, 2050)]
 
 
 def test_bench_single_plot_names_the_widths_when_a_run_has_several(tmp_path, monkeypatch):
@@ -692,6 +706,11 @@ def test_bench_single_plot_names_the_widths_when_a_run_has_several(tmp_path, mon
                  us_per_layer=dict(fa3_dense=15.0, estimate=4.8, select=6.4, attend_merge=11.0,
                                    step_full_rows=21.0 + width / 1000))
             for width in (261, 2048)]
+    # one width per shape, as a run at one --width gives (the 128k row's table is wider):
+    # no width in the labels
+    single = [dict(rows[0], width=1030, us_per_layer=dict(rows[0]["us_per_layer"])),
+              dict(rows[0], context=131072, width=2050,
+                   us_per_layer=dict(rows[0]["us_per_layer"]))]
     path = tmp_path / "single.json"
     path.write_text(json.dumps(dict(gpu="H200", date="2026-12-01", results=rows)))
     labels = []
@@ -705,3 +724,14 @@ def test_bench_single_plot_names_the_widths_when_a_run_has_several(tmp_path, mon
     bench_single.plot(str(path))
     assert labels == ["8k, 261 pages\n(reads 0.42)", "8k, 2048 pages\n(reads 0.42)"]
     assert (tmp_path / "single.png").is_file()
+    labels.clear()
+    path.write_text(json.dumps(dict(gpu="H200", date="2026-12-01", results=single)))
+    bench_single.plot(str(path))
+    assert labels == ["8k\n(reads 0.42)", "128k\n(reads 0.42)"]
+    # a run without vLLM has no FA3 arm: Moira's bars are still drawn
+    for row in single:
+        del row["us_per_layer"]["fa3_dense"]
+    path.write_text(json.dumps(dict(gpu="H200", date="2026-12-01", results=single)))
+    labels.clear()
+    bench_single.plot(str(path))
+    assert labels == ["8k\n(reads 0.42)", "128k\n(reads 0.42)"]
