@@ -31,6 +31,9 @@ KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
 SHAPES = [(8192, 32), (32768, 16), (65536, 8), (131072, 4)]
 EXTRA_SHAPES = [(16384, 32)]  # timed only when named in --shapes (256-page rows: Select's warps)
 PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
+# --kinds ("exact": Estimate's exact-page forms alone)
+KINDS = ("estimate", "exact", "select", "attend", "tiles", "balanced", "fractions", "step",
+         "wide")
 
 
 def bench(fn):
@@ -72,8 +75,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer variants")
     parser.add_argument("--kinds", default="estimate,select,attend,step",
-                        help="comma-separated subset of estimate,exact (Estimate's exact-page "
-                             "forms alone),select,attend,tiles,balanced,fractions,step,wide")
+                        help=f"comma-separated subset of {','.join(KINDS)}")
     parser.add_argument("--shapes", default="",
                         help="comma-separated subset of 8k32,32k16,64k8,128k4 (default: all)")
     parser.add_argument("--table-pages", type=int, default=2048,
@@ -81,10 +83,8 @@ def main():
                              "context is this many pages (vllm_tpot.py's: ~2,040)")
     args = parser.parse_args()
     kinds = set(args.kinds.split(","))
-    known = {"estimate", "exact", "select", "attend", "tiles", "balanced", "fractions", "step",
-             "wide"}
-    if kinds - known:  # a kind since removed would otherwise time nothing, silently
-        parser.error(f"--kinds: unknown {sorted(kinds - known)}; known: {sorted(known)}")
+    if kinds - set(KINDS):  # a kind since removed would otherwise time nothing, silently
+        parser.error(f"--kinds: unknown {sorted(kinds - set(KINDS))}; known: {', '.join(KINDS)}")
     results = []
     names = {f"{context // 1024}k{batch}" for context, batch in SHAPES + EXTRA_SHAPES}
     wanted = set(filter(None, args.shapes.split(",")))

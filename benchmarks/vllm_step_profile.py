@@ -77,11 +77,12 @@ def main():
             "moira": {"imposed_fraction": knots, "stats_interval": 0}})
     longest = max(context for _, context, _ in shapes)
     max_model_len = max(args.max_model_len or 0, longest + args.steps + 64)
+    max_num_seqs = max(b for _, _, b in shapes)
     llm = LLM(model=model_dir("llama-3.1-8b", 0), load_format="dummy", skip_tokenizer_init=True,
               block_size=64, max_model_len=max_model_len, enable_prefix_caching=True,
-              max_num_seqs=max(b for _, _, b in shapes),
+              max_num_seqs=max_num_seqs,
               # vLLM's warm-up request of this many tokens must fit max_model_len (vllm_tpot.py)
-              max_num_batched_tokens=min(16384, max_model_len * max(b for _, _, b in shapes)),
+              max_num_batched_tokens=min(16384, max_model_len * max_num_seqs),
               gpu_memory_utilization=0.88, seed=0, **extra)
     rng = random.Random(0)
     results = []

@@ -735,3 +735,12 @@ def test_bench_single_plot_names_the_widths_when_a_run_has_several(tmp_path, mon
     labels.clear()
     bench_single.plot(str(path))
     assert labels == ["8k\n(reads 0.42)", "128k\n(reads 0.42)"]
+
+
+def test_tune_kernels_refuses_an_unknown_kind(monkeypatch, capsys):
+    tune = load("tune_kernels")
+    monkeypatch.setattr(sys, "argv", ["tune_kernels.py", "--kinds", "attend,launched"])
+    with pytest.raises(SystemExit) as exit_info:
+        tune.main()
+    assert exit_info.value.code == 2
+    assert "unknown ['launched']" in capsys.readouterr().err
