@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -47,6 +48,16 @@ def kernel_class(name):
         if any(needle in name for needle in needles):
             return label
     return "other"
+
+
+def call_stats(durations_us):
+    """Calls, the 10th / 90th percentiles (nearest rank), median and largest duration (µs)."""
+    ordered = sorted(durations_us)
+    def at(q):
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+    return dict(calls=len(ordered), p10_us=at(0.1),
+                median_us=round(statistics.median(ordered), 2), p90_us=at(0.9),
+                max_us=round(ordered[-1], 2))
 
 
 def main():
@@ -117,9 +128,11 @@ def main():
             idle_us += max(0.0, event.time_range.start - busy_until)
             busy_until = max(busy_until, event.time_range.end)
         span_us = busy_until - activity[0].time_range.start
-        top = {}
+        top, calls = {}, {}
         for event in kernels:
             top[event.name] = top.get(event.name, 0.0) + event.device_time_total
+            calls.setdefault(event.name, []).append(event.device_time_total)
+        top_names = sorted(top, key=lambda name: -top[name])[:15]
         row = dict(shape=name, context=context, prompt_tokens=prompt_tokens, batch=batch,
                    steps=args.steps,
                    # hundreds if CUPTI reported the graph replays kernel by kernel, not ~1
@@ -130,8 +143,10 @@ def main():
                    wall_ms_per_step=wall_s / decode_steps * 1e3,
                    imposed_read_fraction=imposed_mean(knots, context)
                    if args.backend == "moira" else None,
-                   top_kernels_ms_per_step={k: v / decode_steps / 1e3 for k, v in
-                                            sorted(top.items(), key=lambda kv: -kv[1])[:15]})
+                   top_kernels_ms_per_step={name: top[name] / decode_steps / 1e3
+                                            for name in top_names},
+                   # per call: whether a class's extra time is every call's or a few slow ones'
+                   top_kernels_calls={name: call_stats(calls[name]) for name in top_names})
         results.append(row)
         print(json.dumps({k: row[k] for k in ("shape", "kernels_per_step", "per_step_ms",
                                               "total_ms", "gpu_span_ms_per_step",

@@ -744,3 +744,10 @@ def test_tune_kernels_refuses_an_unknown_kind(monkeypatch, capsys):
         tune.main()
     assert exit_info.value.code == 2
     assert "unknown ['launched']" in capsys.readouterr().err
+
+
+def test_step_profile_call_stats_give_the_spread_of_a_kernels_calls():
+    vllm_step_profile = load("vllm_step_profile")
+    stats = vllm_step_profile.call_stats([5.0, 1.0, 3.0, 2.0, 4.0, 10.0, 7.0, 8.0, 9.0, 6.0])
+    assert stats == dict(calls=10, p10_us=2.0, median_us=5.5, p90_us=10.0, max_us=10.0)
+    assert vllm_step_profile.call_stats([3.0])["median_us"] == 3.0
