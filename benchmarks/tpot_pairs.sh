@@ -12,6 +12,7 @@
 #   ARMS="dense moira eq4": the third engine with Attend's split as before session 14 (the
 #     paper's Eq. 4 alone, step_programs 0), -eq4.json; "t128": step_programs 128 (the
 #     default of session 14; 256 since), -t128.json; "jmin": min_programs 1 (J = 32), -jmin.json;
+#     "n1024": min_programs 1024 (J = 128 at batch 1, 64 at 2, 32 from 4), -n1024.json;
 #     "g099": Moira at the paper's gamma = 0.99 reads (Table 7), -g099.json
 #   TPOT_ARGS: more vllm_tpot.py options for every engine, e.g. "--max-model-len 131072" (the
 #     block table of serve_bench.sh's server, 2,048 pages per row, at any shape)
@@ -40,7 +41,9 @@ for pair in $(seq "$pairs"); do
             name=$model-moira-g099 ;;
       jmin) args="--backend moira --min-programs 1"
             name=$model-moira-g098-jmin ;;
-      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin)"; exit 1 ;;
+      n1024) args="--backend moira --min-programs 1024"
+             name=$model-moira-g098-n1024 ;;
+      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin, n1024)"; exit 1 ;;
     esac
     python3 benchmarks/vllm_tpot.py --model "$model" --shapes "$shapes" $args ${TPOT_ARGS:-} \
       --repeats 1 --out "$out/pair$pair/$name.json" 2>&1 | grep "tpot_ms\|Error\|Traceback" \

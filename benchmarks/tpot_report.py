@@ -46,6 +46,10 @@ def tpot_by_shape(run):
 # Estimate's launch, Merge in Attend's) were options until session 12, removed after measuring
 # slower or too little faster (README); kept here as labels so that their runs' files still load
 VARIANTS = (("programmatic_launch", "pdl"), ("fused_select", "fsel"), ("fused_merge", "fmerge"))
+# the batch-shape pairs table's labels for a third engine's column (others: "Moira, <kind>")
+PAIR_VARIANT_LABELS = {"fsel": "the same, Estimate + Select in one launch",
+                       "split": "Moira, Attend's split set (floor_rows, min_programs: in its "
+                                "JSON)"}
 
 
 def load(folders):
@@ -63,8 +67,7 @@ def load(folders):
                 key = (run["model"], "fallback")
             # kernel variants of the same (programmatic launch; in older files Select in
             # Estimate's launch, Merge in Attend's): a column each, "+"-joined when combined
-            # (the former tpot_pairs.sh arm fboth is "fsel+fmerge"); the batch-shape pairs
-            # table shows "fsel" only
+            # (the former tpot_pairs.sh arm fboth is "fsel+fmerge")
             variant = "+".join(arm for flag, arm in VARIANTS if run.get(flag))
             if any(run.get(key) is not None for key in ("floor_rows", "min_programs")):
                 variant = "+".join(filter(None, [variant, "split"]))  # Attend's split changed
@@ -123,7 +126,12 @@ def pairs_table(pair_runs):
     """Interleaved pairs (issue 5: dense, Moira, dense, Moira engines one after another): one
     ``load`` result per pair; per (model, shape) each pair's speedup and their mean, the
     protocol of the paper's Table 3 (its pairs' speedups differ by at most 0.13)."""
-    cells, fused, cells_099 = {}, {}, {}
+    cells, variants, cells_099 = {}, {}, {}
+    # kernel variants (a third engine per pair: tpot_pairs.sh arms such as n1024): a column
+    # pair each, in the order of PAIR_VARIANT_LABELS, then any other by name
+    kinds = sorted({kind for runs in pair_runs for _, kind in runs
+                    if kind not in ("dense", "fallback", 0.98, 0.99)},
+                   key=lambda kind: (kind not in PAIR_VARIANT_LABELS, str(kind)))
     for runs in pair_runs:
         for row in table(runs)[1]:
             speedup = row["g0.98"]["speedup"]
@@ -135,20 +143,24 @@ def pairs_table(pair_runs):
             at_099 = row["g0.99"]
             cells_099.setdefault((row["model"], row["shape"]), []).append(
                 (at_099["ms"], at_099["speedup"], at_099["paper"]) if at_099["speedup"] else None)
-            variant = runs.get((row["model"], "fsel"))  # Estimate + Select in one launch
-            ms = tpot_by_shape(variant).get(row["shape"]) if variant else None
-            # a pair without the run keeps its place ("–"), so each value names its pair
-            fused.setdefault((row["model"], row["shape"]), []).append(
-                row["dense_ms"] / ms if ms else None)
+            for kind in kinds:
+                variant = runs.get((row["model"], kind))
+                ms = tpot_by_shape(variant).get(row["shape"]) if variant else None
+                # a pair without the run keeps its place ("–"), so each value names its pair
+                variants.setdefault(kind, {}).setdefault((row["model"], row["shape"]), []).append(
+                    row["dense_ms"] / ms if ms else None)
     lines = ["| model | shape | dense FA3 (ms) | Moira γ=0.98 (ms) | speedup per pair | "
              "mean speedup | paper |", "|---|---|---|---|---|---|---|"]
-    fused = {key: pairs for key, pairs in fused.items() if any(pairs)}
+    variants = {kind: {key: pairs for key, pairs in by_shape.items() if any(pairs)}
+                for kind, by_shape in variants.items()}
+    variants = {kind: by_shape for kind, by_shape in variants.items() if by_shape}
     cells_099 = {key: pairs for key, pairs in cells_099.items() if any(pairs)}
     if cells_099:
         lines[0] += " Moira γ=0.99 (ms) | speedup per pair | mean | paper (Table 7) |"
         lines[1] += "---|---|---|---|"
-    if fused:
-        lines[0] += " the same, Estimate + Select in one launch: speedup per pair | mean |"
+    for kind in variants:
+        label = PAIR_VARIANT_LABELS.get(kind, f"Moira, {kind}")
+        lines[0] += f" {label}: speedup per pair | mean |"
         lines[1] += "---|---|"
     for model, shape in sorted(cells, key=lambda k: (k[0], SHAPES.index(k[1]))):
         pairs = cells[(model, shape)]
@@ -169,8 +181,8 @@ def pairs_table(pair_runs):
                 + " | " + (f"**{statistics.mean(x[1] for x in present):.2f}×** | "
                            if present else "– | ") \
                 + (f"{paper:.2f}× |" if paper else "– |")
-        if fused:
-            mine = fused.get((model, shape), [])
+        for by_shape in variants.values():
+            mine = by_shape.get((model, shape), [])
             present = [x for x in mine if x is not None]
             line += " " + (" / ".join("–" if x is None else f"{x:.2f}×" for x in mine) or "–") \
                 + " | " + (f"**{statistics.mean(present):.2f}×** |" if present else "– |")

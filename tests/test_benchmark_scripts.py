@@ -255,6 +255,17 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
     text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
     assert "Moira γ=0.99 (ms) | speedup per pair | mean | paper (Table 7) |" in text
     assert "| **2.50×** | 2.64× | – / 8.40 | – / 2.50× | **2.50×** | 2.27× | – / 2.00× |" in text
+    # an engine with Attend's split set (tpot_pairs.sh arm n1024) in the first pair: a column
+    # pair of its own after the fused one's
+    run = dict(backend="moira", model="llama-3.1-8b", gamma=0.98, dense_below_tokens=20480,
+               min_programs=1024,
+               results=[dict(shape="130k4", tpot_ms=9.6, imposed_read_fraction=0.15)])
+    (tmp_path / "pair1" / "n.json").write_text(json.dumps(run))
+    text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+    assert text.splitlines()[0].endswith(
+        "one launch: speedup per pair | mean | Moira, Attend's split set (floor_rows, "
+        "min_programs: in its JSON): speedup per pair | mean |")
+    assert text.splitlines()[2].endswith("| – / 2.00× | **2.00×** | 2.08× / – | **2.08×** |")
 
 
 def test_every_kernel_compiles_for_the_h200_without_spilling():
