@@ -43,7 +43,8 @@ arm is therefore timed over 32 layers captured in one CUDA graph
   their own).
 - ``--programs-sweep``: the step as the plugin runs it (rows of at most ``dense_below_tokens``
   / B tokens read in full) at each ``PROGRAMS_SWEEP`` N_T (``MoiraConfig.min_programs``, which
-  sets J = max(N_J, ceil(N_T / rows)) below the width's cap): ``step_p<N_T>``;
+  sets J = max(N_J, ceil(N_T / rows)) below the width's cap; ``max_chunks_per_row`` lifted):
+  ``step_p<N_T>``;
   ``--programs-report`` tables them. (Files of session 19 also time ``step_launch<N>``:
   Attend launching ceil(N / rows) programs per row, each taking every P-th chunk, an option
   timed slower there and removed.)
@@ -74,8 +75,8 @@ from tune_kernels import patched
 KV_HEADS, GROUP, HEAD_DIM, PAGE, LAYERS = 8, 4, 128, 64, 32
 WIDTH = 1030  # block-table pages of a 66k-token engine (vllm_tpot.py's single-request shapes)
 # --split-sweep: Attend's split at batch 1 (8 rows), (floor_rows, J): chunk floors of 6, 4, 3
-# and 2 pages; J the default (min_programs / rows capped at ceil(width / floor): 172, 258, 344,
-# 512 at width 1030), 32 or 16. J binds only where ceil(pages / J) exceeds the floor (not at
+# and 2 pages; J the default (before session 20 min_programs / rows capped at ceil(width /
+# floor): 172, 258, 344, 512 at width 1030; since, at most max_chunks_per_row, 128), 32 or 16. J binds only where ceil(pages / J) exceeds the floor (not at
 # 2k, where an arm's J variants repeat it: a noise estimate; at 8k the J-16 arms all run 16
 # chunks of 8 pages); all with step_programs 0 (Eq. 4 alone, the split before session 14);
 # then the short-row floor (MoiraConfig.step_programs T, session 14) at the default
@@ -85,9 +86,17 @@ WIDTH = 1030  # block-table pages of a 66k-token engine (vllm_tpot.py's single-r
 SPLIT_SWEEP = [(floor_rows, chunks, 0) for floor_rows in (32, 48, 64, 96)
                for chunks in (None, 32, 16)] + [(32, chunks, programs) for chunks in (None, 32)
                                                 for programs in (128, 256)]
-# --programs-sweep: N_T (MoiraConfig.min_programs; 4096 the default); at 8 rows (batch 1) and
-# a 2,048-page table J = 342 / 256 / 128 / 64 / 32, at 32 rows (131k x 4) 86 / 64 / 32 / 32 / 32
+# --programs-sweep: N_T (MoiraConfig.min_programs; 4096 the default) without the ceiling on J
+# (programs_config); at 8 rows (batch 1) and a 2,048-page table J = 342 / 256 / 128 / 64 / 32,
+# at 32 rows (131k x 4) 86 / 64 / 32 / 32 / 32. The default since session 20 (J at most
+# max_chunks_per_row, 128) is N_T = 1024's J at 8 rows and N_T = 4096's from 32 rows up
 PROGRAMS_SWEEP = (4096, 2048, 1024, 512, 256)
+
+
+def programs_config(min_programs):
+    """The ``--programs-sweep`` arm of N_T ``min_programs``: J from N_T alone (its ceiling,
+    ``max_chunks_per_row``, lifted to N_T, where it never binds)."""
+    return moira.MoiraConfig(min_programs=min_programs, max_chunks_per_row=min_programs)
 # the paper's mean read fraction at gamma 0.98 (Llama-3.1-8B, Table 3), clamped below 8k
 READS = {2048: 0.42, 8192: 0.42, 16384: 0.37, 32768: 0.31, 65536: 0.16, 131072: 0.15}
 
@@ -252,8 +261,8 @@ def split_report(paths, margin=0.3, gain=0.5):
 def programs_report(paths):
     """The ``--programs-sweep`` arms of one or more runs as a markdown table: µs per layer per
     shape (``<context>×<batch>``, with the run's J in brackets), the mean of the runs, the
-    fastest per shape in bold, and each arm's difference from the default (N_T = 4096, J
-    programs per row); ``launch N`` columns (session 19's files): the default J with Attend
+    fastest per shape in bold, and each arm's difference from N_T = 4096 (J programs per row,
+    no ceiling: the default before session 20); ``launch N`` columns (session 19's files): the default J with Attend
     launching about N programs, each taking every P-th chunk (an option since removed)."""
     default = (moira.MoiraConfig().min_programs, 0)
     times, chunks = {}, {}  # (batch, context) -> (N_T, launched) -> [µs per run]; J
@@ -431,7 +440,7 @@ def main():
         if args.programs_sweep:  # the row as the plugin runs it, J from N_T
             full = full_read_pages(MoiraSettings().dense_below_tokens, batch)
             for programs in PROGRAMS_SWEEP:
-                config = moira.MoiraConfig(min_programs=programs)
+                config = programs_config(programs)
                 arms[f"step_p{programs}"] = (s.workspace(config), full)
                 row.setdefault("programs_sweep", {})[f"step_p{programs}"] = dict(
                     min_programs=programs, chunks_per_row=config.chunks_per_row(rows, s.width))

@@ -69,7 +69,8 @@ def load(folders):
             # Estimate's launch, Merge in Attend's): a column each, "+"-joined when combined
             # (the former tpot_pairs.sh arm fboth is "fsel+fmerge")
             variant = "+".join(arm for flag, arm in VARIANTS if run.get(flag))
-            if any(run.get(key) is not None for key in ("floor_rows", "min_programs")):
+            if any(run.get(key) is not None
+                   for key in ("floor_rows", "min_programs", "max_chunks_per_row")):
                 variant = "+".join(filter(None, [variant, "split"]))  # Attend's split changed
             if run.get("step_programs") is not None:  # the short-row floor (0: Eq. 4 alone)
                 variant = "+".join(filter(None, [variant, f"T={run['step_programs']}"]))

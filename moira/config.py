@@ -2,7 +2,8 @@
 
 The defaults are the paper's (section 3.3), C = 24, N_J = 32, N_T = 4096, except the K_B
 schedule, tuned on the H200 (benchmarks/NOTES.md): K_B = 8, 4, 2 thresholds per bisection pass
-for block tables of fewer than 256, 4,096 and more pages (the paper switches to 2 at 1,024).
+for block tables of fewer than 256, 4,096 and more pages (the paper switches to 2 at 1,024),
+and a ceiling of 128 on J, Eq. (4)'s programs per row (session 20).
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ class MoiraConfig:
         session 15 (128 before; README, "Short requests")
     min_chunks_per_row:
         N_J, the fewest programs Attend launches per row.
+    max_chunks_per_row:
+        The most programs Attend launches per row (a ceiling on Eq. 4's J, which N_T alone
+        makes 512 per row for one request). A row of a small step is then cut into at most
+        this many chunks; the programs launched beyond a row's chunks exit at once but are
+        not free: in vLLM at batch 1 with 2,048-page tables, J = 342 against 32 made the step
+        0.12 ms longer, in Attend and in a GEMM two kernels later (benchmarks/NOTES.md,
+        session 20). 128 changes only steps of fewer than 32 rows (N_T / 128).
     min_programs:
         N_T, the fewest programs Attend launches in all (so a few long rows still fill the GPU).
     programs:
@@ -82,6 +90,7 @@ class MoiraConfig:
     step_programs: int = 256
     min_chunks_per_row: int = 32
     min_programs: int = 4096
+    max_chunks_per_row: int = 128
     programs: int = 1056
     bisection_ways: tuple[tuple[int, int], ...] = ((256, 8), (4096, 4), (32768, 2))
 
@@ -122,10 +131,13 @@ class MoiraConfig:
             raise ValueError(f"dense_below_pages must be an int >= 0 (0 turns it off), got "
                              f"{self.dense_below_pages!r}")
         for name in ("chunk_pages", "floor_rows", "min_chunks_per_row", "min_programs",
-                     "programs"):
+                     "max_chunks_per_row", "programs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.max_chunks_per_row < self.min_chunks_per_row:
+            raise ValueError(f"max_chunks_per_row ({self.max_chunks_per_row}) must be at least "
+                             f"min_chunks_per_row ({self.min_chunks_per_row})")
         ways = self.bisection_ways
         if not ways or any(len(entry) != 2 for entry in ways):
             raise ValueError(
@@ -164,14 +176,16 @@ class MoiraConfig:
         return min(self.chunk_pages, max(2, self.chunk_pages * num_rows // self.floor_rows))
 
     def chunks_per_row(self, num_rows: int, max_pages: int | None = None) -> int:
-        """J of Eq. (4): programs Attend launches per row for a step of ``num_rows`` rows. With
-        ``max_pages`` (the block table's width), J is capped at the most chunks a row of that
-        many pages can have, ceil(max_pages / C): the cap only removes programs that would
-        exit at once (a row of n <= max_pages pages has c = max(C, ceil(n / J)) and
-        ceil(n / c) <= ceil(max_pages / C) chunks either way), or at ceil(T / num_rows) if
-        larger, the chunks a short row has under ``step_programs``."""
+        """J of Eq. (4), at most ``max_chunks_per_row``: programs Attend launches per row for a
+        step of ``num_rows`` rows. With ``max_pages`` (the block table's width), J is also
+        capped at the most chunks a row of that many pages can have, ceil(max_pages / C):
+        the cap only removes programs that would exit at once (a row of n <= max_pages pages
+        has c = max(C, ceil(n / J)) and ceil(n / c) <= ceil(max_pages / C) chunks either way),
+        or at ceil(T / num_rows) if larger, the chunks a short row has under
+        ``step_programs``."""
         rows = max(num_rows, 1)
-        chunks = max(self.min_chunks_per_row, -(-self.min_programs // rows))
+        chunks = min(max(self.min_chunks_per_row, -(-self.min_programs // rows)),
+                     self.max_chunks_per_row)
         if max_pages is not None:
             cap = -(-max_pages // self.chunk_floor(num_rows))
             if self.step_programs:

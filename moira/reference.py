@@ -283,7 +283,8 @@ def work_split(page_counts, num_rows, config=MoiraConfig(), max_pages=None, even
     """Eq. (4) as a pure function of the row lengths.
 
     Attend launches J = max(N_J, ceil(N_T / num_rows)) programs per row (at most
-    ceil(max_pages / C) when the block table's width ``max_pages`` is given); program j of a
+    ``config.max_chunks_per_row``, and ceil(max_pages / C) when the block table's width
+    ``max_pages`` is given: ``MoiraConfig.chunks_per_row``); program j of a
     row of n pages processes pages ``[j c, min((j + 1) c, n))`` with c = max(C, ceil(n / J)) (C
     from ``config.chunk_floor(num_rows)``), and exits if ``j >= m = ceil(n / c)``. With
     ``even`` (Attend's ``EVEN_CHUNKS``), the m chunks are made equal: c' = ceil(n / m), and m'

@@ -57,6 +57,31 @@ def test_small_batch_scales_the_chunk_floor():
     check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
 
 
+def test_the_ceiling_on_chunks_per_row_lengthens_a_long_rows_chunks():
+    """One request with J held to 3 by ``max_chunks_per_row`` (N_T alone would give 32): its
+    rows of 14 and 9 listed pages run in 3 chunks each, of 5 and 3 pages (C = 2 at 2 rows),
+    not 7 and 5 of 2; Attend and Merge agree with the reference."""
+    config = MoiraConfig(chunk_pages=8, floor_rows=16, min_chunks_per_row=2, min_programs=64,
+                         max_chunks_per_row=3, step_programs=0)
+    assert config.chunks_per_row(2) == 3
+    assert config.replace(max_chunks_per_row=64).chunks_per_row(2) == 32
+    num_kv_heads, group, head_dim = 2, 4, 64
+    keys, values = make_cache(40, num_kv_heads, head_dim)
+    table, seq_lens = make_table([64 * 13 + 5], 40)
+    query = make_query(1, num_kv_heads * group, head_dim)
+    page_lists = torch.full((1, num_kv_heads, table.shape[1]), -1, dtype=torch.int32)
+    page_lists[0, 0, :14] = torch.arange(14, dtype=torch.int32)
+    page_lists[0, 1, :9] = torch.tensor([0, 2, 3, 5, 8, 9, 11, 12, 13], dtype=torch.int32)
+    page_counts = torch.tensor([[14, 9]], dtype=torch.int32)
+    page_lists, page_counts = page_lists.to(DEVICE), page_counts.to(DEVICE)
+    chunks_per_row, chunk, chunks = ref.work_split(page_counts.cpu().flatten(), 2, config,
+                                                   max_pages=table.shape[1])
+    assert chunks_per_row == 3 and chunk.tolist() == [5, 3] and chunks.tolist() == [3, 3]
+    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
+    assert kernel_chunks(query, keys, values, table, seq_lens, page_lists, page_counts, config,
+                         chunks_per_row) == [3, 3]
+
+
 @pytest.mark.parametrize("chunk_floor", [1, 2, 3, 6, 24])
 def test_short_row_pages_bounds_exactly_the_rows_the_floor_cuts_finer(chunk_floor):
     """``short_row_pages`` L: ``plan_row``'s floor, computed only for rows of n <= L pages

@@ -620,10 +620,13 @@ def test_split_report_applies_the_batch_1_rule_to_the_mean_of_the_runs(tmp_path)
 def test_programs_report_means_runs_and_compares_each_n_t_with_the_default(tmp_path):
     bench_single = load("bench_single")
     # the J each N_T gives at a 2,048-page table, as the sweep's comment states
-    assert [moira.MoiraConfig(min_programs=p).chunks_per_row(8, 2048)
+    assert [bench_single.programs_config(p).chunks_per_row(8, 2048)
             for p in bench_single.PROGRAMS_SWEEP] == [342, 256, 128, 64, 32]
-    assert [moira.MoiraConfig(min_programs=p).chunks_per_row(32, 2048)
+    assert [bench_single.programs_config(p).chunks_per_row(32, 2048)
             for p in bench_single.PROGRAMS_SWEEP] == [86, 64, 32, 32, 32]
+    # the default since session 20: N_T = 1024's J at batch 1, N_T = 4096's from 32 rows
+    assert moira.MoiraConfig().chunks_per_row(8, 2048) == 128
+    assert moira.MoiraConfig().chunks_per_row(32, 2048) == 86
 
     def run(path, times):  # {(context, batch): {N_T: µs}}
         results = [dict(context=context, batch=batch, us_per_layer={

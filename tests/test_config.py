@@ -14,16 +14,21 @@ def test_defaults():
     assert [paper.bisection_ways_for(n) for n in (255, 1023, 1024, 5000)] == [8, 4, 2, 2]
 
 
-def test_chunks_per_row_is_eq4():
+def test_chunks_per_row_is_eq4_below_its_ceiling():
     config = MoiraConfig()
     assert config.chunks_per_row(32) == 128  # 131k x 4 on Llama: ceil(4096 / 32)
     assert config.chunks_per_row(256) == 32  # 8k x 32: N_J wins
     assert config.chunks_per_row(100) == 41
+    # one or two requests: at most max_chunks_per_row (128), not 512 / 256
+    assert [config.chunks_per_row(rows) for rows in (8, 16, 31)] == [128, 128, 128]
+    assert config.replace(max_chunks_per_row=4096).chunks_per_row(8) == 512  # Eq. 4 alone
+    assert config.replace(max_chunks_per_row=32).chunks_per_row(8) == 32
 
 
 def test_chunks_per_row_capped_by_the_block_table():
     config = MoiraConfig()
     assert config.chunks_per_row(32, max_pages=2048) == 86  # ceil(2048 / 24) < 128
+    assert config.chunks_per_row(8, max_pages=2048) == 128  # the ceiling, below ceil(2048 / 6)
     assert config.chunks_per_row(8, max_pages=517) == 87  # one request: C = 6, not 512
     assert config.chunks_per_row(256, max_pages=10_000) == 32  # no cap when it does not bind
     # the short-row floor's chunks (about T / rows) are never capped away: 2k x 1 in an engine
@@ -45,7 +50,7 @@ def test_chunk_floor_shrinks_for_small_batches():
     ("min_programs", 1.5), ("bisection_ways", ((256, 3),)), ("bisection_ways", ((256, 32),)),
     ("bisection_ways", ((1024, 8), (256, 4))), ("bisection_ways", ()),
     ("programmatic_launch", "yes"), ("step_programs", -1), ("step_programs", 1.5),
-    ("step_programs", True),
+    ("step_programs", True), ("max_chunks_per_row", 0), ("max_chunks_per_row", 31),
     ("step_programs", 89478486),  # * 24 pages = 2**31 + 16: the int32 floor would overflow
 ])
 def test_bad_values_raise_naming_the_field(field, value):

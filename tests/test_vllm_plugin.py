@@ -45,6 +45,10 @@ def test_settings_come_from_additional_config_then_environment():
     assert eq4.config.step_programs == 0
     assert MoiraSettings.from_sources({"moira": {"step_programs": 256}}, {}
                                       ).config.step_programs == 256
+    uncapped = MoiraSettings.from_sources(None, {"MOIRA_MAX_CHUNKS_PER_ROW": "4096"})
+    assert uncapped.config.chunks_per_row(8, 2048) == 342  # as before session 20 (default 128)
+    with pytest.raises(ValueError, match="max_chunks_per_row"):
+        MoiraSettings.from_sources({"moira": {"max_chunks_per_row": 16}}, {})  # below N_J
     assert MoiraSettings().config == moira.MoiraConfig()  # unset: MoiraConfig's defaults
     assert MoiraSettings().describe().startswith(
         "Moira attention: gamma=0.98, other settings default (")

@@ -63,6 +63,10 @@ key                environment variable     meaning
 ``step_programs``  ``MOIRA_STEP_PROGRAMS``  Attend's split: a short row of a small step is
                                             cut finer so the step has about this many
                                             programs (default 256; 0: the paper's Eq. 4)
+``max_chunks_per_row``  ``MOIRA_MAX_CHUNKS_PER_ROW``  Attend's split: the most programs
+                                            per row (default 128; binds only in steps of
+                                            fewer than min_programs / 128 rows; 4096: J
+                                            from Eq. 4 alone, as before session 20)
 =================  =======================  ==================================================
 """
 
@@ -75,7 +79,7 @@ from collections.abc import Mapping
 from ...config import PAGE_SIZE, MoiraConfig
 
 # settings passed through to MoiraConfig's fields of the same name (None: its default)
-SPLIT_SETTINGS = ("floor_rows", "min_programs", "step_programs")
+SPLIT_SETTINGS = ("floor_rows", "min_programs", "step_programs", "max_chunks_per_row")
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_KV_CACHE_DTYPES = (None, "auto", "bfloat16", "float16")
@@ -96,6 +100,7 @@ class MoiraSettings:
     floor_rows: int | None = None  # None: MoiraConfig's
     min_programs: int | None = None
     step_programs: int | None = None
+    max_chunks_per_row: int | None = None
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
             "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE",
@@ -104,7 +109,8 @@ class MoiraSettings:
             "exact_prefill": "MOIRA_EXACT_PREFILL",
             "dense_below_tokens": "MOIRA_DENSE_BELOW_TOKENS",
             "calibration": "MOIRA_CALIBRATION", "floor_rows": "MOIRA_FLOOR_ROWS",
-            "min_programs": "MOIRA_MIN_PROGRAMS", "step_programs": "MOIRA_STEP_PROGRAMS"}
+            "min_programs": "MOIRA_MIN_PROGRAMS", "step_programs": "MOIRA_STEP_PROGRAMS",
+            "max_chunks_per_row": "MOIRA_MAX_CHUNKS_PER_ROW"}
 
     def __post_init__(self):
         tokens = self.dense_below_tokens
