@@ -76,8 +76,8 @@ KV_HEADS, GROUP, HEAD_DIM, PAGE, LAYERS = 8, 4, 128, 64, 32
 WIDTH = 1030  # block-table pages of a 66k-token engine (vllm_tpot.py's single-request shapes)
 # --split-sweep: Attend's split at batch 1 (8 rows), (floor_rows, J): chunk floors of 6, 4, 3
 # and 2 pages; J the default (before session 20 min_programs / rows capped at ceil(width /
-# floor): 172, 258, 344, 512 at width 1030; since, at most max_chunks_per_row, 128), 32 or 16. J binds only where ceil(pages / J) exceeds the floor (not at
-# 2k, where an arm's J variants repeat it: a noise estimate; at 8k the J-16 arms all run 16
+# floor): 172, 258, 344, 512 at width 1030; since, at most max_chunks_per_row, 128), 32 or
+# 16. J binds only where ceil(pages / J) exceeds the floor (not at 2k, where an arm's J variants repeat it: a noise estimate; at 8k the J-16 arms all run 16
 # chunks of 8 pages); all with step_programs 0 (Eq. 4 alone, the split before session 14);
 # then the short-row floor (MoiraConfig.step_programs T, session 14) at the default
 # floor_rows, with J the default or 32 (min_programs 1: no programs launched only to exit,
@@ -262,8 +262,9 @@ def programs_report(paths):
     """The ``--programs-sweep`` arms of one or more runs as a markdown table: µs per layer per
     shape (``<context>×<batch>``, with the run's J in brackets), the mean of the runs, the
     fastest per shape in bold, and each arm's difference from N_T = 4096 (J programs per row,
-    no ceiling: the default before session 20); ``launch N`` columns (session 19's files): the default J with Attend
-    launching about N programs, each taking every P-th chunk (an option since removed)."""
+    no ceiling: the default before session 20); ``launch N`` columns (session 19's files):
+    that J with Attend launching about N programs, each taking every P-th chunk (an option
+    since removed)."""
     default = (moira.MoiraConfig().min_programs, 0)
     times, chunks = {}, {}  # (batch, context) -> (N_T, launched) -> [µs per run]; J
     for path in paths:

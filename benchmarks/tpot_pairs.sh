@@ -13,8 +13,8 @@
 #     paper's Eq. 4 alone, step_programs 0), -eq4.json; "t128": step_programs 128 (the
 #     default of session 14; 256 since), -t128.json; "jmin": min_programs 1 (J = 32), -jmin.json;
 #     "n1024": min_programs 1024 (J = 128 at batch 1 as by default since session 20; 64 at
-#     2, 32 from 4), -n1024.json; "uncapped": max_chunks_per_row 4096 (J from Eq. 4 alone, the
-#     split before session 20: 342 at batch 1 in a 2,048-page table), -uncapped.json;
+#     2, 32 from 4), -n1024.json; "jnocap": max_chunks_per_row 4096 (J from Eq. 4 alone, the
+#     split before session 20: 342 at batch 1 in a 2,048-page table), -jnocap.json;
 #     "g099": Moira at the paper's gamma = 0.99 reads (Table 7), -g099.json
 #   TPOT_ARGS: more vllm_tpot.py options for every engine, e.g. "--max-model-len 131072" (the
 #     block table of serve_bench.sh's server, 2,048 pages per row, at any shape)
@@ -35,9 +35,10 @@ for pair in $(seq "$pairs"); do
       pdl) args="--backend moira --programmatic-launch"; name=$model-moira-g098-pdl ;;
       split) args="--backend moira --floor-rows 96 --min-programs 1"
              name=$model-moira-g098-split ;;
-      eq4) args="--backend moira --step-programs 0"  # the split before session 14
+      # the splits before session 14 (eq4) and of session 14 (t128), J uncapped as then
+      eq4) args="--backend moira --step-programs 0 --max-chunks-per-row 4096"
            name=$model-moira-g098-eq4 ;;
-      t128) args="--backend moira --step-programs 128"
+      t128) args="--backend moira --step-programs 128 --max-chunks-per-row 4096"
             name=$model-moira-g098-t128 ;;
       g099) args="--backend moira --gamma 0.99"  # Table 7's reads
             name=$model-moira-g099 ;;
@@ -45,9 +46,9 @@ for pair in $(seq "$pairs"); do
             name=$model-moira-g098-jmin ;;
       n1024) args="--backend moira --min-programs 1024"
              name=$model-moira-g098-n1024 ;;
-      uncapped) args="--backend moira --max-chunks-per-row 4096"
-                name=$model-moira-g098-uncapped ;;
-      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin, n1024, uncapped)"; exit 1 ;;
+      jnocap) args="--backend moira --max-chunks-per-row 4096"
+              name=$model-moira-g098-jnocap ;;
+      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin, n1024, jnocap)"; exit 1 ;;
     esac
     python3 benchmarks/vllm_tpot.py --model "$model" --shapes "$shapes" $args ${TPOT_ARGS:-} \
       --repeats 1 --out "$out/pair$pair/$name.json" 2>&1 | grep "tpot_ms\|Error\|Traceback" \

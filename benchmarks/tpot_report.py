@@ -46,10 +46,12 @@ def tpot_by_shape(run):
 # Estimate's launch, Merge in Attend's) were options until session 12, removed after measuring
 # slower or too little faster (README); kept here as labels so that their runs' files still load
 VARIANTS = (("programmatic_launch", "pdl"), ("fused_select", "fsel"), ("fused_merge", "fmerge"))
+JNOCAP_LABEL = "Moira, J from Eq. 4 alone (max_chunks_per_row 4096: the split before session 20)"
 # the batch-shape pairs table's labels for a third engine's column (others: "Moira, <kind>")
 PAIR_VARIANT_LABELS = {"fsel": "the same, Estimate + Select in one launch",
                        "split": "Moira, Attend's split set (floor_rows, min_programs: in its "
-                                "JSON)"}
+                                "JSON)",
+                       "Jmax=4096": JNOCAP_LABEL}
 
 
 def load(folders):
@@ -69,9 +71,10 @@ def load(folders):
             # Estimate's launch, Merge in Attend's): a column each, "+"-joined when combined
             # (the former tpot_pairs.sh arm fboth is "fsel+fmerge")
             variant = "+".join(arm for flag, arm in VARIANTS if run.get(flag))
-            if any(run.get(key) is not None
-                   for key in ("floor_rows", "min_programs", "max_chunks_per_row")):
+            if any(run.get(key) is not None for key in ("floor_rows", "min_programs")):
                 variant = "+".join(filter(None, [variant, "split"]))  # Attend's split changed
+            if run.get("max_chunks_per_row") is not None:  # the ceiling on J (session 20)
+                variant = "+".join(filter(None, [variant, f"Jmax={run['max_chunks_per_row']}"]))
             if run.get("step_programs") is not None:  # the short-row floor (0: Eq. 4 alone)
                 variant = "+".join(filter(None, [variant, f"T={run['step_programs']}"]))
             if run.get("launched_programs"):  # Attend's grid (session 19's arm, removed)
@@ -132,7 +135,9 @@ def pairs_table(pair_runs):
     # pair each, in the order of PAIR_VARIANT_LABELS, then any other by name
     kinds = sorted({kind for runs in pair_runs for _, kind in runs
                     if kind not in ("dense", "fallback", 0.98, 0.99)},
-                   key=lambda kind: (kind not in PAIR_VARIANT_LABELS, str(kind)))
+                   key=lambda kind: (list(PAIR_VARIANT_LABELS).index(kind)
+                                     if kind in PAIR_VARIANT_LABELS else len(PAIR_VARIANT_LABELS),
+                                     str(kind)))
     for runs in pair_runs:
         for row in table(runs)[1]:
             speedup = row["g0.98"]["speedup"]
@@ -212,6 +217,7 @@ def single_pairs_table(pair_runs):
             (0.99, "Moira at γ = 0.99's reads (tpot_pairs.sh arm g099)"),
             ("pdl", "the same, programmatic launch"),
             ("split", "Moira, Attend's split set (floor_rows, min_programs: in its JSON)"),
+            ("Jmax=4096", JNOCAP_LABEL),
             ("T=0", "Moira, Attend's split by Eq. 4 alone (step_programs 0: before session 14)"),
             ("T=128", "Moira, the short-row floor at T = 128 programs (session 14's default)"),
             ("T=256", "Moira, the short-row floor at T = 256 programs (the default since session 15)"),

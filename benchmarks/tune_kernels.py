@@ -207,7 +207,9 @@ def main():
             # J = N_J (32) at 32-64 rows: the small-batch split (floor_rows 96, min_programs 1)
             variants += [(8, 1, (4, 2)), (16, 1, (4, 2))]
         for chunk, min_programs, (warps, stages) in variants if "attend" in kinds else []:
-            config = moira.MoiraConfig(chunk_pages=chunk, min_programs=min_programs)
+            # J from N_T alone, as the arm's name says (the ceiling on J lifted)
+            config = moira.MoiraConfig(chunk_pages=chunk, min_programs=min_programs,
+                                       max_chunks_per_row=max(min_programs, 32))
             ws = moira.DecodeWorkspace(batch, pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
                                        device="cuda", config=config)
             name = f"C={chunk} N_T={min_programs} warps={warps} stages={stages}"

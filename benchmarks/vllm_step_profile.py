@@ -17,6 +17,7 @@ request: every traced step has a decode's shape.
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -53,8 +54,9 @@ def kernel_class(name):
 def call_stats(durations_us):
     """Calls, the 10th / 90th percentiles (nearest rank), median and largest duration (µs)."""
     ordered = sorted(durations_us)
-    def at(q):
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+    def at(q):  # the smallest value with at least q of the calls at or below it
+        return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)], 2)
     return dict(calls=len(ordered), p10_us=at(0.1),
                 median_us=round(statistics.median(ordered), 2), p90_us=at(0.9),
                 max_us=round(ordered[-1], 2))
@@ -78,6 +80,7 @@ def main():
     from vllm import LLM, SamplingParams
 
     import moira.integrations.vllm as plugin
+    from moira.integrations.vllm.settings import SPLIT_SETTINGS, MoiraSettings
 
     plugin.register()
     shapes = [(name, *SHAPES[name]) for name in args.shapes.split(",")]
@@ -86,6 +89,9 @@ def main():
     if args.backend == "moira":
         extra = dict(attention_backend="CUSTOM", additional_config={
             "moira": {"imposed_fraction": knots, "stats_interval": 0}})
+    # what the plugin runs with, MOIRA_* variables included (they change Attend's split)
+    settings = (MoiraSettings.from_sources(extra["additional_config"], os.environ)
+                if args.backend == "moira" else None)
     longest = max(context for _, context, _ in shapes)
     max_model_len = max(args.max_model_len or 0, longest + args.steps + 64)
     max_num_seqs = max(b for _, _, b in shapes)
@@ -155,6 +161,9 @@ def main():
             json.dump(dict(backend=args.backend, max_model_len=max_model_len,
                            gpu=torch.cuda.get_device_name(),
                            versions=dict(torch=torch.__version__),
+                           moira_settings=settings.describe() if settings else None,
+                           attend_split={key: getattr(settings.config, key) for key in
+                                         ("chunk_pages", *SPLIT_SETTINGS)} if settings else None,
                            command="python3 " + " ".join(sys.argv),
                            date=time.strftime("%Y-%m-%d %H:%M:%S"),
                            note="GPU time per step by kernel class, averaged over the traced "

@@ -110,7 +110,7 @@ def main():
                              "its own; 4096: J from Eq. 4 alone, as before session 20)")
     parser.add_argument("--step-programs", type=int, default=None,
                         help="moira: Attend's split, MoiraConfig.step_programs (default: its "
-                             "own; 0: the paper's Eq. 4)")
+                             "own; 0: Eq. 4's floor C alone)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="the engine's max_model_len (default: the longest shape + the "
                              "tokens + 64; 131072 sizes the block table as serve_bench.sh's "

@@ -59,7 +59,7 @@ class MoiraConfig:
         floor of ceil(n * rows / T) pages (at least 2, at most C) instead of C, so that a
         step of a few short rows still spreads over about T programs (about two per H200
         SM at the default) rather than one or two chunks of C pages per row. Steps of T rows
-        or more are split as by C alone. 0 turns it off (the paper's Eq. 4). 256 since
+        or more are split as by C alone. 0 turns it off (Eq. 4's floor C alone). 256 since
         session 15 (128 before; README, "Short requests")
     min_chunks_per_row:
         N_J, the fewest programs Attend launches per row.

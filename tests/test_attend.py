@@ -136,7 +136,11 @@ def kernel_chunks(query, keys, values, table, seq_lens, page_lists, page_counts,
     workspace.partial_lse.fill_(float("nan"))
     moira.attend(query, keys, values, table, seq_lens, page_lists, page_counts,
                  workspace=workspace, out=poisoned(*query.shape, dtype=query.dtype))
-    written = ~torch.isnan(workspace.partial_lse[:rows * chunks_per_row * group].cpu())
+    written = ~torch.isnan(workspace.partial_lse.cpu())
+    # a kernel planning with another J would write slots past rows * J (or read as another
+    # row's): nothing may lie there
+    assert not written[rows * chunks_per_row * group:].any(), "partials past rows * J"
+    written = written[:rows * chunks_per_row * group]
     return written.view(rows, chunks_per_row, group).all(-1).sum(-1).tolist()
 
 

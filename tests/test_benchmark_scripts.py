@@ -265,7 +265,17 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
     assert text.splitlines()[0].endswith(
         "one launch: speedup per pair | mean | Moira, Attend's split set (floor_rows, "
         "min_programs: in its JSON): speedup per pair | mean |")
-    assert text.splitlines()[2].endswith("| – / 2.00× | **2.00×** | 2.08× / – | **2.08×** |")
+    assert text.splitlines()[2].endswith(
+        "| – / 2.00× | **2.00×** | 2.08× / – | **2.08×** |")
+    # and one with J uncapped (tpot_pairs.sh arm jnocap) in the same pair: a column of its own
+    run = dict(run, min_programs=None, max_chunks_per_row=4096,
+               results=[dict(shape="130k4", tpot_ms=10.0, imposed_read_fraction=0.15)])
+    (tmp_path / "pair1" / "j.json").write_text(json.dumps(run))
+    text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+    assert text.splitlines()[0].endswith(
+        "in its JSON): speedup per pair | mean | Moira, J from Eq. 4 alone (max_chunks_per_row "
+        "4096: the split before session 20): speedup per pair | mean |")
+    assert text.splitlines()[2].endswith("| 2.08× / – | **2.08×** | 2.00× / – | **2.00×** |")
 
 
 def test_every_kernel_compiles_for_the_h200_without_spilling():
@@ -763,5 +773,6 @@ def test_tune_kernels_refuses_an_unknown_kind(monkeypatch, capsys):
 def test_step_profile_call_stats_give_the_spread_of_a_kernels_calls():
     vllm_step_profile = load("vllm_step_profile")
     stats = vllm_step_profile.call_stats([5.0, 1.0, 3.0, 2.0, 4.0, 10.0, 7.0, 8.0, 9.0, 6.0])
-    assert stats == dict(calls=10, p10_us=2.0, median_us=5.5, p90_us=10.0, max_us=10.0)
+    assert stats == dict(calls=10, p10_us=1.0, median_us=5.5, p90_us=9.0, max_us=10.0)
+    assert vllm_step_profile.call_stats([float(v) for v in range(1, 12)])["p90_us"] == 10.0
     assert vllm_step_profile.call_stats([3.0])["median_us"] == 3.0

@@ -31,7 +31,8 @@ def test_chunks_per_row_capped_by_the_block_table():
     assert config.chunks_per_row(8, max_pages=2048) == 128  # the ceiling, below ceil(2048 / 6)
     assert config.chunks_per_row(8, max_pages=517) == 87  # one request: C = 6, not 512
     assert config.chunks_per_row(256, max_pages=10_000) == 32  # no cap when it does not bind
-    # the short-row floor's chunks (about T / rows) are never capped away: 2k x 1 in an engine
+    # the short-row floor's chunks (about T / rows) are never capped away by the width (only
+    # by max_chunks_per_row, in steps of fewer than T / 128 rows): 2k x 1 in an engine
     # of 133 pages per row keeps 32 at the default T = 256 (32 programs per row), and 23
     # (ceil(133 / C), C = 6) with T = 128
     assert config.chunks_per_row(8, max_pages=133) == 32

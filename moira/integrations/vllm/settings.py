@@ -62,7 +62,7 @@ key                environment variable     meaning
                                             request", times both at batch 1)
 ``step_programs``  ``MOIRA_STEP_PROGRAMS``  Attend's split: a short row of a small step is
                                             cut finer so the step has about this many
-                                            programs (default 256; 0: the paper's Eq. 4)
+                                            programs (default 256; 0: Eq. 4's floor C alone)
 ``max_chunks_per_row``  ``MOIRA_MAX_CHUNKS_PER_ROW``  Attend's split: the most programs
                                             per row (default 128; binds only in steps of
                                             fewer than min_programs / 128 rows; 4096: J
