@@ -15,6 +15,9 @@
 #     "n1024": min_programs 1024 (J = 128 at batch 1 as by default since session 20; 64 at
 #     2, 32 from 4), -n1024.json; "jnocap": max_chunks_per_row 4096 (J from Eq. 4 alone, the
 #     split before session 20: 342 at batch 1 in a 2,048-page table), -jnocap.json;
+#     "nj16": min_chunks_per_row 16 (N_J: J 16 instead of 32 from 256 rows, e.g. 8k x 32,
+#     whose rows need at most 6 chunks of 24 pages), -nj16.json;
+#     (n1024, nj16, jmin and split share the report's "split" column: one of them per pair)
 #     "g099": Moira at the paper's gamma = 0.99 reads (Table 7), -g099.json
 #   TPOT_ARGS: more vllm_tpot.py options for every engine, e.g. "--max-model-len 131072" (the
 #     block table of serve_bench.sh's server, 2,048 pages per row, at any shape)
@@ -48,7 +51,9 @@ for pair in $(seq "$pairs"); do
              name=$model-moira-g098-n1024 ;;
       jnocap) args="--backend moira --max-chunks-per-row 4096"
               name=$model-moira-g098-jnocap ;;
-      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin, n1024, jnocap)"; exit 1 ;;
+      nj16) args="--backend moira --min-chunks-per-row 16"
+            name=$model-moira-g098-nj16 ;;
+      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin, n1024, jnocap, nj16)"; exit 1 ;;
     esac
     python3 benchmarks/vllm_tpot.py --model "$model" --shapes "$shapes" $args ${TPOT_ARGS:-} \
       --repeats 1 --out "$out/pair$pair/$name.json" 2>&1 | grep "tpot_ms\|Error\|Traceback" \

@@ -49,8 +49,8 @@ VARIANTS = (("programmatic_launch", "pdl"), ("fused_select", "fsel"), ("fused_me
 JNOCAP_LABEL = "Moira, J from Eq. 4 alone (max_chunks_per_row 4096: the split before session 20)"
 # the batch-shape pairs table's labels for a third engine's column (others: "Moira, <kind>")
 PAIR_VARIANT_LABELS = {"fsel": "the same, Estimate + Select in one launch",
-                       "split": "Moira, Attend's split set (floor_rows, min_programs: in its "
-                                "JSON)",
+                       "split": "Moira, Attend's split set (floor_rows, min_programs, "
+                                "min_chunks_per_row: in its JSON)",
                        "Jmax=4096": JNOCAP_LABEL}
 
 
@@ -71,7 +71,8 @@ def load(folders):
             # Estimate's launch, Merge in Attend's): a column each, "+"-joined when combined
             # (the former tpot_pairs.sh arm fboth is "fsel+fmerge")
             variant = "+".join(arm for flag, arm in VARIANTS if run.get(flag))
-            if any(run.get(key) is not None for key in ("floor_rows", "min_programs")):
+            if any(run.get(key) is not None
+                   for key in ("floor_rows", "min_programs", "min_chunks_per_row")):
                 variant = "+".join(filter(None, [variant, "split"]))  # Attend's split changed
             if run.get("max_chunks_per_row") is not None:  # the ceiling on J (session 20)
                 variant = "+".join(filter(None, [variant, f"Jmax={run['max_chunks_per_row']}"]))

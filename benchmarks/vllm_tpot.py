@@ -105,6 +105,9 @@ def main():
                         help="moira: Attend's split, MoiraConfig.floor_rows (default: its own)")
     parser.add_argument("--min-programs", type=int, default=None,
                         help="moira: Attend's split, MoiraConfig.min_programs (default: its own)")
+    parser.add_argument("--min-chunks-per-row", type=int, default=None,
+                        help="moira: Attend's split, MoiraConfig.min_chunks_per_row (N_J; "
+                             "default: its own)")
     parser.add_argument("--max-chunks-per-row", type=int, default=None,
                         help="moira: Attend's split, MoiraConfig.max_chunks_per_row (default: "
                              "its own; 4096: J from Eq. 4 alone, as before session 20)")
@@ -193,6 +196,7 @@ def main():
                            floor_rows=settings.floor_rows if settings else None,
                            min_programs=settings.min_programs if settings else None,
                            step_programs=settings.step_programs if settings else None,
+                           min_chunks_per_row=settings.min_chunks_per_row if settings else None,
                            max_chunks_per_row=settings.max_chunks_per_row if settings else None,
                            # what Attend ran with, set or default (None: the setting unset)
                            attend_split={key: getattr(settings.config, key) for key in

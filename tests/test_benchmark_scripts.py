@@ -264,7 +264,7 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
     text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
     assert text.splitlines()[0].endswith(
         "one launch: speedup per pair | mean | Moira, Attend's split set (floor_rows, "
-        "min_programs: in its JSON): speedup per pair | mean |")
+        "min_programs, min_chunks_per_row: in its JSON): speedup per pair | mean |")
     assert text.splitlines()[2].endswith(
         "| – / 2.00× | **2.00×** | 2.08× / – | **2.08×** |")
     # and one with J uncapped (tpot_pairs.sh arm jnocap) in the same pair: a column of its own

@@ -49,6 +49,8 @@ def test_settings_come_from_additional_config_then_environment():
     assert uncapped.config.chunks_per_row(8, 2048) == 342  # as before session 20 (default 128)
     with pytest.raises(ValueError, match="max_chunks_per_row"):
         MoiraSettings.from_sources({"moira": {"max_chunks_per_row": 16}}, {})  # below N_J
+    fewer = MoiraSettings.from_sources(None, {"MOIRA_MIN_CHUNKS_PER_ROW": "16"})
+    assert fewer.config.chunks_per_row(256, 2037) == 16  # 8k x 32: N_J 16, not 32
     assert MoiraSettings().config == moira.MoiraConfig()  # unset: MoiraConfig's defaults
     assert MoiraSettings().describe().startswith(
         "Moira attention: gamma=0.98, other settings default (")

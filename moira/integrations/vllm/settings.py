@@ -63,6 +63,8 @@ key                environment variable     meaning
 ``step_programs``  ``MOIRA_STEP_PROGRAMS``  Attend's split: a short row of a small step is
                                             cut finer so the step has about this many
                                             programs (default 256; 0: Eq. 4's floor C alone)
+``min_chunks_per_row``  ``MOIRA_MIN_CHUNKS_PER_ROW``  Attend's split: the fewest programs
+                                            per row, N_J (default 32)
 ``max_chunks_per_row``  ``MOIRA_MAX_CHUNKS_PER_ROW``  Attend's split: the most programs
                                             per row (default 128; binds only in steps of
                                             fewer than min_programs / 128 rows; 4096: J
@@ -79,7 +81,8 @@ from collections.abc import Mapping
 from ...config import PAGE_SIZE, MoiraConfig
 
 # settings passed through to MoiraConfig's fields of the same name (None: its default)
-SPLIT_SETTINGS = ("floor_rows", "min_programs", "step_programs", "max_chunks_per_row")
+SPLIT_SETTINGS = ("floor_rows", "min_programs", "step_programs", "min_chunks_per_row",
+                  "max_chunks_per_row")
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_KV_CACHE_DTYPES = (None, "auto", "bfloat16", "float16")
@@ -100,6 +103,7 @@ class MoiraSettings:
     floor_rows: int | None = None  # None: MoiraConfig's
     min_programs: int | None = None
     step_programs: int | None = None
+    min_chunks_per_row: int | None = None
     max_chunks_per_row: int | None = None
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
@@ -110,6 +114,7 @@ class MoiraSettings:
             "dense_below_tokens": "MOIRA_DENSE_BELOW_TOKENS",
             "calibration": "MOIRA_CALIBRATION", "floor_rows": "MOIRA_FLOOR_ROWS",
             "min_programs": "MOIRA_MIN_PROGRAMS", "step_programs": "MOIRA_STEP_PROGRAMS",
+            "min_chunks_per_row": "MOIRA_MIN_CHUNKS_PER_ROW",
             "max_chunks_per_row": "MOIRA_MAX_CHUNKS_PER_ROW"}
 
     def __post_init__(self):
