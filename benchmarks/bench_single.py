@@ -77,9 +77,9 @@ WIDTH = 1030  # block-table pages of a 66k-token engine (vllm_tpot.py's single-r
 # --split-sweep: Attend's split at batch 1 (8 rows), (floor_rows, J): chunk floors of 6, 4, 3
 # and 2 pages; J the default (before session 20 min_programs / rows capped at ceil(width /
 # floor): 172, 258, 344, 512 at width 1030; since, at most max_chunks_per_row, 128), 32 or
-# 16. J binds only where ceil(pages / J) exceeds the floor (not at 2k, where an arm's J variants repeat it: a noise estimate; at 8k the J-16 arms all run 16
-# chunks of 8 pages); all with step_programs 0 (Eq. 4 alone, the split before session 14);
-# then the short-row floor (MoiraConfig.step_programs T, session 14) at the default
+# 16. J binds only where ceil(pages / J) exceeds the floor (not at 2k, where an arm's J
+# variants repeat it: a noise estimate; at 8k the J-16 arms all run 16 chunks of 8 pages);
+# all with step_programs 0 (Eq. 4 alone, the split before session 14); then the short-row floor (MoiraConfig.step_programs T, session 14) at the default
 # floor_rows, with J the default or 32 (min_programs 1: no programs launched only to exit,
 # which J's default costs a short row; never slower than the default J in session 14's
 # sweep without T): (floor_rows, J, T)
@@ -97,6 +97,8 @@ def programs_config(min_programs):
     """The ``--programs-sweep`` arm of N_T ``min_programs``: J from N_T alone (its ceiling,
     ``max_chunks_per_row``, lifted to N_T, where it never binds)."""
     return moira.MoiraConfig(min_programs=min_programs, max_chunks_per_row=min_programs)
+
+
 # the paper's mean read fraction at gamma 0.98 (Llama-3.1-8B, Table 3), clamped below 8k
 READS = {2048: 0.42, 8192: 0.42, 16384: 0.37, 32768: 0.31, 65536: 0.16, 131072: 0.15}
 

@@ -222,6 +222,10 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
     import json
 
     report = load("tpot_report")
+
+    def pairs_text():
+        return report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+
     for pair, (dense, moira) in enumerate([(20.0, 10.0), (21.0, 7.0)], start=1):
         folder = tmp_path / f"pair{pair}"
         folder.mkdir()
@@ -229,7 +233,7 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
             run = dict(backend=backend, model="llama-3.1-8b", gamma=0.98,
                        results=[dict(shape="130k4", tpot_ms=tpot, imposed_read_fraction=0.15)])
             (folder / name).write_text(json.dumps(run))
-    text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+    text = pairs_text()
     assert "| llama-3.1-8b | 130k4 | 20.00 / 21.00 | 10.00 / 7.00 | 2.00× / 3.00× | **2.50×** " \
         "| 2.64× |" in text
     assert "one launch" not in text
@@ -240,11 +244,11 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
         run = dict(backend="moira", model="llama-3.1-8b", gamma=0.98, fused_select=True,
                    results=[dict(shape="130k4", tpot_ms=tpot, imposed_read_fraction=0.15)])
         (tmp_path / f"pair{pair}" / "f.json").write_text(json.dumps(run))
-    text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+    text = pairs_text()
     assert "| 2.00× / 3.00× | **2.50×** | 2.64× | 2.50× / 2.00× | **2.25×** |" in text
     # only the second pair has it: the first pair's place shows "–"
     (tmp_path / "pair1" / "f.json").unlink()
-    text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+    text = pairs_text()
     assert "| 2.64× | – / 2.00× | **2.00×** |" in text
     # Moira at Table 7's reads (γ = 0.99, tpot_pairs.sh arm g099) in the second pair only,
     # with the plugin's short-row fallback recorded as every plugin run is: its own columns,
@@ -252,7 +256,7 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
     run = dict(backend="moira", model="llama-3.1-8b", gamma=0.99, dense_below_tokens=20480,
                results=[dict(shape="130k4", tpot_ms=8.4, imposed_read_fraction=0.22)])
     (tmp_path / "pair2" / "g.json").write_text(json.dumps(run))
-    text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+    text = pairs_text()
     assert "Moira γ=0.99 (ms) | speedup per pair | mean | paper (Table 7) |" in text
     assert "| **2.50×** | 2.64× | – / 8.40 | – / 2.50× | **2.50×** | 2.27× | – / 2.00× |" in text
     # an engine with Attend's split set (tpot_pairs.sh arm n1024) in the first pair: a column
@@ -261,7 +265,7 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
                min_programs=1024,
                results=[dict(shape="130k4", tpot_ms=9.6, imposed_read_fraction=0.15)])
     (tmp_path / "pair1" / "n.json").write_text(json.dumps(run))
-    text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+    text = pairs_text()
     assert text.splitlines()[0].endswith(
         "one launch: speedup per pair | mean | Moira, Attend's split set (floor_rows, "
         "min_programs, min_chunks_per_row: in its JSON): speedup per pair | mean |")
@@ -271,11 +275,12 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
     run = dict(run, min_programs=None, max_chunks_per_row=4096,
                results=[dict(shape="130k4", tpot_ms=10.0, imposed_read_fraction=0.15)])
     (tmp_path / "pair1" / "j.json").write_text(json.dumps(run))
-    text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+    text = pairs_text()
     assert text.splitlines()[0].endswith(
         "in its JSON): speedup per pair | mean | Moira, J from Eq. 4 alone (max_chunks_per_row "
         "4096: the split before session 20): speedup per pair | mean |")
-    assert text.splitlines()[2].endswith("| 2.08× / – | **2.08×** | 2.00× / – | **2.00×** |")
+    assert text.splitlines()[2].endswith(
+        "| 2.08× / – | **2.08×** | 2.00× / – | **2.00×** |")
 
 
 def test_every_kernel_compiles_for_the_h200_without_spilling():
