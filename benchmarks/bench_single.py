@@ -79,10 +79,11 @@ WIDTH = 1030  # block-table pages of a 66k-token engine (vllm_tpot.py's single-r
 # floor): 172, 258, 344, 512 at width 1030; since, at most max_chunks_per_row, 128), 32 or
 # 16. J binds only where ceil(pages / J) exceeds the floor (not at 2k, where an arm's J
 # variants repeat it: a noise estimate; at 8k the J-16 arms all run 16 chunks of 8 pages);
-# all with step_programs 0 (Eq. 4 alone, the split before session 14); then the short-row floor (MoiraConfig.step_programs T, session 14) at the default
-# floor_rows, with J the default or 32 (min_programs 1: no programs launched only to exit,
-# which J's default costs a short row; never slower than the default J in session 14's
-# sweep without T): (floor_rows, J, T)
+# all with step_programs 0 (Eq. 4 alone, the split before session 14); then the short-row
+# floor (MoiraConfig.step_programs T, session 14) at the default floor_rows, with J the
+# default or 32 (min_programs 1: no programs launched only to exit, which J's default costs
+# a short row; never slower than the default J in session 14's sweep without T):
+# (floor_rows, J, T)
 SPLIT_SWEEP = [(floor_rows, chunks, 0) for floor_rows in (32, 48, 64, 96)
                for chunks in (None, 32, 16)] + [(32, chunks, programs) for chunks in (None, 32)
                                                 for programs in (128, 256)]
