@@ -2,7 +2,7 @@
 dense FA3 and Moira side by side, with the paper's Table 4.
 
     python benchmarks/step_report.py benchmarks/results/step-profile-2026-11-30-s7 [MORE] \
-        [--readme README.md]
+        [--readme README.md] [--plot PATH.png]
 
 A folder holds ``step-dense.json`` and/or ``step-moira.json``; with several folders (e.g. a
 later session that re-profiled Moira only) each row names its folder's session (``-sN``). ms per step: GPU time of each
@@ -66,6 +66,45 @@ def table(runs):
     return "\n".join(lines)
 
 
+def plot(runs, path):
+    """One stacked bar per (shape, run): its GPU ms per step by kernel class, the classes in the
+    table's order, so where two runs' steps differ shows as a longer segment."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = []  # (label, per_step_ms)
+    for shape in dict.fromkeys(r["shape"] for _, _, run in runs for r in run["results"]):
+        for backend in ("dense", "moira"):
+            for label, _, run in (x for x in runs if x[1] == backend):
+                row = next((r for r in run["results"] if r["shape"] == shape), None)
+                if row is not None:
+                    name = "dense FA3" if backend == "dense" else "Moira"
+                    bars.append((f"{shape} {name}{f' ({label})' if label else ''}",
+                                 row["per_step_ms"]))
+    colors = dict(Attend="tab:blue", Estimate="tab:orange", Select="tab:green",
+                  Merge="tab:red", FA3="0.45", GEMM="0.75", other="0.9")
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(bars) + 1.4))
+    y = range(len(bars))[::-1]  # the table's first row on top
+    left = [0.0] * len(bars)
+    for name in CLASSES:
+        widths = [classes.get(name, 0.0) for _, classes in bars]
+        if any(widths):
+            ax.barh(list(y), widths, left=left, color=colors[name], label=name, height=0.7)
+            left = [a + b for a, b in zip(left, widths)]
+    for i, total in zip(y, left):
+        ax.annotate(f"{total:.2f}", (total, i), xytext=(3, 0), textcoords="offset points",
+                    va="center", fontsize=7)
+    ax.set_yticks(list(y), [label for label, _ in bars], fontsize=7)
+    ax.set_xlabel("GPU ms per decode step (kernels, profiler)")
+    ax.set_xlim(0, max(left) * 1.1)
+    ax.legend(fontsize=7, ncol=len(CLASSES), loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def load(folders):
     """``[(label, backend, run)]``: label is the folder's session tag (its name's ``-sN``
     suffix, or the name) when there are several folders, else empty."""
@@ -86,10 +125,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("folders", nargs="+")
     parser.add_argument("--readme")
+    parser.add_argument("--plot", metavar="PATH", help="also draw the steps as stacked bars")
     args = parser.parse_args()
     runs = load(args.folders)
     text = table(runs)
     print(text)
+    if args.plot:
+        plot(runs, args.plot)
     if args.readme:
         base = os.path.dirname(os.path.abspath(args.readme))
         sources = ", ".join(f"`{os.path.relpath(folder, base)}/`" for folder in args.folders)

@@ -7,7 +7,8 @@ the paper's read fractions, speedups against the paper's Tables 3 and 7.
 A folder holds one JSON per engine run: ``<model>-dense.json`` and ``<model>-moira-g098.json``
 / ``-g099.json``; several folders (e.g. one per model, from different sessions) make one table.
 Writes ``<first folder>.png`` and, with ``--readme``, the README's ``tpot`` section. With
-``--pairs``, each folder is one interleaved pair (``tpot_pairs.sh``): per-pair and mean speedups.
+``--pairs``, each folder is one interleaved pair (``tpot_pairs.sh``): per-pair and mean speedups
+(and at the short shapes, with ``--plot PATH``, their bars).
 """
 
 import argparse
@@ -213,6 +214,63 @@ def single_pairs_table(pair_runs):
     tpot_pairs.sh``): per (model, shape) and arm, each pair's TPOT relative to that pair's
     dense engine and their mean, since one engine per arm has differed from the next by ~3% at
     batch 1."""
+    dense_cells, cells, present = short_pair_cells(pair_runs)
+    lines = ["| model | shape | dense FA3 (ms) | " + " | ".join(
+        f"{label} (ms) | vs dense per pair | mean" for _, label in present) + " |",
+        "|---|---|---|" + "---|---|---|" * len(present)]
+    for model, shape in short_pair_keys(cells):
+        row = [model, shape, " / ".join(f"{ms:.2f}" for ms in dense_cells[(model, shape)])]
+        for arm, _ in present:
+            pairs = cells.get((model, shape, arm), [])
+            row += [" / ".join(f"{ms:.2f}" for ms, _ in pairs) or "–",
+                    " / ".join(f"{rel:+.1%}" for _, rel in pairs) or "–",
+                    f"**{statistics.mean(rel for _, rel in pairs):+.1%}**" if pairs else "–"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def single_pairs_plot(pair_runs, path):
+    """The short-shape pairs as bars: per (model, shape) and arm, the mean TPOT against the
+    pair's dense engine (each pair a dot), with the issue's 2% bar for batch 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _, cells, present = short_pair_cells(pair_runs)
+    keys = short_pair_keys(cells)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(keys), 4))
+    width = 0.8 / len(present)
+    labelled = set()  # one legend entry per arm
+    for i, (arm, label) in enumerate(present):
+        for j, key in enumerate(keys):
+            rels = [100 * rel for _, rel in cells.get((*key, arm), [])]
+            if not rels:
+                continue
+            x = j - 0.4 + width * (i + 0.5)
+            ax.bar(x, statistics.mean(rels), width, color=f"C{i}",
+                   label=None if arm in labelled else label)
+            labelled.add(arm)
+            ax.plot([x] * len(rels), rels, "k.", markersize=4)
+    ax.axhline(2.0, color="0.4", linestyle="--", linewidth=0.8)
+    ax.axhline(0.0, color="0", linewidth=0.6)
+    ax.set_xticks(range(len(keys)), [f"{model}\n{shape}" for model, shape in keys], fontsize=7)
+    ax.set_ylabel("TPOT against the pair's dense FA3 (%)")
+    ax.set_title("interleaved pairs, H200, vLLM 0.26 (dots: pairs; dashed: issue 5's 2% bar)",
+                 fontsize=8)
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def short_pair_keys(cells):
+    return sorted({(m, s) for m, s, _ in cells}, key=lambda k: (k[0], SHAPES.index(k[1])))
+
+
+def short_pair_cells(pair_runs):
+    """``(dense_cells, cells, present)``: dense TPOTs per (model, shape), one (ms, TPOT / dense
+    - 1) per pair per (model, shape, arm), and the arms present with their labels."""
     arms = [(0.98, "Moira, every row selecting"),
             ("fallback", "Moira, rows of ≤ N tokens read in full"),
             (0.99, "Moira at γ = 0.99's reads (tpot_pairs.sh arm g099)"),
@@ -247,19 +305,7 @@ def single_pairs_table(pair_runs):
                             (ms, ms / dense_ms[shape] - 1))
     present = [(arm, label + (floor_note(pair_runs, arm) if arm in (0.98, "fallback") else ""))
                for arm, label in arms if any(key[2] == arm for key in cells)]
-    lines = ["| model | shape | dense FA3 (ms) | " + " | ".join(
-        f"{label} (ms) | vs dense per pair | mean" for _, label in present) + " |",
-        "|---|---|---|" + "---|---|---|" * len(present)]
-    for model, shape in sorted({(m, s) for m, s, _ in cells},
-                               key=lambda k: (k[0], SHAPES.index(k[1]))):
-        row = [model, shape, " / ".join(f"{ms:.2f}" for ms in dense_cells[(model, shape)])]
-        for arm, _ in present:
-            pairs = cells.get((model, shape, arm), [])
-            row += [" / ".join(f"{ms:.2f}" for ms, _ in pairs) or "–",
-                    " / ".join(f"{rel:+.1%}" for _, rel in pairs) or "–",
-                    f"**{statistics.mean(rel for _, rel in pairs):+.1%}**" if pairs else "–"]
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+    return dense_cells, cells, present
 
 
 def single_table(runs):
@@ -344,7 +390,9 @@ def main():
     parser.add_argument("--section", default="tpot", help="the README section to replace")
     parser.add_argument("--pairs", action="store_true",
                         help="each folder is one interleaved dense/Moira pair "
-                             "(benchmarks/tpot_pairs.sh): per-pair and mean speedups, no plot")
+                             "(benchmarks/tpot_pairs.sh): per-pair and mean speedups")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="with --pairs at the short shapes (batch 1 to 4): draw them too")
     args = parser.parse_args()
     if args.pairs:
         pair_runs = [load([folder]) for folder in args.folders]
@@ -352,6 +400,10 @@ def main():
                     for shape in tpot_by_shape(run))
         text = (single_pairs_table if short else pairs_table)(pair_runs)
         print(text)
+        if args.plot:
+            if not short:
+                parser.error("--plot with --pairs draws the short shapes (batch 1 to 4) only")
+            single_pairs_plot(pair_runs, args.plot)
         if args.readme:
             readme_dir = os.path.dirname(os.path.abspath(args.readme))
             source = ", ".join(f"`{os.path.relpath(folder, readme_dir)}/`"

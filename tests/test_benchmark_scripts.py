@@ -218,6 +218,34 @@ def test_step_report_labels_each_folders_rows_by_its_session(tmp_path):
     assert report.load([str(tmp_path / "step-profile-s8")])[0][0] == ""
 
 
+def test_step_report_plot_stacks_each_runs_classes_to_its_kernel_total(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    report = load("step_report")
+
+    def run(classes):
+        return dict(results=[dict(shape="8k2", per_step_ms=classes,
+                                  total_ms=sum(classes.values()))])
+
+    runs = [("", "moira", run(dict(Attend=0.77, Estimate=0.07, Merge=0.12, GEMM=3.96))),
+            ("", "dense", run(dict(FA3=0.87, GEMM=3.90)))]
+    drawn = []
+    original = matplotlib.axes.Axes.barh
+
+    def record(self, y, widths, left=None, **kwargs):
+        drawn.append((kwargs["label"], list(widths), list(left)))
+        return original(self, y, widths, left=left, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "barh", record)
+    report.plot(runs, str(tmp_path / "step.png"))
+    assert (tmp_path / "step.png").is_file()
+    # dense first, as in the table; a class no run has (Select) draws nothing; each segment
+    # starts where the run's previous classes end
+    assert [label for label, _, _ in drawn] == ["Attend", "Estimate", "Merge", "FA3", "GEMM"]
+    assert drawn[0][1] == [0.0, 0.77] and drawn[3][1] == [0.87, 0.0]
+    assert drawn[4][2] == pytest.approx([0.87, 0.96])
+
+
 def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
     import json
 
@@ -521,7 +549,8 @@ def test_top2_gap_is_the_best_minus_the_second_log_prob():
     assert checks.top2_gap({7: Logprob(0.0)}) is None
 
 
-def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tmp_path):
+def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tmp_path,
+                                                                            monkeypatch):
     import json
 
     report = load("tpot_report")
@@ -541,6 +570,28 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
     assert "every row selecting" not in text  # no such run: no column standing in for it
     assert "| llama-3.1-8b | 2k1 | 5.00 / 4.00 | 5.20 / 4.20 | +4.0% / +5.0% | **+4.5%** | " \
         "5.10 / 4.12 | +2.0% / +3.0% | **+2.5%** |" in text
+    # the plot: a bar per arm at the pairs' mean, in percent, a dot per pair
+    import matplotlib.axes
+
+    bars, dots = [], []
+    original_bar, original_plot = matplotlib.axes.Axes.bar, matplotlib.axes.Axes.plot
+
+    def bar(self, x, height, *args, **kwargs):
+        bars.append((height, kwargs.get("label")))
+        return original_bar(self, x, height, *args, **kwargs)
+
+    def plot(self, x, y, *args, **kwargs):
+        dots.append(list(y))
+        return original_plot(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", bar)
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    report.single_pairs_plot([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)],
+                             str(tmp_path / "pairs.png"))
+    assert (tmp_path / "pairs.png").is_file()
+    assert [height for height, _ in bars] == pytest.approx([4.5, 2.5])
+    assert bars[1][1].startswith("the same, programmatic launch")
+    assert dots[0] == pytest.approx([4.0, 5.0]) and dots[1] == pytest.approx([2.0, 3.0])
     # a run with every row selecting gets its own column, first
     run = dict(model="llama-3.1-8b", gamma=0.98, backend="moira", dense_below_tokens=0,
                results=[dict(shape="2k1", tpot_ms=6.0, imposed_read_fraction=0.4)])
