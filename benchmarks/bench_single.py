@@ -51,6 +51,12 @@ arm is therefore timed over 32 layers captured in one CUDA graph
 - ``--batches 1,2,4``: the same for B requests of that context each (own pages, one graph
   of 32 layers per step; combinations over ~80 GB of caches are skipped), to see where a split
   chosen at batch 1 stands at small batches.
+- ``--gemm``: every arm is timed twice, as above and as ``<arm>+gemm`` with the MLP's gate/up
+  projection after each layer (``[B, 4096] @ [4096, 28672]`` bf16, own weights per layer, as
+  in vLLM's decode step two kernels after attention), plus ``gemm_only``. In vLLM that GEMM
+  runs 4-9% slower after Moira's step than after FA3's at batch 1-2 (sessions 20-21), which
+  kernels timed back to back cannot show; ``gemm_cost`` (``<arm>+gemm`` minus ``<arm>``)
+  against ``gemm_only`` shows whether this bench reproduces it.
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/bench_single.py [--contexts 2048,8192,32768]
     python3 benchmarks/bench_single.py --plot benchmarks/results/single-<date>.json  # PNG
@@ -73,6 +79,7 @@ from moira.synthetic import layer_head_fractions
 from tune_kernels import patched
 
 KV_HEADS, GROUP, HEAD_DIM, PAGE, LAYERS = 8, 4, 128, 64, 32
+HIDDEN, GATE_UP = 4096, 2 * 14336  # Llama-3.1-8B's MLP input and gate/up widths (--gemm)
 WIDTH = 1030  # block-table pages of a 66k-token engine (vllm_tpot.py's single-request shapes)
 # --split-sweep: Attend's split at batch 1 (8 rows), (floor_rows, J): chunk floors of 6, 4, 3
 # and 2 pages; J the default (before session 20 min_programs / rows capped at ceil(width /
@@ -119,7 +126,7 @@ class Layers:
     """``LAYERS`` layers of ``batch`` requests: own caches, summaries, queries; a shared
     workspace. Each request's pages sit at random places in its layer's cache."""
 
-    def __init__(self, context, batch=1, width=WIDTH, spread=False):
+    def __init__(self, context, batch=1, width=WIDTH, spread=False, gemm=False):
         pages = context // PAGE
         self.width = max(width, pages + 2)
         self.context, self.batch = context, batch
@@ -146,15 +153,23 @@ class Layers:
             self.fractions = [torch.full((KV_HEADS,), fraction, device="cuda")] * LAYERS
         self.fraction = fraction
         self.scale = 1 / math.sqrt(HEAD_DIM)
+        # --gemm: each layer's gate/up weights (235 MB, from HBM as in the engine), stored
+        # [out, in] as vLLM's linear layers hold them
+        self.weights = [torch.randn(GATE_UP, HIDDEN, device="cuda", dtype=dt) * 0.02
+                        for _ in range(LAYERS)] if gemm else None
+        self.hidden = torch.randn(batch, HIDDEN, device="cuda", dtype=dt)
+        self.gate_up = torch.empty(batch, GATE_UP, device="cuda", dtype=dt)
 
     def workspace(self, config=None):
         return moira.DecodeWorkspace(self.batch, self.width, KV_HEADS * GROUP, KV_HEADS,
                                      HEAD_DIM, device="cuda", config=config)
 
-    def each(self, layer_fn):
+    def each(self, layer_fn, gemm=False):
         def run():
             for layer in range(LAYERS):
                 layer_fn(layer)
+                if gemm:
+                    torch.matmul(self.hidden, self.weights[layer].t(), out=self.gate_up)
         return run
 
 
@@ -301,6 +316,17 @@ def programs_report(paths):
     return "\n".join(lines)
 
 
+def gemm_costs(times):
+    """``--gemm``: per arm, what the GEMM after each layer adds (``<arm>+gemm`` minus
+    ``<arm>``, µs per layer), beside ``gemm_only`` (the GEMM after nothing); an arm after
+    which the GEMM runs slower than alone shows a larger cost."""
+    costs = {name: round(times[name + "+gemm"] - times[name], 2) for name in times
+             if name + "+gemm" in times}
+    if "gemm_only" in times:
+        costs["gemm_only"] = times["gemm_only"]
+    return costs
+
+
 def page_widths(text):
     """``--width``: comma-separated positive page counts."""
     try:
@@ -340,6 +366,9 @@ def main():
                         help="per-(layer, KV head) fractions as the plugin imposes them")
     parser.add_argument("--programs-sweep", action="store_true",
                         help="also time the step at each PROGRAMS_SWEEP min_programs")
+    parser.add_argument("--gemm", action="store_true",
+                        help="also time each arm with the gate/up GEMM after every layer "
+                             "(<arm>+gemm), and the GEMM alone (gemm_only)")
     parser.add_argument("--programs-report", nargs="+", metavar="JSON",
                         help="only print the --programs-sweep table of these runs")
     parser.add_argument("--split-report", nargs="+", metavar="JSON",
@@ -372,15 +401,17 @@ def main():
             continue
         s = None  # the previous shape's caches go before this one's are made
         torch.cuda.empty_cache()
-        s = Layers(context, batch, width, args.spread)
+        s = Layers(context, batch, width, args.spread, args.gemm)
         rows = batch * KV_HEADS
         row = dict(context=context, batch=batch, read_fraction=s.fraction, width=s.width,
                    spread=args.spread, us_per_layer={})
         times = row["us_per_layer"]
 
-        def timed(name, layer_fn):
+        def timed(name, layer_fn, gemm=False):
+            if args.gemm and not gemm:  # the arm with the GEMM right after, beside it
+                timed(name + "+gemm", layer_fn, gemm=True)
             try:
-                times[name] = round(bench(s.each(layer_fn)) / LAYERS, 2)
+                times[name] = round(bench(s.each(layer_fn, gemm)) / LAYERS, 2)
             except Exception as error:  # noqa: BLE001 -- one failed arm must not lose the rest
                 row.setdefault("errors", {})[name] = f"{type(error).__name__}: {error}"[:300]
                 print(f"{context:>7} x{batch} w{s.width} {name:<24} failed: "
@@ -389,6 +420,9 @@ def main():
                 return
             print(f"{context:>7} x{batch} w{s.width} {name:<24} {times[name]:8.2f} us/layer",
                   flush=True)
+
+        if args.gemm:
+            timed("gemm_only", lambda layer: None, gemm=True)
 
         if fa is not None:
             cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
@@ -459,6 +493,8 @@ def main():
         if "fa3_dense" in times:
             row["minus_dense"] = {name: round(times[name] - times["fa3_dense"], 2)
                                   for name in arms if name in times}
+        if args.gemm:
+            row["gemm_cost"] = gemm_costs(times)
         results.append(row)
         with open(args.out, "w") as f:
             json.dump(dict(command="python3 " + " ".join(sys.argv),

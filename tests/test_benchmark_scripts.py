@@ -778,6 +778,15 @@ def test_bench_single_times_each_shape_once_per_distinct_width():
         (8192, 1, 261), (8192, 1, 2048), (131072, 1, 2050)]
 
 
+def test_bench_single_gemm_cost_is_what_the_gemm_adds_after_each_arm():
+    bench_single = load("bench_single")
+    times = {"gemm_only": 56.0, "fa3_dense": 15.0, "fa3_dense+gemm": 71.2,
+             "step_full_rows": 16.0, "step_full_rows+gemm": 74.5, "estimate": 2.0}
+    # an arm timed without its +gemm twin (a failed run) has no cost
+    assert bench_single.gemm_costs(times) == {"fa3_dense": 56.2, "step_full_rows": 58.5,
+                                              "gemm_only": 56.0}
+
+
 def test_bench_single_plot_names_the_widths_when_a_run_has_several(tmp_path, monkeypatch):
     import matplotlib.axes
 
