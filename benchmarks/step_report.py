@@ -34,27 +34,33 @@ PAPER = {"8k32": dict(dense=12.72, FA3=8.16, moira=9.38, Attend=4.02, Estimate=0
                        Select=0.42, Merge=0.13, GEMM=3.83)}
 
 
+def profiled_steps(runs):
+    """``(shape, name, row)`` in report order: shapes as the runs first give them; under each,
+    dense runs then Moira runs, each in folder order, named by backend and folder label."""
+    shapes = dict.fromkeys(r["shape"] for _, _, run in runs for r in run["results"])
+    for shape in shapes:
+        for backend in ("dense", "moira"):
+            for label, _, run in (x for x in runs if x[1] == backend):
+                row = next((r for r in run["results"] if r["shape"] == shape), None)
+                if row is not None:
+                    name = "dense FA3" if backend == "dense" else "Moira"
+                    yield shape, name + (f" ({label})" if label else ""), row
+
+
 def table(runs):
     """``runs``: ``[(label, backend, run)]`` in folder order; one row per run under each shape,
     then the paper's rows."""
     lines = ["| shape | backend | " + " | ".join(CLASSES) + " | kernels | GPU idle | wall |",
              "|---|---|" + "---|" * (len(CLASSES) + 3)]
-    shapes = []
-    for _, _, run in runs:
-        shapes += [r["shape"] for r in run["results"] if r["shape"] not in shapes]
-    for shape in shapes:
-        for backend in ("dense", "moira"):
-            for label, _, run in (x for x in runs if x[1] == backend):
-                row = next((r for r in run["results"] if r["shape"] == shape), None)
-                if row is None:
-                    continue
-                cells = [f"{row['per_step_ms'][name]:.2f}" if name in row["per_step_ms"]
-                         else "–" for name in CLASSES]
-                name = "dense FA3" if backend == "dense" else "Moira"
-                lines.append(f"| {shape} | {name}{f' ({label})' if label else ''} | "
-                             + " | ".join(cells) + f" | **{row['total_ms']:.2f}** | "
-                             f"{row.get('gpu_idle_ms_per_step', float('nan')):.2f} | "
-                             f"{row.get('wall_ms_per_step', float('nan')):.2f} |")
+    steps = list(profiled_steps(runs))
+    for shape in dict.fromkeys(shape for shape, _, _ in steps):
+        for _, backend, row in (step for step in steps if step[0] == shape):
+            cells = [f"{row['per_step_ms'][name]:.2f}" if name in row["per_step_ms"]
+                     else "–" for name in CLASSES]
+            lines.append(f"| {shape} | {backend} | "
+                         + " | ".join(cells) + f" | **{row['total_ms']:.2f}** | "
+                         f"{row.get('gpu_idle_ms_per_step', float('nan')):.2f} | "
+                         f"{row.get('wall_ms_per_step', float('nan')):.2f} |")
         paper = PAPER.get(shape)
         if paper:
             for label, names, step in (("paper, dense", {"FA3"}, paper["dense"]),
@@ -74,15 +80,7 @@ def plot(runs, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bars = []  # (label, per_step_ms)
-    for shape in dict.fromkeys(r["shape"] for _, _, run in runs for r in run["results"]):
-        for backend in ("dense", "moira"):
-            for label, _, run in (x for x in runs if x[1] == backend):
-                row = next((r for r in run["results"] if r["shape"] == shape), None)
-                if row is not None:
-                    name = "dense FA3" if backend == "dense" else "Moira"
-                    bars.append((f"{shape} {name}{f' ({label})' if label else ''}",
-                                 row["per_step_ms"]))
+    bars = [(f"{shape} {name}", row["per_step_ms"]) for shape, name, row in profiled_steps(runs)]
     colors = dict(Attend="tab:blue", Estimate="tab:orange", Select="tab:green",
                   Merge="tab:red", FA3="0.45", GEMM="0.75", other="0.9")
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(bars) + 1.4))
