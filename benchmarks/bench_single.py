@@ -54,9 +54,10 @@ arm is therefore timed over 32 layers captured in one CUDA graph
 - ``--gemm``: every arm is timed twice, as above and as ``<arm>+gemm`` with the MLP's gate/up
   projection after each layer (``[B, 4096] @ [4096, 28672]`` bf16, own weights per layer, as
   in vLLM's decode step two kernels after attention), plus ``gemm_only``. In vLLM that GEMM
-  runs 4-9% slower after Moira's step than after FA3's at batch 1-2 (sessions 20-21), which
-  kernels timed back to back cannot show; ``gemm_cost`` (``<arm>+gemm`` minus ``<arm>``)
-  against ``gemm_only`` shows whether this bench reproduces it.
+  takes ~4% longer per step after Moira's step than after FA3's at batch 1-2, its slowest
+  tenth of calls up to 9% (sessions 20-21), which kernels timed back to back cannot show;
+  ``gemm_cost`` (``<arm>+gemm`` minus ``<arm>``) against ``gemm_only`` shows whether this
+  bench reproduces it.
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/bench_single.py [--contexts 2048,8192,32768]
     python3 benchmarks/bench_single.py --plot benchmarks/results/single-<date>.json  # PNG

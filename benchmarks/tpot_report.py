@@ -6,9 +6,9 @@ the paper's read fractions, speedups against the paper's Tables 3 and 7.
 
 A folder holds one JSON per engine run: ``<model>-dense.json`` and ``<model>-moira-g098.json``
 / ``-g099.json``; several folders (e.g. one per model, from different sessions) make one table.
-Writes ``<first folder>.png`` and, with ``--readme``, the README's ``tpot`` section. With
-``--pairs``, each folder is one interleaved pair (``tpot_pairs.sh``): per-pair and mean speedups
-(and at the short shapes, with ``--plot PATH``, their bars).
+Writes ``<first folder>.png`` (or ``--plot PATH``) and, with ``--readme``, the README's
+``tpot`` section. With ``--pairs``, each folder is one interleaved pair (``tpot_pairs.sh``):
+per-pair and mean speedups (and at the short shapes, with ``--plot PATH``, their bars).
 """
 
 import argparse
@@ -392,17 +392,18 @@ def main():
                         help="each folder is one interleaved dense/Moira pair "
                              "(benchmarks/tpot_pairs.sh): per-pair and mean speedups")
     parser.add_argument("--plot", metavar="PATH",
-                        help="with --pairs at the short shapes (batch 1 to 4): draw them too")
+                        help="where the PNG goes (default <first folder>.png); with --pairs, "
+                             "only at the short shapes (batch 1 to 4), and only if given")
     args = parser.parse_args()
     if args.pairs:
         pair_runs = [load([folder]) for folder in args.folders]
         short = all(shape in SHORT for runs in pair_runs for run in runs.values()
                     for shape in tpot_by_shape(run))
+        if args.plot and not short:
+            parser.error("--plot with --pairs draws the short shapes (batch 1 to 4) only")
         text = (single_pairs_table if short else pairs_table)(pair_runs)
         print(text)
         if args.plot:
-            if not short:
-                parser.error("--plot with --pairs draws the short shapes (batch 1 to 4) only")
             single_pairs_plot(pair_runs, args.plot)
         if args.readme:
             readme_dir = os.path.dirname(os.path.abspath(args.readme))
@@ -422,9 +423,11 @@ def main():
     text, rows = table(runs)
     rows = [row for row in rows if not row["shape"].endswith("k1")]
     if not rows:  # batch-1 shapes only: their own table, no plot
+        if args.plot:
+            parser.error("--plot: batch-1 runs have no plot but as pairs (--pairs --plot)")
         text, png = single_table(runs), None
     else:
-        png = args.folders[0].rstrip("/") + ".png"
+        png = args.plot or args.folders[0].rstrip("/") + ".png"
         plot(rows, png)
     print(text)
     if args.readme:
