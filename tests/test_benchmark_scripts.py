@@ -628,6 +628,21 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
     assert text.splitlines()[2].endswith("| 5.02 | +0.4% | **+0.4%** |")
 
 
+def test_tpot_report_refuses_a_pairs_plot_at_the_batch_shapes(tmp_path, monkeypatch, capsys):
+    report = load("tpot_report")
+    for name, backend, tpot in (("dense", "dense", 12.9), ("moira", "moira", 9.4)):
+        run = dict(model="llama-3.1-8b", gamma=0.98, backend=backend,
+                   results=[dict(shape="8k32", tpot_ms=tpot, imposed_read_fraction=0.42)])
+        (tmp_path / f"{name}.json").write_text(json.dumps(run))
+    monkeypatch.setattr(sys, "argv", ["tpot_report.py", "--pairs", str(tmp_path), "--plot",
+                                      str(tmp_path / "pairs.png")])
+    with pytest.raises(SystemExit) as exit_info:
+        report.main()
+    assert exit_info.value.code == 2
+    assert "short shapes (batch 1 to 4) only" in capsys.readouterr().err
+    assert not (tmp_path / "pairs.png").exists()
+
+
 def test_split_report_applies_the_batch_1_rule_to_the_mean_of_the_runs(tmp_path):
     bench_single = load("bench_single")
 
