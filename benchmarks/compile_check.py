@@ -29,7 +29,7 @@ TARGET = GPUTarget("cuda", 90, 32)  # H200
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 GROUP, HEAD_DIM, PAGE = 4, 128, 64
 CACHE = dict(query="*bf16", key_cache="*bf16", value_cache="*bf16", out="*bf16",
-             summaries="*bf16")
+             summaries="*bf16", new_keys="*bf16", new_values="*bf16")
 INDICES = dict(block_table="*i32", seq_lens="*i32", page_lists="*i32", page_counts="*i32",
                slot_mapping="*i32", page_stats="*i64")
 FLOATS = dict(log_masses="*fp32", partial_out="*fp32", partial_lse="*fp32", row_values="*fp32",
@@ -37,14 +37,14 @@ FLOATS = dict(log_masses="*fp32", partial_out="*fp32", partial_lse="*fp32", row_
               log_tokens="*fp32", tables="*fp32")
 
 
-def specialize(kernel, constexprs):
+def specialize(kernel, constexprs, **types_by_name):
     """``(signature, constexprs, attrs)`` as Triton's launcher builds them for a real launch:
     every argument's type by its name (pointers and floats as listed, other scalars i32); the
     unit strides of the last (channel) dimension become the constant 1, and pointers and the
     strides of the cache, summary, query and output tensors are marked divisible by 16 (what
     the launcher sees for contiguous bf16 tensors of these shapes), so loads vectorize as they
     do on the GPU. Without that the build spills and misleads."""
-    types = {**CACHE, **INDICES, **FLOATS}
+    types = {**CACHE, **INDICES, **FLOATS, **types_by_name}
     constexprs = dict(constexprs)
     attrs = {}
     for index, name in enumerate(kernel.arg_names):
@@ -70,8 +70,8 @@ def check_waits_first(name, ptx):
         sys.exit(f"{name}: {early.group(0)} before griddepcontrol.wait")
 
 
-def build(name, kernel, constexprs, num_warps, num_stages=3):
-    signature, constexprs, attrs = specialize(kernel, constexprs)
+def build(name, kernel, constexprs, num_warps, num_stages=3, **types_by_name):
+    signature, constexprs, attrs = specialize(kernel, constexprs, **types_by_name)
     pdl = bool(constexprs.get("PDL"))
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
                               options=dict(num_warps=num_warps, num_stages=num_stages,
@@ -112,7 +112,7 @@ def kernels(group, head_dim, block, pdl=False):
          dict(GROUP=group, GROUP_DOT=group_pad,
               HEAD_DIM=head_dim, PAGE=PAGE, BLOCK_P=estimate.PAGES_PER_PROGRAM,
               TILE_STAGES=estimate.TILE_STAGES, EXACT=estimate.EXACT_PAGES,
-              PREFETCH=estimate.PREFETCH_TABLE, PDL=pdl),
+              PREFETCH=estimate.PREFETCH_TABLE, WRITE_KV=False, PDL=pdl),
          estimate.NUM_WARPS, 3),
         *[(f"select {mode} {tag} lanes={block}", select._select_kernel,
            dict(GROUP=group, BLOCK=block, BLOCK_2=max(lanes, block // 2),
@@ -163,6 +163,11 @@ def main():
         if name.startswith("estimate") and build(f"{name} prefetched table", kernel, dict(
                 constexprs, PREFETCH=True), warps, stages):
             spilled.append(f"{name} prefetched table")
+        # the decode token's cache write in Estimate's launch (sparse_decode's new_keys, the
+        # plugin's fused_cache_write); vLLM's slot_mapping is int64
+        if name.startswith("estimate") and build(f"{name} writing the new tokens", kernel, dict(
+                constexprs, WRITE_KV=True), warps, stages, slot_mapping="*i64"):
+            spilled.append(f"{name} writing the new tokens")
         if name.startswith("attend") and build(f"{name} FA3 order", kernel, dict(
                 constexprs, FA3_ORDER=True, SUM_ROUNDED=False), warps, stages):
             spilled.append(f"{name} FA3 order")

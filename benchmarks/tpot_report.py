@@ -46,10 +46,12 @@ def tpot_by_shape(run):
 # kernel variants: a run's flag and its column's label. fused_select and fused_merge (Select in
 # Estimate's launch, Merge in Attend's) were options until session 12, removed after measuring
 # slower or too little faster (README); kept here as labels so that their runs' files still load
-VARIANTS = (("programmatic_launch", "pdl"), ("fused_select", "fsel"), ("fused_merge", "fmerge"))
+VARIANTS = (("programmatic_launch", "pdl"), ("fused_select", "fsel"), ("fused_merge", "fmerge"),
+            ("fused_cache_write", "fcw"))
 JNOCAP_LABEL = "Moira, J from Eq. 4 alone (max_chunks_per_row 4096: the split before session 20)"
 # the batch-shape pairs table's labels for a third engine's column (others: "Moira, <kind>")
 PAIR_VARIANT_LABELS = {"fsel": "the same, Estimate + Select in one launch",
+                       "fcw": "Moira, K/V written in Estimate's launch (fused_cache_write)",
                        "split": "Moira, Attend's split set (floor_rows, min_programs, "
                                 "min_chunks_per_row: in its JSON)",
                        "Jmax=4096": JNOCAP_LABEL}
@@ -142,10 +144,11 @@ def pairs_table(pair_runs):
                                      str(kind)))
     for runs in pair_runs:
         for row in table(runs)[1]:
-            speedup = row["g0.98"]["speedup"]
-            if speedup:
-                cells.setdefault((row["model"], row["shape"]), []).append(
-                    (row["dense_ms"], row["g0.98"]["ms"], speedup, row["g0.98"]["paper"]))
+            # each pair's dense engine, and Moira at γ = 0.98's reads where the pair ran it (a
+            # pair of dense and γ = 0.99 alone keeps its place: "–")
+            at_098 = row["g0.98"]
+            cells.setdefault((row["model"], row["shape"]), []).append(
+                (row["dense_ms"], at_098["ms"], at_098["speedup"], at_098["paper"]))
             # Moira at Table 7's reads (γ = 0.99) where the pair ran it; a pair without the
             # run keeps its place ("–")
             at_099 = row["g0.99"]
@@ -172,13 +175,16 @@ def pairs_table(pair_runs):
         lines[1] += "---|---|"
     for model, shape in sorted(cells, key=lambda k: (k[0], SHAPES.index(k[1]))):
         pairs = cells[(model, shape)]
+        if not any(speedup for _, _, speedup, _ in pairs) and (model, shape) not in cells_099:
+            continue  # dense alone
         paper = pairs[0][3]
+        speedups = [speedup for _, _, speedup, _ in pairs if speedup]
         line = (f"| {model} | {shape} | "
                 + " / ".join(f"{dense:.2f}" for dense, _, _, _ in pairs) + " | "
-                + " / ".join(f"{ms:.2f}" for _, ms, _, _ in pairs) + " | "
-                + " / ".join(f"{speedup:.2f}×" for _, _, speedup, _ in pairs) + " | "
-                + f"**{statistics.mean(p[2] for p in pairs):.2f}×** | "
-                + (f"{paper:.2f}×" if paper else "–") + " |")
+                + " / ".join(f"{ms:.2f}" if ms else "–" for _, ms, _, _ in pairs) + " | "
+                + " / ".join(f"{speedup:.2f}×" if speedup else "–" for _, _, speedup, _ in pairs)
+                + " | " + (f"**{statistics.mean(speedups):.2f}×**" if speedups else "–")
+                + " | " + (f"{paper:.2f}×" if paper else "–") + " |")
         if cells_099:
             mine = cells_099.get((model, shape), [])
             present = [x for x in mine if x is not None]
@@ -282,7 +288,8 @@ def short_pair_cells(pair_runs):
             ("T=256", "Moira, the short-row floor at T = 256 programs (the default since session 15)"),
             ("fsel", "rows of ≤ N tokens read in full, Estimate + Select in one launch"),
             ("fmerge", "rows of ≤ N tokens read in full, Merge in Attend's launch"),
-            ("fsel+fmerge", "rows of ≤ N tokens read in full, both in one launch")]
+            ("fsel+fmerge", "rows of ≤ N tokens read in full, both in one launch"),
+            ("fcw", "rows of ≤ N tokens read in full, K/V written in Estimate's launch")]
     # variants combined (e.g. "pdl+split"): a column each, named by their arms
     known = {arm for arm, _ in arms} | {"dense"}
     arms += [(kind, f"Moira, {kind}") for kind in sorted(

@@ -287,6 +287,27 @@ def update_summaries(key_cache, slot_mapping, summaries):
     return summarize_filled_slots(key_cache, slot_mapping, summaries)
 
 
+def _check_new_tokens(new_keys, new_values, slot_mapping, key_cache, value_cache, batch):
+    """``sparse_decode``'s cache write: None, or the launch's ``new_kv`` tuple."""
+    given = [name for name, tensor in (("new_keys", new_keys), ("new_values", new_values),
+                                        ("slot_mapping", slot_mapping)) if tensor is not None]
+    if not given:
+        return None
+    _require(len(given) == 3, f"new_keys, new_values and slot_mapping go together; got only "
+                              f"{', '.join(given)}")
+    expected = (batch, key_cache.shape[2], key_cache.shape[3])
+    for name, tensor in (("new_keys", new_keys), ("new_values", new_values)):
+        _require(tuple(tensor.shape) == expected and tensor.dtype == key_cache.dtype,
+                 f"{name} must be {key_cache.dtype} [batch, num_kv_heads, head_dim] = "
+                 f"{list(expected)}, got {tensor.dtype} of shape {tuple(tensor.shape)}")
+    _require(slot_mapping.dim() == 1 and slot_mapping.dtype in (torch.int32, torch.int64),
+             f"slot_mapping must be a 1-D int32/int64 tensor, got {slot_mapping.dtype} of shape "
+             f"{tuple(slot_mapping.shape)}")
+    _check_device(key_cache=key_cache, new_keys=new_keys, new_values=new_values,
+                  slot_mapping=slot_mapping)
+    return new_keys, new_values, value_cache, slot_mapping
+
+
 def _check_page_stats(page_stats, query):
     if page_stats is not None:
         _require(page_stats.dtype == torch.int64 and tuple(page_stats.shape) == (2,)
@@ -378,7 +399,8 @@ def _check_row_values(name, values, batch, num_kv_heads, query):
 def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_lens, *,
                   gamma=None, top_k=None, keep_fractions=None, dense_below_pages=None,
                   scale=None, return_pages=False, config=None, workspace=None, out=None,
-                  page_stats=None, planned_batch=None):
+                  page_stats=None, planned_batch=None, new_keys=None, new_values=None,
+                  slot_mapping=None):
     """One sparse decode step: Estimate -> Select -> Attend -> Merge.
 
     The step also summarizes each row's current page if it is full (``seq_lens`` a multiple of
@@ -418,6 +440,13 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
         (default ``batch``). How a row is split into chunks depends on how many rows the step
         has, and a CUDA graph captured for a padded batch replays that batch's split: an eager
         step that passes the same padded size computes bit-identical outputs.
+    new_keys, new_values, slot_mapping : optional, together: this step's token of each request
+        (``[batch, num_kv_heads, head_dim]``, the caches' dtype) and its cache slot
+        (``page * 64 + offset``; int32/int64 ``[n]``, request ``b < n`` to slot
+        ``slot_mapping[b]``, negative: not written, as vLLM pads). Estimate's launch writes
+        them into the caches before any kernel reads them, in place of a separate cache-write
+        kernel (vLLM's ``reshape_and_cache_flash``); without them the caches must already hold
+        the token.
 
     Returns
     -------
@@ -464,6 +493,8 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     scale = _resolve_scale(scale, head_dim)
     out = torch.empty_like(query) if out is None else out
 
+    new_kv = _check_new_tokens(new_keys, new_values, slot_mapping, key_cache, value_cache,
+                               batch)
     log_masses, page_lists, page_counts = workspace.selection_buffers(batch, max_pages)
     selection = dict(gamma=config.gamma,
                      top_k=None if keep_fractions is not None else config.top_k,
@@ -472,7 +503,7 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
                      programmatic_launch=config.programmatic_launch)
     _launch_estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
                      dense_below_pages=config.dense_below_pages,
-                     programmatic_launch=config.programmatic_launch)
+                     programmatic_launch=config.programmatic_launch, new_kv=new_kv)
     _launch_select(log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
                    max_pages=max_pages, **selection)
     _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,

@@ -39,6 +39,23 @@ def _grouped_query(query, b, num_kv_heads, scale):
 
 
 # --------------------------------------------------------------------------------------------
+# The cache write of a decode token (sparse_decode's new_keys / new_values / slot_mapping)
+# --------------------------------------------------------------------------------------------
+
+
+def write_tokens(key_cache, value_cache, new_keys, new_values, slot_mapping):
+    """Request ``b``'s key and value (``new_keys[b]``, ``[num_kv_heads, head_dim]``) into slot
+    ``slot_mapping[b]`` = page * 64 + offset of the ``[num_pages, 64, num_kv_heads, head_dim]``
+    caches, for ``b`` below both lengths; negative slots (vLLM's padding) are skipped. In
+    place; returns the caches."""
+    for b, slot in enumerate(slot_mapping.tolist()[:new_keys.shape[0]]):
+        if slot >= 0:
+            key_cache[slot // PAGE_SIZE, slot % PAGE_SIZE] = new_keys[b]
+            value_cache[slot // PAGE_SIZE, slot % PAGE_SIZE] = new_values[b]
+    return key_cache, value_cache
+
+
+# --------------------------------------------------------------------------------------------
 # Page summaries (section 3.1)
 # --------------------------------------------------------------------------------------------
 

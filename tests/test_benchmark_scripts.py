@@ -311,6 +311,61 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
         "| 2.08× / – | **2.08×** | 2.00× / – | **2.00×** |")
 
 
+def test_tpot_pairs_table_keeps_pairs_of_dense_and_moira_at_gamma_0_99_alone(tmp_path):
+    import json
+
+    report = load("tpot_report")
+    for pair, (dense, moira) in enumerate([(20.0, 10.0), (21.0, 7.0)], start=1):
+        folder = tmp_path / f"pair{pair}"
+        folder.mkdir()
+        for name, backend, tpot in (("d.json", "dense", dense), ("g.json", "moira", moira)):
+            run = dict(backend=backend, model="llama-3.1-8b", gamma=0.99,
+                       results=[dict(shape="64k8", tpot_ms=tpot, imposed_read_fraction=0.22)])
+            (folder / name).write_text(json.dumps(run))
+    text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+    assert "| llama-3.1-8b | 64k8 | 20.00 / 21.00 | – / – | – / – | – | 2.62× | 10.00 / 7.00 " \
+        "| 2.00× / 3.00× | **2.50×** | 2.16× |" in text
+    # a pair of dense engines alone has no row
+    for pair in (1, 2):
+        (tmp_path / f"pair{pair}" / "g.json").unlink()
+    text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+    assert "64k8" not in text
+
+
+def test_tpot_report_gives_the_fused_cache_write_its_own_column(tmp_path):
+    import json
+
+    report = load("tpot_report")
+    moira = dict(backend="moira", dense_below_tokens=20480)
+    for name, extra, tpot in (("d", dict(backend="dense"), 5.0), ("m", moira, 5.15),
+                              ("f", dict(moira, fused_cache_write=True), 5.07)):
+        run = dict(model="llama-3.1-8b", gamma=0.98, **extra,
+                   results=[dict(shape="8k1", tpot_ms=tpot, imposed_read_fraction=1.0)])
+        (tmp_path / f"{name}.json").write_text(json.dumps(run))
+    text = report.single_pairs_table([report.load([str(tmp_path)])])
+    assert text.splitlines()[0].endswith(
+        "K/V written in Estimate's launch (ms) | vs dense per pair | mean |")
+    assert text.splitlines()[2].endswith("| 5.15 | +3.0% | **+3.0%** | 5.07 | +1.4% | **+1.4%** |")
+
+
+def test_bench_cache_write_plots_every_arm_of_every_row(tmp_path, monkeypatch):
+    import json
+
+    bench = load("bench_cache_write")
+    rows = [dict(context=8192, batch=1, rows=mode, us=dict(estimate=1.0, fused=1.2, separate=5.0))
+            for mode in ("select", "full_rows")]
+    path = tmp_path / "cache-write.json"
+    path.write_text(json.dumps(dict(results=rows)))
+    drawn = []
+    import matplotlib.axes
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar",
+                        lambda self, x, heights, *a, **k: drawn.append(list(heights)))
+    bench.plot(str(path))
+    assert drawn == [[1.0, 1.0], [1.2, 1.2], [5.0, 5.0]]
+    assert (tmp_path / "cache-write.png").exists()
+
+
 def test_every_kernel_compiles_for_the_h200_without_spilling():
     """On any machine: Triton's wheel carries ptxas, so the GPU build of every kernel (not the
     interpreter's view of it) is checked here, before device time is spent on a kernel that

@@ -101,6 +101,64 @@ def test_the_step_summarizes_the_page_its_token_filled(head_dim):
     assert not torch.isnan(out[:3].float()).any()  # the poisoned pages were never read
 
 
+@pytest.mark.parametrize("group, head_dim, layout", [(1, 64, "contiguous"), (4, 128, "packed"),
+                                                     (7, 128, "hnd"), (8, 64, "contiguous")])
+def test_the_step_writes_its_new_tokens_first(group, head_dim, layout):
+    """With new_keys / new_values / slot_mapping, Estimate's launch writes the tokens before
+    any kernel reads them: caches, summaries, lists and outputs equal, bit for bit, those of
+    the step run on caches the spec wrote beforehand. Rows: a token that fills its page (the
+    step summarizes it, new key included), a token alone on its page, a first page, one
+    partial page in a longer row, and a padded row (slot -1, length 0)."""
+    num_kv_heads = 2
+    lengths = [64 * 5, 64 * 3 + 1, 40, 64 * 4 + 17, 0]
+    keys, values = make_cache(40, num_kv_heads, head_dim, layout=layout)
+    table, seq_lens = make_table(lengths, 40)
+    batch = len(lengths)
+    query = make_query(batch, num_kv_heads * group, head_dim)
+    new_keys, new_values = (torch.randn(batch, num_kv_heads, head_dim, device=DEVICE)
+                            .to(keys.dtype) for _ in range(2))
+    slots = torch.tensor([int(table[b, (n - 1) // 64]) * 64 + (n - 1) % 64 if n else -1
+                          for b, n in enumerate(lengths)], dtype=torch.int64, device=DEVICE)
+    # the pages full before this step's tokens
+    summaries = moira.summarize(keys, table, (seq_lens - 1).clamp(min=0),
+                                torch.zeros(40, num_kv_heads, 2, head_dim, device=DEVICE))
+    runs = {}
+    for fused in (True, False):
+        k, v, s = keys.clone(), values.clone(), summaries.clone()
+        new_kv = dict(new_keys=new_keys, new_values=new_values, slot_mapping=slots)
+        if not fused:
+            ref.write_tokens(k, v, new_keys, new_values, slots)
+            new_kv = {}
+        out, lists, counts = moira.sparse_decode(
+            query, k, v, s, table, seq_lens, gamma=0.9, config=SMALL_SPLIT, return_pages=True,
+            out=poisoned(*query.shape), **new_kv)
+        runs[fused] = (k, v, s, out, lists.clone(), counts.clone())
+    (k, v, s, out, lists, counts), (k0, v0, s0, out0, lists0, counts0) = runs[True], runs[False]
+    assert torch.equal(k, k0) and torch.equal(v, v0)  # the kernel's write is the spec's
+    assert not torch.equal(k, keys)  # and it wrote
+    assert torch.equal(s, s0)  # the filled page summarized with its new key
+    assert not torch.equal(s[int(table[0, 4])], summaries[int(table[0, 4])])
+    assert torch.equal(counts, counts0)
+    for b in range(batch):
+        for h in range(num_kv_heads):
+            n = int(counts[b, h])
+            assert torch.equal(lists[b, h, :n], lists0[b, h, :n])
+    assert torch.equal(out, out0) and not torch.isnan(out.float()).any()
+    assert (out[4] == 0).all()  # the padded row
+
+
+def test_new_tokens_need_all_three_tensors_of_the_right_shape():
+    step = good_step()
+    keys = torch.zeros(1, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="go together; got only new_keys, slot_mapping"):
+        call(step, new_keys=keys, slot_mapping=slots)
+    with pytest.raises(ValueError, match=r"new_values must be torch.bfloat16 \[batch, "):
+        call(step, new_keys=keys, new_values=keys[:, :1], slot_mapping=slots)
+    with pytest.raises(ValueError, match="slot_mapping must be a 1-D int32/int64"):
+        call(step, new_keys=keys, new_values=keys, slot_mapping=slots.float())
+
+
 def test_page_stats_count_pages_read_and_pages_present():
     ctx, summaries = structured_step()
     stats = torch.tensor([5, 7], dtype=torch.int64, device=DEVICE)  # accumulates onto these

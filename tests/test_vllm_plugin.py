@@ -6,9 +6,10 @@ import torch
 from helpers import DEVICE, make_cache
 
 import moira
-from moira.integrations.vllm.settings import (MoiraSettings, decode_rows_skipped, explain,
-                                              fa3_rows, full_read_pages, planning_batch,
-                                              split_decodes, summary_bytes)
+from moira.integrations.vllm.settings import (MoiraSettings, cache_write_in_estimate,
+                                              decode_rows_skipped, explain, fa3_rows,
+                                              full_read_pages, planning_batch, split_decodes,
+                                              summary_bytes)
 from moira.integrations.vllm.state import (DenseCheck, ImposedFractions, LayerState,
                                            PageStatsLog, bf16_ulps)
 
@@ -59,6 +60,16 @@ def test_settings_come_from_additional_config_then_environment():
     assert MoiraSettings(gamma=1.0).describe().count("gamma") == 1
     calibrated = MoiraSettings.from_sources({"moira": {"calibration": "cal.json"}}, {})
     assert calibrated.calibration == "cal.json"
+    assert not MoiraSettings().fused_cache_write  # off until timed on the H200
+    assert MoiraSettings.from_sources(None, {"MOIRA_FUSED_CACHE_WRITE": "1"}).fused_cache_write
+    assert MoiraSettings.from_sources({"moira": {"fused_cache_write": True}}, {}
+                                      ).fused_cache_write
+
+
+def test_the_cache_write_joins_estimate_only_in_steps_without_an_fa3_call():
+    assert cache_write_in_estimate(True, fa3_call=False)
+    assert not cache_write_in_estimate(True, fa3_call=True)  # FA3 reads the cache first
+    assert not cache_write_in_estimate(False, fa3_call=False)
 
 
 @pytest.mark.parametrize("config, environ, match", [
@@ -88,6 +99,8 @@ def test_settings_come_from_additional_config_then_environment():
     ({"moira": {"calibration": "c.json", "top_k": 8}}, {}, "does not combine with top_k"),
     ({"moira": {"floor_rows": 0}}, {}, "floor_rows must be a positive int"),
     (None, {"MOIRA_MIN_PROGRAMS": "many"}, "MOIRA_MIN_PROGRAMS='many' is not a number"),
+    (None, {"MOIRA_FUSED_CACHE_WRITE": "yes"}, "use 0 or 1"),
+    ({"moira": {"fused_cache_write": 1}}, {}, "fused_cache_write must be true or false"),
 ])
 def test_bad_settings_name_the_setting(config, environ, match):
     with pytest.raises(ValueError, match=match):

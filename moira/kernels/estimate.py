@@ -106,17 +106,47 @@ def _mvar_tile(query_row, summaries, dst, physical, pages, middle, head, scale, 
         tl.store(dst + g * stride_lg + pages, est, mask=middle)
 
 
-@triton.jit(do_not_specialize=["mvar_programs"])  # one build for every batch size
+@triton.jit
+def _write_new_token(new_keys, new_values, key_cache, value_cache, slot_mapping, b, head,
+                     num_slots, stride_knb, stride_knh, stride_knd,
+                     stride_vnb, stride_vnh, stride_vnd,
+                     stride_kp, stride_kt, stride_kh, stride_kd,
+                     stride_vp, stride_vt, stride_vh, stride_vd,
+                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
+    """Request ``b``'s new key and value of KV head ``head`` into their cache slot (vLLM's
+    ``reshape_and_cache_flash`` for one decode token; a negative slot, vLLM's padding, is not
+    written)."""
+    if b < num_slots:
+        slot = tl.load(slot_mapping + b).to(tl.int64)
+        if slot >= 0:
+            dims = tl.arange(0, HEAD_DIM)
+            page = slot // PAGE
+            offset = slot % PAGE
+            key = tl.load(new_keys + b.to(tl.int64) * stride_knb + head * stride_knh
+                          + dims * stride_knd)
+            value = tl.load(new_values + b.to(tl.int64) * stride_vnb + head * stride_vnh
+                            + dims * stride_vnd)
+            tl.store(key_cache + page * stride_kp + offset * stride_kt + head * stride_kh
+                     + dims * stride_kd, key.to(key_cache.dtype.element_ty))
+            tl.store(value_cache + page * stride_vp + offset * stride_vt + head * stride_vh
+                     + dims * stride_vd, value.to(value_cache.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["mvar_programs", "num_slots"])  # one build for every batch size
 def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_masses,
+                     new_keys, new_values, value_cache, slot_mapping,
                      stride_qb, stride_qh, stride_qd,
                      stride_kp, stride_kt, stride_kh, stride_kd,
                      stride_sp, stride_sh, stride_ss, stride_sd,
                      stride_bt, stride_lr, stride_lg,
+                     stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
+                     stride_vp, stride_vt, stride_vh, stride_vd,
                      num_kv_heads, max_pages, scale, dense_below_pages, mvar_programs,
+                     num_slots,
                      GROUP: tl.constexpr, GROUP_DOT: tl.constexpr,
                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
                      TILE_STAGES: tl.constexpr, EXACT: tl.constexpr, PREFETCH: tl.constexpr,
-                     PDL: tl.constexpr):
+                     WRITE_KV: tl.constexpr, PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     block = tl.program_id(1)
@@ -133,6 +163,13 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
     pages_in_row = tl.minimum(tl.cdiv(seq_len, PAGE), max_pages)
     last = pages_in_row - 1
     if block == 1:
+        if WRITE_KV:  # this step's token first: the current page's keys below include it
+            _write_new_token(new_keys, new_values, key_cache, value_cache, slot_mapping, b,
+                             head, num_slots, stride_knb, stride_knh, stride_knd,
+                             stride_vnb, stride_vnh, stride_vnd,
+                             stride_kp, stride_kt, stride_kh, stride_kd,
+                             stride_vp, stride_vt, stride_vh, stride_vd, HEAD_DIM, PAGE)
+            tl.debug_barrier()  # the block's own global stores, seen by all its threads
         if (pages_in_row > 0) & (seq_len == pages_in_row * PAGE):  # the step filled it
             summarize_page(key_cache, summaries, tl.load(row_table + last), head,
                             stride_kp, stride_kt, stride_kh, stride_kd,
@@ -145,9 +182,9 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
 
     if block < 2:
         # program 0: the sink, program 1: the current page (no summary yet), exact, one tile
-        # each; they come first in the grid so their key reads overlap the mvar blocks. With a
-        # single page both compute page 0 and store the same values.
-        if pages_in_row == 0:
+        # each; they come first in the grid so their key reads overlap the mvar blocks. A
+        # single page is program 1's alone: its new token may be written by that program.
+        if (pages_in_row == 0) | ((block == 0) & (last == 0)):
             return
         page = tl.where(block == 0, 0, last)
         tokens = tl.arange(0, PAGE)
@@ -202,10 +239,15 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
 
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-             dense_below_pages=0, programmatic_launch=False):
+             dense_below_pages=0, programmatic_launch=False, new_kv=None):
     """Fill ``log_masses`` ``[batch * num_kv_heads, G, >= max_pages]`` float32 (pages past a
     row's end, and rows of at most ``dense_below_pages`` pages, are not written), and write
-    ``summaries`` of every row's current page that is full."""
+    ``summaries`` of every row's current page that is full.
+
+    ``new_kv``: ``(new_keys, new_values, value_cache, slot_mapping)``, request ``b``'s new
+    key and value (``[batch, num_kv_heads, head_dim]``) written to slot ``slot_mapping[b]``
+    (``b < len(slot_mapping)``, negative: not written) before anything reads the page, so a
+    decode step needs no separate cache-write launch."""
     if EXACT_PAGES not in EXACT_FORMS:
         raise ValueError(f"estimate.EXACT_PAGES is {EXACT_PAGES!r}: use one of {EXACT_FORMS}")
     batch, num_heads, head_dim = query.shape
@@ -216,14 +258,20 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     per_row = programs_per_row(rows, max_pages)
     # columns 0 and 1: the exact sink and current page of each row; then the mvar programs
     grid = (rows, 2 + per_row)
+    # without new_kv the write's pointers are the cache's and its code is not compiled
+    new_keys, new_values, value_cache, slot_mapping = new_kv or (key_cache[0], key_cache[0],
+                                                                 key_cache, block_table)
     _estimate_kernel[grid](
         query, key_cache, summaries, block_table, seq_lens, log_masses,
+        new_keys, new_values, value_cache, slot_mapping,
         *query.stride(), *key_cache.stride(), *summaries.stride(),
         block_table.stride(0), log_masses.stride(0), log_masses.stride(1),
+        *new_keys.stride(), *new_values.stride(), *value_cache.stride(),
         num_kv_heads, max_pages, scale, dense_below_pages, per_row,
+        slot_mapping.shape[0] if new_kv else 0,
         GROUP=group, GROUP_DOT=triton.next_power_of_2(group), HEAD_DIM=head_dim,
         PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM, TILE_STAGES=TILE_STAGES, EXACT=EXACT_PAGES,
-        PREFETCH=PREFETCH_TABLE, num_warps=NUM_WARPS,
+        PREFETCH=PREFETCH_TABLE, WRITE_KV=new_kv is not None, num_warps=NUM_WARPS,
         **launch.options(programmatic_launch, "estimate"),
     )
     return log_masses

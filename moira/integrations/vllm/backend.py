@@ -6,7 +6,9 @@
   ``UNIFORM_SINGLE_TOKEN_DECODE`` CUDA-graph support: pure decode steps replay vLLM's FULL
   graphs with Moira's kernels inside, mixed steps run attention eagerly (vLLM's piecewise
   graphs). Owns the ``DecodeWorkspace`` all its layers share (they run one after another).
-- ``MoiraAttentionImpl``: K/V are written by FA's ``do_kv_cache_update``; in a step with
+- ``MoiraAttentionImpl``: writes K/V itself (``forward_includes_kv_cache_update``): with FA's
+  ``do_kv_cache_update`` (vLLM's kernel, on the slots vLLM would pass it) first, or, in pure
+  decode steps with ``fused_cache_write``, inside Estimate's launch; in a step with
   non-decode rows ``forward`` runs FA3 as dense vLLM does (over the whole batch, or with
   ``exact_prefill`` off over those rows alone; the decode rows' key lengths zeroed in the
   whole-batch call) and summarizes the pages their slots completed,
@@ -31,8 +33,8 @@ from ... import reference
 from ...config import PAGE_SIZE
 from ...decode import DecodeWorkspace, sparse_decode, update_summaries
 from .settings import (SUPPORTED_HEAD_DIMS, SUPPORTED_KV_CACHE_DTYPES, MoiraSettings,
-                       decode_rows_skipped, explain, fa3_rows, full_read_pages, planning_batch,
-                       split_decodes)
+                       cache_write_in_estimate, decode_rows_skipped, explain, fa3_rows,
+                       full_read_pages, planning_batch, split_decodes)
 from .state import DenseCheck, ImposedFractions, LayerState, PageStatsLog
 
 logger = init_logger("vllm.moira")  # under "vllm", so vLLM's log handler prints it
@@ -46,6 +48,9 @@ def _current_config():
 
 class MoiraAttentionBackend(FlashAttentionBackend):
     supported_kv_cache_dtypes = ["auto", "float16", "bfloat16"]
+    # vLLM does not launch its cache write before forward: forward writes K/V (in pure decode
+    # steps, with fused_cache_write, inside Estimate's launch: one launch fewer per layer)
+    forward_includes_kv_cache_update = True
 
     @staticmethod
     def get_name() -> str:
@@ -329,9 +334,18 @@ class MoiraAttentionImpl(FlashAttentionImpl):
                 output_scale=None, output_block_scale=None):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("Moira does not fuse output quantization")
-        if attn_metadata is None:  # memory profiling run
+        from vllm.model_executor.layers.attention.attention import get_attention_context
+
+        # the slots vLLM's own cache-write op would write (it is not launched: see the backend)
+        slot_mapping = get_attention_context(layer.layer_name)[3]
+        metadata: MoiraMetadata | None = attn_metadata
+        in_estimate = metadata is not None and cache_write_in_estimate(
+            self.settings.fused_cache_write,
+            fa3_call=metadata.prefill is not None or metadata.dense is not None)
+        if slot_mapping is not None and not in_estimate:
+            self.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if metadata is None:  # memory profiling run
             return output.fill_(0)
-        metadata: MoiraMetadata = attn_metadata
         if metadata.dense is not None:
             dense = torch.empty_like(output)
             super().forward(layer, query, key, value, kv_cache, metadata.dense, dense)
@@ -361,7 +375,10 @@ class MoiraAttentionImpl(FlashAttentionImpl):
                           keep_fractions=fractions,
                           dense_below_pages=metadata.dense_below_pages or None,
                           workspace=metadata.workspace, planned_batch=metadata.planned_batch,
-                          out=output[:rows], page_stats=state.page_stats)
+                          out=output[:rows], page_stats=state.page_stats,
+                          **(dict(new_keys=key[:rows], new_values=value[:rows],
+                                  slot_mapping=slot_mapping)
+                             if in_estimate and slot_mapping is not None else {}))
         if metadata.dense is not None:
             start, end = metadata.num_decode_tokens, metadata.num_actual_tokens
             # the truth both kernels round: float32 attention over every page (the spec)

@@ -69,6 +69,12 @@ key                environment variable     meaning
                                             per row (default 128; binds only in steps of
                                             fewer than min_programs / 128 rows; 4096: J
                                             from Eq. 4 alone, as before session 20)
+``fused_cache_write``  ``MOIRA_FUSED_CACHE_WRITE``  pure decode steps write each new
+                                            token's K and V inside Estimate's launch instead
+                                            of vLLM's ``reshape_and_cache_flash`` kernel
+                                            (one launch fewer per layer; mixed steps write
+                                            them as before; default off until timed on the
+                                            H200)
 =================  =======================  ==================================================
 """
 
@@ -83,6 +89,8 @@ from ...config import PAGE_SIZE, MoiraConfig
 # settings passed through to MoiraConfig's fields of the same name (None: its default)
 SPLIT_SETTINGS = ("floor_rows", "min_programs", "step_programs", "min_chunks_per_row",
                   "max_chunks_per_row")
+
+BOOL_SETTINGS = ("check_dense", "programmatic_launch", "exact_prefill", "fused_cache_write")
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_KV_CACHE_DTYPES = (None, "auto", "bfloat16", "float16")
@@ -105,6 +113,7 @@ class MoiraSettings:
     step_programs: int | None = None
     min_chunks_per_row: int | None = None
     max_chunks_per_row: int | None = None
+    fused_cache_write: bool = False
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
             "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE",
@@ -115,7 +124,8 @@ class MoiraSettings:
             "calibration": "MOIRA_CALIBRATION", "floor_rows": "MOIRA_FLOOR_ROWS",
             "min_programs": "MOIRA_MIN_PROGRAMS", "step_programs": "MOIRA_STEP_PROGRAMS",
             "min_chunks_per_row": "MOIRA_MIN_CHUNKS_PER_ROW",
-            "max_chunks_per_row": "MOIRA_MAX_CHUNKS_PER_ROW"}
+            "max_chunks_per_row": "MOIRA_MAX_CHUNKS_PER_ROW",
+            "fused_cache_write": "MOIRA_FUSED_CACHE_WRITE"}
 
     def __post_init__(self):
         tokens = self.dense_below_tokens
@@ -139,7 +149,7 @@ class MoiraSettings:
             if self.top_k is not None or self.imposed_fraction is not None:
                 raise ValueError("moira calibration sets per-head coverage targets; it does "
                                  "not combine with top_k or imposed_fraction")
-        for name in ("check_dense", "exact_prefill"):
+        for name in BOOL_SETTINGS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"moira {name} must be true or false, got "
                                  f"{getattr(self, name)!r}")
@@ -199,7 +209,7 @@ class MoiraSettings:
                 values[key] = given[key]
             elif environ.get(variable, "") != "":
                 text = environ[variable]
-                if key in ("check_dense", "programmatic_launch", "exact_prefill"):
+                if key in BOOL_SETTINGS:
                     if text not in ("0", "1"):
                         raise ValueError(f"{variable}={text!r}: use 0 or 1")
                     values[key] = text == "1"
@@ -286,6 +296,13 @@ def fa3_rows(num_decodes: int, num_reqs: int, num_decode_tokens: int,
     if exact_prefill or num_decodes == 0:
         return 0, 0
     return num_decodes, num_decode_tokens
+
+
+def cache_write_in_estimate(fused_cache_write: bool, fa3_call: bool) -> bool:
+    """Whether a step's new K/V go into the cache inside Estimate's launch: with
+    ``fused_cache_write``, in steps where no FA3 call (prefill rows, the dense check) reads the
+    cache before Moira's kernels; other steps write them first with vLLM's own kernel."""
+    return fused_cache_write and not fa3_call
 
 
 def summary_bytes(num_blocks: int, num_kv_heads: int, head_dim: int, element_size: int) -> int:
