@@ -57,7 +57,11 @@ arm is therefore timed over 32 layers captured in one CUDA graph
   takes ~4% longer per step after Moira's step than after FA3's at batch 1-2, its slowest
   tenth of calls up to 9% (sessions 20-21), which kernels timed back to back cannot show;
   ``gemm_cost`` (``<arm>+gemm`` minus ``<arm>``) against ``gemm_only`` shows whether this
-  bench reproduces it.
+  bench reproduces it. It also charges the GEMM with what the arm loses when the GEMM evicts
+  the arm's inputs from L2 between layers (session 22: Select alone +5.3 µs at batch 2).
+- ``--gemm-profile`` (with ``--gemm``) also traces each ``<arm>+gemm`` graph with the PyTorch
+  profiler and records the GEMM kernels' own per-call durations (``gemm_calls``: p10 /
+  median / p90, µs), as ``vllm_step_profile.py`` does in the engine.
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/bench_single.py [--contexts 2048,8192,32768]
     python3 benchmarks/bench_single.py --plot benchmarks/results/single-<date>.json  # PNG
@@ -110,6 +114,27 @@ def programs_config(min_programs):
 
 # the paper's mean read fraction at gamma 0.98 (Llama-3.1-8B, Table 3), clamped below 8k
 READS = {2048: 0.42, 8192: 0.42, 16384: 0.37, 32768: 0.31, 65536: 0.16, 131072: 0.15}
+
+
+def gemm_calls(fn, replays=10):
+    """Per-call statistics of the GEMM kernels when ``fn`` runs as one CUDA graph (CUPTI
+    reports each kernel of a replayed graph): the GEMM's own time after an arm."""
+    from torch.profiler import ProfilerActivity, profile
+    from vllm_step_profile import call_stats, kernel_class
+
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    return call_stats([event.device_time_total for event in trace.events()
+                       if event.device_type.name == "CUDA"
+                       and kernel_class(event.name) == "GEMM"])
 
 
 def bench(fn):
@@ -370,6 +395,9 @@ def main():
     parser.add_argument("--gemm", action="store_true",
                         help="also time each arm with the gate/up GEMM after every layer "
                              "(<arm>+gemm), and the GEMM alone (gemm_only)")
+    parser.add_argument("--gemm-profile", action="store_true",
+                        help="with --gemm: also record the GEMM kernels' own per-call times "
+                             "after each arm (profiler over the replayed graph)")
     parser.add_argument("--programs-report", nargs="+", metavar="JSON",
                         help="only print the --programs-sweep table of these runs")
     parser.add_argument("--split-report", nargs="+", metavar="JSON",
@@ -382,6 +410,8 @@ def main():
     if args.split_report:
         table, _, verdict = split_report(args.split_report)
         return print(f"{table}\n\n{verdict}")
+    if args.gemm_profile and not args.gemm:
+        parser.error("--gemm-profile profiles the <arm>+gemm graphs: add --gemm")
     if len(args.width) > 1 and (args.programs_sweep or args.split_sweep):
         parser.error("--programs-sweep and --split-sweep take one --width (their reports key "
                      "rows by shape)")
@@ -421,6 +451,11 @@ def main():
                 return
             print(f"{context:>7} x{batch} w{s.width} {name:<24} {times[name]:8.2f} us/layer",
                   flush=True)
+            if gemm and args.gemm_profile:
+                calls = row.setdefault("gemm_calls", {})[name] = gemm_calls(s.each(layer_fn,
+                                                                                   gemm))
+                print(f"{'':>17} {name:<24} GEMM per call p10 / median / p90 {calls['p10_us']}"
+                      f" / {calls['median_us']} / {calls['p90_us']} us", flush=True)
 
         if args.gemm:
             timed("gemm_only", lambda layer: None, gemm=True)

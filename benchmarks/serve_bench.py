@@ -178,7 +178,7 @@ def main():
     # (for keys serve_bench.sh's --additional-config does not set: imposed_fraction and
     # stats_interval come from there)
     result["moira_environment"] = {name: value for name, value in sorted(os.environ.items())
-                                   if name.startswith("MOIRA_")}
+                                   if name.startswith("MOIRA_") or name == "SERVE_STATS_INTERVAL"}
     print(json.dumps({k: v for k, v in result.items() if k != "per_request"}, indent=1))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -5,6 +5,9 @@
 #   PYTHONPATH=/tmp/site:. bash benchmarks/serve_bench.sh BACKEND [SETS...]
 #   BACKEND: dense | flashinfer | moira (imposed reads of the paper at gamma 0.98)
 #   SETS:    e.g. A:1 A:16 B:1 B:8 (default: all four)
+#   SERVE_STATS_INTERVAL: the plugin's stats_interval for the moira server (default 30, the
+#   page-read log line; 0 turns Merge's counters off, as in the TPOT and profile engines);
+#   other plugin settings through MOIRA_* variables, e.g. MOIRA_FUSED_CACHE_WRITE=1
 #   SERVE_BENCH_ARGS: more client arguments, e.g. "--limit 64 --output-tokens 256" (the full
 #   protocol, 256 prompts x 1,024 tokens per set A run, takes ~10 min per backend at
 #   concurrency 16 and far longer at 1: more than one device session holds; run it in slices,
@@ -20,7 +23,7 @@ case $backend in
   dense) args=(--attention-backend FLASH_ATTN) ;;
   flashinfer) args=(--attention-backend FLASHINFER) ;;
   moira) args=(--attention-backend CUSTOM --additional-config
-               '{"moira": {"imposed_fraction": {"8192": 0.42, "16384": 0.37, "32768": 0.31, "65536": 0.16, "130000": 0.15}, "stats_interval": 30}}') ;;
+               '{"moira": {"imposed_fraction": {"8192": 0.42, "16384": 0.37, "32768": 0.31, "65536": 0.16, "130000": 0.15}, "stats_interval": '"${SERVE_STATS_INTERVAL:-30}"'}}') ;;
   *) echo "unknown backend $backend" >&2; exit 2 ;;
 esac
 # the server's engine core is another process, and vLLM registers plugins there only through

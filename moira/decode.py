@@ -279,12 +279,16 @@ def update_summaries(key_cache, slot_mapping, summaries):
     written. Returns ``summaries``.
     """
     _check_cache(key_cache, None)
-    _require(slot_mapping.dim() == 1 and slot_mapping.dtype in (torch.int32, torch.int64),
-             f"slot_mapping must be a 1-D int32/int64 tensor, got {slot_mapping.dtype} of shape "
-             f"{tuple(slot_mapping.shape)}")
+    _check_slot_mapping(slot_mapping)
     _check_summaries(summaries, key_cache)
     _check_device(key_cache=key_cache, slot_mapping=slot_mapping)
     return summarize_filled_slots(key_cache, slot_mapping, summaries)
+
+
+def _check_slot_mapping(slot_mapping):
+    _require(slot_mapping.dim() == 1 and slot_mapping.dtype in (torch.int32, torch.int64),
+             f"slot_mapping must be a 1-D int32/int64 tensor, got {slot_mapping.dtype} of shape "
+             f"{tuple(slot_mapping.shape)}")
 
 
 def _check_new_tokens(new_keys, new_values, slot_mapping, key_cache, value_cache, batch):
@@ -300,9 +304,7 @@ def _check_new_tokens(new_keys, new_values, slot_mapping, key_cache, value_cache
         _require(tuple(tensor.shape) == expected and tensor.dtype == key_cache.dtype,
                  f"{name} must be {key_cache.dtype} [batch, num_kv_heads, head_dim] = "
                  f"{list(expected)}, got {tensor.dtype} of shape {tuple(tensor.shape)}")
-    _require(slot_mapping.dim() == 1 and slot_mapping.dtype in (torch.int32, torch.int64),
-             f"slot_mapping must be a 1-D int32/int64 tensor, got {slot_mapping.dtype} of shape "
-             f"{tuple(slot_mapping.shape)}")
+    _check_slot_mapping(slot_mapping)
     _check_device(key_cache=key_cache, new_keys=new_keys, new_values=new_values,
                   slot_mapping=slot_mapping)
     return new_keys, new_values, value_cache, slot_mapping

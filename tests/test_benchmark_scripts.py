@@ -246,6 +246,19 @@ def test_step_report_plot_stacks_each_runs_classes_to_its_kernel_total(tmp_path,
     assert drawn[4][2] == pytest.approx([0.87, 0.96])
 
 
+def write_two_pairs(folder, gamma, shape, reads):
+    """Two pair folders of tpot_pairs.sh results: dense 20 / 21 ms, Moira at ``gamma`` 10 / 7
+    ms (speedups 2× / 3×), one shape."""
+    import json
+
+    for pair, (dense, sparse) in enumerate([(20.0, 10.0), (21.0, 7.0)], start=1):
+        (folder / f"pair{pair}").mkdir()
+        for name, backend, tpot in (("d.json", "dense", dense), ("m.json", "moira", sparse)):
+            run = dict(backend=backend, model="llama-3.1-8b", gamma=gamma,
+                       results=[dict(shape=shape, tpot_ms=tpot, imposed_read_fraction=reads)])
+            (folder / f"pair{pair}" / name).write_text(json.dumps(run))
+
+
 def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
     import json
 
@@ -254,13 +267,7 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
     def pairs_text():
         return report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
 
-    for pair, (dense, moira) in enumerate([(20.0, 10.0), (21.0, 7.0)], start=1):
-        folder = tmp_path / f"pair{pair}"
-        folder.mkdir()
-        for name, backend, tpot in (("d.json", "dense", dense), ("m.json", "moira", moira)):
-            run = dict(backend=backend, model="llama-3.1-8b", gamma=0.98,
-                       results=[dict(shape="130k4", tpot_ms=tpot, imposed_read_fraction=0.15)])
-            (folder / name).write_text(json.dumps(run))
+    write_two_pairs(tmp_path, gamma=0.98, shape="130k4", reads=0.15)
     text = pairs_text()
     assert "| llama-3.1-8b | 130k4 | 20.00 / 21.00 | 10.00 / 7.00 | 2.00× / 3.00× | **2.50×** " \
         "| 2.64× |" in text
@@ -312,22 +319,14 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
 
 
 def test_tpot_pairs_table_keeps_pairs_of_dense_and_moira_at_gamma_0_99_alone(tmp_path):
-    import json
-
     report = load("tpot_report")
-    for pair, (dense, moira) in enumerate([(20.0, 10.0), (21.0, 7.0)], start=1):
-        folder = tmp_path / f"pair{pair}"
-        folder.mkdir()
-        for name, backend, tpot in (("d.json", "dense", dense), ("g.json", "moira", moira)):
-            run = dict(backend=backend, model="llama-3.1-8b", gamma=0.99,
-                       results=[dict(shape="64k8", tpot_ms=tpot, imposed_read_fraction=0.22)])
-            (folder / name).write_text(json.dumps(run))
+    write_two_pairs(tmp_path, gamma=0.99, shape="64k8", reads=0.22)
     text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
     assert "| llama-3.1-8b | 64k8 | 20.00 / 21.00 | – / – | – / – | – | 2.62× | 10.00 / 7.00 " \
         "| 2.00× / 3.00× | **2.50×** | 2.16× |" in text
     # a pair of dense engines alone has no row
     for pair in (1, 2):
-        (tmp_path / f"pair{pair}" / "g.json").unlink()
+        (tmp_path / f"pair{pair}" / "m.json").unlink()
     text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
     assert "64k8" not in text
 
@@ -830,6 +829,7 @@ def test_serve_report_run_inside_its_folder_plots_beside_the_folder(tmp_path, mo
     (["--width", "26l"], "expected pages per row"),
     (["--width", "261,"], "expected pages per row"),
     (["--width", "0"], "expected pages per row"),
+    (["--gemm-profile"], "add --gemm"),
 ])
 def test_bench_single_refuses_bad_widths_before_it_starts(monkeypatch, capsys, argv, message):
     bench_single = load("bench_single")

@@ -19,6 +19,10 @@ Program 1 also summarizes the current page when this step's token has just fille
 row's length a multiple of 64): the page is a middle page from the next step on, and a decode
 step then needs no separate summarize launch (``summarize.summarize_page``, the same math).
 
+With ``new_kv`` (``sparse_decode``'s ``new_keys`` / ``new_values`` / ``slot_mapping``) program 1
+first writes the request's new key and value of its KV head into their slot, so a decode step
+needs no separate cache-write launch either; a one-page row is then program 1's alone.
+
 Bytes: every page's summary (2 * D values) once, two pages of keys per row, and G floats written
 per page.
 """
