@@ -840,6 +840,23 @@ def test_bench_single_refuses_bad_widths_before_it_starts(monkeypatch, capsys, a
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.cuda
+def test_bench_single_gemm_calls_counts_each_gemm_of_the_replayed_graph():
+    bench_single = load("bench_single")
+    a = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16)
+    weights = [torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    out = torch.empty(2, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def three_gemms():
+        for w in weights:
+            torch.matmul(a, w.t(), out=out)
+            out.add_(1)  # not a GEMM: not counted
+
+    calls = bench_single.gemm_calls(three_gemms, replays=4)
+    # cuBLAS may add a split-K reduction per product (counted as GEMM, as in the engine)
+    assert calls["calls"] in (3 * 4, 2 * 3 * 4) and 0 < calls["p10_us"] <= calls["median_us"]
+
+
 def test_bench_single_times_each_shape_once_per_distinct_width():
     bench_single = load("bench_single")
     assert bench_single.page_widths("261,2048") == [261, 2048]
