@@ -262,9 +262,9 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     per_row = programs_per_row(rows, max_pages)
     # columns 0 and 1: the exact sink and current page of each row; then the mvar programs
     grid = (rows, 2 + per_row)
-    # without new_kv the write's pointers are the cache's and its code is not compiled
-    new_keys, new_values, value_cache, slot_mapping = new_kv or (key_cache[0], key_cache[0],
-                                                                 key_cache, block_table)
+    # without new_kv the write's code is not compiled: any tensors of the right ranks will do
+    new_keys, new_values, value_cache, slot_mapping = new_kv or (query, query, key_cache,
+                                                                 seq_lens)
     _estimate_kernel[grid](
         query, key_cache, summaries, block_table, seq_lens, log_masses,
         new_keys, new_values, value_cache, slot_mapping,

@@ -339,9 +339,10 @@ class MoiraAttentionImpl(FlashAttentionImpl):
         # the slots vLLM's own cache-write op would write (it is not launched: see the backend)
         slot_mapping = get_attention_context(layer.layer_name)[3]
         metadata: MoiraMetadata | None = attn_metadata
-        in_estimate = metadata is not None and cache_write_in_estimate(
-            self.settings.fused_cache_write,
-            fa3_call=metadata.prefill is not None or metadata.dense is not None)
+        in_estimate = (slot_mapping is not None and metadata is not None
+                       and cache_write_in_estimate(
+                           self.settings.fused_cache_write,
+                           fa3_call=metadata.prefill is not None or metadata.dense is not None))
         if slot_mapping is not None and not in_estimate:
             self.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         if metadata is None:  # memory profiling run
@@ -378,7 +379,7 @@ class MoiraAttentionImpl(FlashAttentionImpl):
                           out=output[:rows], page_stats=state.page_stats,
                           **(dict(new_keys=key[:rows], new_values=value[:rows],
                                   slot_mapping=slot_mapping)
-                             if in_estimate and slot_mapping is not None else {}))
+                             if in_estimate else {}))
         if metadata.dense is not None:
             start, end = metadata.num_decode_tokens, metadata.num_actual_tokens
             # the truth both kernels round: float32 attention over every page (the spec)
