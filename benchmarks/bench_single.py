@@ -212,7 +212,10 @@ def plot(path):
         report = json.load(f)
     rows = [r for r in report["results"] if "attend_merge" in r["us_per_layer"]]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(8, 4))
+    profiled = [r for r in rows if r.get("gemm_calls")]  # --gemm-profile: a second panel
+    fig, axes = plt.subplots(1, 2 if profiled else 1, figsize=(16 if profiled else 8, 4),
+                             squeeze=False)
+    ax = axes[0][0]
     if any("fa3_dense" in r["us_per_layer"] for r in rows):  # runs without vLLM have no FA3
         ax.bar([i - 0.27 for i in x], [r["us_per_layer"].get("fa3_dense", 0.0) for r in rows],
                0.27, color="0.6", label="dense FA3")
@@ -227,16 +230,43 @@ def plot(path):
            0.27, color="tab:purple", label="Moira, row read in full")
     # name each bar's table width when a shape was timed at several
     widths = len({(r["context"], r["batch"]) for r in rows}) < len(rows)
-    ax.set_xticks(list(x), [f"{r['context'] // 1024}k" + (f", {r['width']} pages" if widths
-                                                          else "")
+    batches = len({r.get("batch", 1) for r in rows}) > 1
+    ax.set_xticks(list(x), [f"{r['context'] // 1024}k"
+                            + (f" × {r.get('batch', 1)}" if batches else "")
+                            + (f", {r['width']} pages" if widths else "")
                             + f"\n(reads {r['read_fraction']:.2f})" for r in rows])
     ax.set_ylabel("µs per layer (32 layers per graph)")
     ax.set_title(f"one request, Llama-3.1-8B geometry, {report['gpu']}, {report['date']}",
                  fontsize=9)
     ax.legend(fontsize=7)
+    if profiled:
+        gemm_panel(axes[0][1], profiled)
     fig.tight_layout()
     fig.savefig(os.path.splitext(path)[0] + ".png", dpi=110)
     plt.close(fig)
+
+
+def gemm_panel(ax, rows):
+    """The gate/up GEMM's own time per call after each arm (median, p10-p90 whiskers)."""
+    import matplotlib
+
+    arms = [arm for arm in rows[0]["gemm_calls"] if all(arm in r["gemm_calls"] for r in rows)]
+    width = 0.8 / len(arms)
+    colors = matplotlib.colormaps["tab20"].colors
+    for index, arm in enumerate(arms):
+        calls = [r["gemm_calls"][arm] for r in rows]
+        ax.bar([i + (index - (len(arms) - 1) / 2) * width for i in range(len(rows))],
+               [c["median_us"] for c in calls], width, label=arm.removesuffix("+gemm"),
+               color=colors[index % len(colors)],
+               yerr=[[c["median_us"] - c["p10_us"] for c in calls],
+                     [c["p90_us"] - c["median_us"] for c in calls]], capsize=1)
+    low = min(r["gemm_calls"][arm]["p10_us"] for r in rows for arm in arms)
+    ax.set_ylim(low * 0.95, None)  # a 5% difference must show
+    ax.set_xticks(range(len(rows)), [f"{r['context'] // 1024}k × {r.get('batch', 1)}"
+                                     for r in rows])
+    ax.set_ylabel("GEMM µs per call (median; p10-p90)")
+    ax.set_title("the gate/up GEMM after each arm (profiler, the replayed graph)", fontsize=9)
+    ax.legend(fontsize=6, ncol=2)
 
 
 def short_key(key):

@@ -52,6 +52,7 @@ JNOCAP_LABEL = "Moira, J from Eq. 4 alone (max_chunks_per_row 4096: the split be
 # the batch-shape pairs table's labels for a third engine's column (others: "Moira, <kind>")
 PAIR_VARIANT_LABELS = {"fsel": "the same, Estimate + Select in one launch",
                        "fcw": "Moira, K/V written in Estimate's launch (fused_cache_write)",
+                       "nofcw": "Moira, K/V written by vLLM's kernel (fused_cache_write off)",
                        "split": "Moira, Attend's split set (floor_rows, min_programs, "
                                 "min_chunks_per_row: in its JSON)",
                        "Jmax=4096": JNOCAP_LABEL}
@@ -70,10 +71,15 @@ def load(folders):
             if run.get("dense_below_tokens") and run["gamma"] == 0.98:
                 # short requests read in full: its own column (γ = 0.99 runs: their γ column)
                 key = (run["model"], "fallback")
+            # the plugin's defaults when the run was made (older files: every flag off)
+            defaults = run.get("plugin_defaults") or {}
             # kernel variants of the same (programmatic launch; in older files Select in
             # Estimate's launch, Merge in Attend's): a column each, "+"-joined when combined
             # (the former tpot_pairs.sh arm fboth is "fsel+fmerge")
-            variant = "+".join(arm for flag, arm in VARIANTS if run.get(flag))
+            variant = "+".join(arm for flag, arm in VARIANTS
+                               if run.get(flag) and not defaults.get(flag))
+            if run.get("fused_cache_write") is False and defaults.get("fused_cache_write"):
+                variant = "+".join(filter(None, [variant, "nofcw"]))  # the default turned off
             if any(run.get(key) is not None
                    for key in ("floor_rows", "min_programs", "min_chunks_per_row")):
                 variant = "+".join(filter(None, [variant, "split"]))  # Attend's split changed
@@ -289,7 +295,8 @@ def short_pair_cells(pair_runs):
             ("fsel", "rows of ≤ N tokens read in full, Estimate + Select in one launch"),
             ("fmerge", "rows of ≤ N tokens read in full, Merge in Attend's launch"),
             ("fsel+fmerge", "rows of ≤ N tokens read in full, both in one launch"),
-            ("fcw", "rows of ≤ N tokens read in full, K/V written in Estimate's launch")]
+            ("fcw", "rows of ≤ N tokens read in full, K/V written in Estimate's launch"),
+            ("nofcw", "rows of ≤ N tokens read in full, K/V written by vLLM's kernel")]
     # variants combined (e.g. "pdl+split"): a column each, named by their arms
     known = {arm for arm, _ in arms} | {"dense"}
     arms += [(kind, f"Moira, {kind}") for kind in sorted(

@@ -171,6 +171,9 @@ def main():
     parser.add_argument("--dense-below-tokens", type=int, default=None,
                         help="the plugin's dense_below_tokens (default: the plugin's); 0 makes "
                              "every row select, so prefix/preempt exercise the summaries")
+    parser.add_argument("--jit-verbose", action="store_true",
+                        help="vLLM's jit_monitor_verbose: log every kernel compiled after "
+                             "warm-up with its specialization (which launch missed warm-up)")
     parser.add_argument("--gpu-memory", type=float, default=0.85,
                         help="vLLM's gpu_memory_utilization (lower it to share the GPU)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check.json"))
@@ -236,6 +239,8 @@ def main():
         # prompts plus outputs, only delayed admissions: vLLM's preemption counter read 0.)
         prompt_pages = sum(-(-len(p["prompt_token_ids"]) // 64) for p in prompts)
         extra["num_gpu_blocks_override"] = args.blocks or prompt_pages + len(prompts) + 1
+    if args.jit_verbose:
+        extra["jit_monitor_verbose"] = True
     if args.fa3_max_splits is not None:
         extra["attention_config"] = {"flash_attn_max_num_splits_for_cuda_graph":
                                      args.fa3_max_splits}

@@ -109,7 +109,10 @@ def main():
              # session 4's names: Moira at gamma 0.9 (summaries matter), checks apart
              ("dense", "full", "preempt-dense", "full", "dense vs dense with preemption"),
              ("moira-g09", "full", "preempt-moira", "full",
-              "Moira gamma=0.9 vs the same with preemption")]
+              "Moira gamma=0.9 vs the same with preemption"),
+             # session 23: MOIRA_FUSED_CACHE_WRITE=0 / 1 (vLLM's write kernel / Estimate's)
+             ("fcw0", "full", "fcw1", "full",
+              "Moira with vLLM's cache write vs the write in Estimate's launch")]
     # prefix mode: prefix-cache hits against the same prompts recomputed, in one engine
     pairs += [(name, "full", name, "recomputed", f"{name}: prefix-cache hits vs recomputed")
               for name, run in runs.items() if "recomputed" in run]

@@ -101,9 +101,11 @@ def main():
     parser.add_argument("--programmatic-launch", action="store_true",
                         help="moira: the decode kernels chained by programmatic dependent "
                              "launch (MoiraConfig.programmatic_launch)")
-    parser.add_argument("--fused-cache-write", action="store_true",
-                        help="moira: pure decode steps write K/V inside Estimate's launch "
-                             "(plugin setting fused_cache_write)")
+    parser.add_argument("--fused-cache-write", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="moira: pure decode steps write K/V inside Estimate's launch, "
+                             "or not (plugin setting fused_cache_write; default: the "
+                             "plugin's, on since session 23)")
     parser.add_argument("--floor-rows", type=int, default=None,
                         help="moira: Attend's split, MoiraConfig.floor_rows (default: its own)")
     parser.add_argument("--min-programs", type=int, default=None,
@@ -141,9 +143,9 @@ def main():
                                                   "stats_interval": 0,
                                                   "schedule": args.schedule,
                                                   "programmatic_launch":
-                                                      args.programmatic_launch,
-                                                  "fused_cache_write":
-                                                      args.fused_cache_write}})
+                                                      args.programmatic_launch}})
+        if args.fused_cache_write is not None:
+            extra["additional_config"]["moira"]["fused_cache_write"] = args.fused_cache_write
         for key in ("dense_below_tokens", *SPLIT_SETTINGS):
             if getattr(args, key) is not None:
                 extra["additional_config"]["moira"][key] = getattr(args, key)
@@ -198,6 +200,9 @@ def main():
                            if args.backend == "moira" else None,
                            dense_below_tokens=settings.dense_below_tokens if settings else None,
                            fused_cache_write=settings.fused_cache_write if settings else None,
+                           # what the report compares variants with (older files: all off)
+                           plugin_defaults=dict(fused_cache_write=MoiraSettings()
+                                                .fused_cache_write) if settings else None,
                            exact_prefill=settings.exact_prefill if settings else None,
                            floor_rows=settings.floor_rows if settings else None,
                            min_programs=settings.min_programs if settings else None,

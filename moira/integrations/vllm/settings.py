@@ -73,8 +73,9 @@ key                environment variable     meaning
                                             token's K and V inside Estimate's launch instead
                                             of vLLM's ``reshape_and_cache_flash`` kernel
                                             (one launch fewer per layer; mixed steps write
-                                            them as before; default off until timed on the
-                                            H200)
+                                            them as before; default on since session 23:
+                                            outputs bit-identical in vLLM, 0.06 ms less per
+                                            token at 8k x 1, README "A single request")
 =================  =======================  ==================================================
 """
 
@@ -113,7 +114,7 @@ class MoiraSettings:
     step_programs: int | None = None
     min_chunks_per_row: int | None = None
     max_chunks_per_row: int | None = None
-    fused_cache_write: bool = False
+    fused_cache_write: bool = True
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
             "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE",
