@@ -173,6 +173,61 @@ def test_page_stats_count_pages_read_and_pages_present():
         moira.sparse_decode(*inputs, page_stats=stats.int())
 
 
+def test_build_only_launches_nothing():
+    """Inside ``launch.build_only()`` (the vLLM plugin's warm-up of the kernels only mixed
+    steps launch) the step and the slot summaries write nothing; outside they do."""
+    from moira.kernels import launch
+
+    ctx, summaries = structured_step()
+    inputs = (ctx.query, ctx.key_cache, ctx.value_cache, summaries, ctx.block_table,
+              ctx.seq_lens)
+    out, stats, before = poisoned(*ctx.query.shape), torch.zeros(2, dtype=torch.int64,
+                                                                 device=DEVICE), summaries.clone()
+    page = int(ctx.block_table[0, 0])
+    slots = torch.tensor([page * 64 + 63], dtype=torch.int64, device=DEVICE)  # a filled page
+    summaries[page] = 0
+    zeroed = summaries.clone()
+    with launch.build_only():
+        moira.sparse_decode(*inputs, gamma=0.9, config=SMALL_SPLIT, out=out, page_stats=stats)
+        moira.update_summaries(ctx.key_cache, slots, summaries)
+    assert torch.isnan(out.float()).all() and not stats.any()
+    assert torch.equal(summaries, zeroed)
+    with pytest.raises(RuntimeError):  # the previous mode comes back after an error
+        with launch.build_only():
+            raise RuntimeError
+    moira.sparse_decode(*inputs, gamma=0.9, config=SMALL_SPLIT, out=out, page_stats=stats)
+    moira.update_summaries(ctx.key_cache, slots, summaries)
+    assert not torch.isnan(out.float()).any() and stats.all()
+    assert torch.equal(summaries[page], before[page])
+
+
+@pytest.mark.cuda
+def test_build_only_builds_what_the_launch_then_uses():
+    """On a GPU, a launch after ``build_only()`` with the same arguments compiles nothing."""
+    import triton
+
+    from moira.kernels import launch
+
+    ctx, summaries = structured_step(num_kv_heads=3, group=3, head_dim=64)  # a rare geometry
+    inputs = (ctx.query, ctx.key_cache, ctx.value_cache, summaries, ctx.block_table,
+              ctx.seq_lens)
+    slots = torch.full((2,), -1, dtype=torch.int64, device=DEVICE)
+    compiled = []
+    hook = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
+    try:
+        with launch.build_only():
+            moira.sparse_decode(*inputs, gamma=0.9, dense_below_pages=3)
+            moira.update_summaries(ctx.key_cache, slots[1:], summaries)
+        built = list(compiled)
+        moira.sparse_decode(*inputs, gamma=0.9, dense_below_pages=3)
+        moira.update_summaries(ctx.key_cache, slots[1:], summaries)
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = hook
+    assert compiled == built, f"compiled at launch after the build: {compiled[len(built):]}"
+
+
 def test_fraction_mode_through_the_step():
     ctx, summaries = structured_step()
     fractions = torch.tensor([0.25, 0.5], device=DEVICE)

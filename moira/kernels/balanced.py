@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ..config import PAGE_SIZE
 from . import attend as attend_module
+from . import launch
 from .attend import attend_segment
 from .combine import add_page_stats, merged
 
@@ -148,7 +149,7 @@ def attend_balanced(query, key_cache, value_cache, block_table, seq_lens, page_l
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     rows = batch * num_kv_heads
-    _attend_balanced_kernel[(programs,)](
+    launch.on(_attend_balanced_kernel, (programs,))(
         query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
         out, partial_out, partial_lse,
         *query.stride(), *key_cache.stride(), *value_cache.stride(),
@@ -171,7 +172,7 @@ def merge_balanced(page_counts, partial_out, partial_lse, out, *, num_kv_heads, 
     group = num_heads // num_kv_heads
     rows = batch * num_kv_heads
     has_stats = page_stats is not None
-    _merge_balanced_kernel[(rows, group)](
+    launch.on(_merge_balanced_kernel, (rows, group))(
         page_counts, partial_out, partial_lse, out,
         seq_lens if has_stats else page_counts, page_stats if has_stats else page_counts,
         *page_counts.stride(), *out.stride(), num_kv_heads, rows, max_pages, min_pages,

@@ -265,7 +265,7 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     # without new_kv the write's code is not compiled: any tensors of the right ranks will do
     new_keys, new_values, value_cache, slot_mapping = new_kv or (query, query, key_cache,
                                                                  seq_lens)
-    _estimate_kernel[grid](
+    launch.on(_estimate_kernel, grid)(
         query, key_cache, summaries, block_table, seq_lens, log_masses,
         new_keys, new_values, value_cache, slot_mapping,
         *query.stride(), *key_cache.stride(), *summaries.stride(),

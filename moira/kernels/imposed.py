@@ -13,6 +13,8 @@ host-to-host spread (~1 point at batch 1; benchmarks/NOTES.md).
 import triton
 import triton.language as tl
 
+from . import launch
+
 
 @triton.jit
 def _imposed_fractions_kernel(seq_lens, log_tokens, tables, fractions, num_knots,
@@ -49,7 +51,7 @@ def imposed_fractions(seq_lens, log_tokens, tables, out):
     rows = seq_lens.shape[0]
     num_knots, layers, heads = tables.shape
     if rows:
-        _imposed_fractions_kernel[(rows,)](
+        launch.on(_imposed_fractions_kernel, (rows,))(
             seq_lens, log_tokens, tables, out, num_knots, heads, layers * heads,
             tables.stride(0), out.stride(0), out.stride(1),
             KNOTS=triton.next_power_of_2(num_knots),

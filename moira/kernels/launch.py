@@ -16,11 +16,35 @@ against plain Moira (session 9, one engine per arm), then +1.3 / +1.3% and -2.8%
 interleaved pairs (session 10): no stable gain.
 """
 
+import contextlib
+import functools
+
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import interpreting
+
+_building_only = False
+
+
+@contextlib.contextmanager
+def build_only():
+    """Inside, Moira's launchers build each kernel for the arguments they are given (Triton's
+    ``warmup``: the specialization a launch with them would get) and launch nothing. The vLLM
+    plugin builds this way, during warm-up, the kernels that only mixed steps launch, which
+    vLLM's warm-up and graph capture never run."""
+    global _building_only
+    before, _building_only = _building_only, True
+    try:
+        yield
+    finally:
+        _building_only = before
+
+
+def on(kernel, grid):
+    """``kernel[grid]``, or only its build inside ``build_only()``."""
+    return functools.partial(kernel.warmup, grid=grid) if _building_only else kernel[grid]
 
 
 # the kernels chained when programmatic launch is on; the others launch plainly (their

@@ -59,7 +59,7 @@ def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_flo
     batch, num_heads, head_dim = out.shape
     group = num_heads // num_kv_heads
     has_stats = page_stats is not None
-    _merge_kernel[(batch * num_kv_heads, group)](
+    launch.on(_merge_kernel, (batch * num_kv_heads, group))(
         page_counts, partial_out, partial_lse, out,
         seq_lens if has_stats else page_counts, page_stats if has_stats else page_counts,
         *page_counts.stride(), *out.stride(), num_kv_heads, max_pages, chunk_floor,

@@ -219,7 +219,7 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
     if row_values is not None and row_values.dim() == 1:  # per KV head, for every request
         row_values = row_values.expand(page_counts.shape)
     fractions = keep_fractions is not None
-    _select_kernel[(rows,)](
+    launch.on(_select_kernel, (rows,))(
         log_masses, seq_lens, seq_lens if row_values is None else row_values, page_lists,
         page_counts, log_masses.stride(0), log_masses.stride(1), *page_lists.stride()[:2],
         *page_counts.stride(), *(row_values.stride() if row_values is not None else (0, 0)),

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..config import PAGE_SIZE
+from . import launch
 
 
 @triton.jit
@@ -69,7 +70,7 @@ def summarize_pages(key_cache, block_table, seq_lens, summaries):
     batch, max_pages = block_table.shape
     if batch == 0 or max_pages == 0:
         return summaries
-    _summarize_pages_kernel[(max_pages, batch, num_kv_heads)](
+    launch.on(_summarize_pages_kernel, (max_pages, batch, num_kv_heads))(
         key_cache, summaries, block_table, seq_lens,
         *key_cache.stride(), *summaries.stride(), block_table.stride(0),
         HEAD_DIM=head_dim, PAGE=PAGE_SIZE, num_warps=4,
@@ -82,7 +83,7 @@ def summarize_filled_slots(key_cache, slot_mapping, summaries):
     _, _, num_kv_heads, head_dim = key_cache.shape
     if slot_mapping.numel() == 0:
         return summaries
-    _summarize_filled_slots_kernel[(slot_mapping.numel(), num_kv_heads)](
+    launch.on(_summarize_filled_slots_kernel, (slot_mapping.numel(), num_kv_heads))(
         key_cache, summaries, slot_mapping,
         *key_cache.stride(), *summaries.stride(),
         HEAD_DIM=head_dim, PAGE=PAGE_SIZE, num_warps=4,

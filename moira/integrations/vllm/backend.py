@@ -14,7 +14,9 @@
   whole-batch call) and summarizes the pages their slots completed,
   then runs Moira's sparse decode on the decode rows, overwriting FA3's output there (their
   Estimate summarizes the page each row's new token completed: no summarize launch in a pure
-  decode step).
+  decode step). Its first eager decode forward (vLLM's warm-up before graph capture) also
+  builds, without launching, the kernels only mixed steps launch, which vLLM's warm-up never
+  runs (``_build_mixed_step_kernels``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
 from ... import reference
 from ...config import PAGE_SIZE
 from ...decode import DecodeWorkspace, sparse_decode, update_summaries
+from ...kernels import launch
 from .settings import (SUPPORTED_HEAD_DIMS, SUPPORTED_KV_CACHE_DTYPES, MoiraSettings,
                        cache_write_in_estimate, decode_rows_skipped, explain, fa3_rows,
                        full_read_pages, planning_batch, split_decodes)
@@ -312,6 +315,7 @@ class MoiraAttentionImpl(FlashAttentionImpl):
             self.gamma_table = calibration.targets(ratios, self.settings.gamma).cuda()
         self.state = None  # LayerState, created when the layer's name is known
         self.layer_index = None
+        self.mixed_step_kernels_built = False
 
     def _state(self, layer) -> LayerState:
         if self.state is None:
@@ -325,6 +329,22 @@ class MoiraAttentionImpl(FlashAttentionImpl):
 
             self.layer_index = extract_layer_index(layer.layer_name) % self.num_layers
         return self.layer_index
+
+    def _build_mixed_step_kernels(self, decode, in_estimate, slot_mapping):
+        """Build, without launching, the kernels only mixed steps launch: vLLM's warm-up and
+        graph capture run pure decode steps alone, so these would otherwise compile at the
+        first mixed step of a served request (seconds each): Estimate without the cache write
+        (when pure decode steps write in it), and the summaries of the pages prefill rows
+        fill, whose slots start at either 16-byte alignment (Triton builds one kernel for
+        each)."""
+        slots = torch.full((2,), -1, dtype=torch.int64 if slot_mapping is None
+                           else slot_mapping.dtype, device=decode["query"].device)
+        with launch.build_only():
+            if in_estimate:
+                sparse_decode(**decode)
+            for start in (0, 1):
+                update_summaries(decode["key_cache"], slots[start:], decode["summaries"])
+        self.mixed_step_kernels_built = True
 
     def _key_value_caches(self, kv_cache):
         # (blocks, Hkv, 64, 2D) logical -> (blocks, 64, Hkv, D) views of K and V
@@ -371,15 +391,18 @@ class MoiraAttentionImpl(FlashAttentionImpl):
                          else metadata.keep_fractions[self._layer_index(layer)])
             gamma = (None if self.gamma_table is None
                      else self.gamma_table[self._layer_index(layer)])  # a view: graph-safe
-            sparse_decode(query[:rows], key_cache, value_cache, summaries,
-                          metadata.block_table, metadata.seq_lens, gamma=gamma, scale=self.scale,
+            decode = dict(query=query[:rows], key_cache=key_cache, value_cache=value_cache,
+                          summaries=summaries, block_table=metadata.block_table,
+                          seq_lens=metadata.seq_lens, gamma=gamma, scale=self.scale,
                           keep_fractions=fractions,
                           dense_below_pages=metadata.dense_below_pages or None,
                           workspace=metadata.workspace, planned_batch=metadata.planned_batch,
-                          out=output[:rows], page_stats=state.page_stats,
-                          **(dict(new_keys=key[:rows], new_values=value[:rows],
-                                  slot_mapping=slot_mapping)
-                             if in_estimate else {}))
+                          out=output[:rows], page_stats=state.page_stats)
+            if not self.mixed_step_kernels_built and not torch.cuda.is_current_stream_capturing():
+                self._build_mixed_step_kernels(decode, in_estimate, slot_mapping)
+            sparse_decode(**decode, **(dict(new_keys=key[:rows], new_values=value[:rows],
+                                            slot_mapping=slot_mapping)
+                                       if in_estimate else {}))
         if metadata.dense is not None:
             start, end = metadata.num_decode_tokens, metadata.num_actual_tokens
             # the truth both kernels round: float32 attention over every page (the spec)
