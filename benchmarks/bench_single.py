@@ -62,6 +62,12 @@ arm is therefore timed over 32 layers captured in one CUDA graph
 - ``--gemm-profile`` (with ``--gemm``) also traces each ``<arm>+gemm`` graph with the PyTorch
   profiler and records the GEMM kernels' own per-call durations (``gemm_calls``: p10 /
   median / p90, µs), as ``vllm_step_profile.py`` does in the engine.
+- ``--gemm-probes`` (with ``--gemm``): arms that are no attention at all, to find what slows
+  the GEMM after Moira's kernels (session 23: after Attend + Merge, and at batch 2 after
+  Estimate, 1-5 µs per call; never after Select; 0.5 after FA3): ``probe_write_<N>m`` writes
+  N MiB (dirty L2 lines for the GEMM to write back), ``probe_read_<N>m`` reads N MiB,
+  ``probe_gather`` reads the layer's K/V pages in the table's random order (page-scattered
+  reads, as Attend's).
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/bench_single.py [--contexts 2048,8192,32768]
     python3 benchmarks/bench_single.py --plot benchmarks/results/single-<date>.json  # PNG
@@ -425,6 +431,9 @@ def main():
     parser.add_argument("--gemm", action="store_true",
                         help="also time each arm with the gate/up GEMM after every layer "
                              "(<arm>+gemm), and the GEMM alone (gemm_only)")
+    parser.add_argument("--gemm-probes", action="store_true",
+                        help="with --gemm: also time arms that only write / read N MiB or "
+                             "gather the K/V pages before the GEMM")
     parser.add_argument("--gemm-profile", action="store_true",
                         help="with --gemm: also record the GEMM kernels' own per-call times "
                              "after each arm (profiler over the replayed graph)")
@@ -442,6 +451,8 @@ def main():
         return print(f"{table}\n\n{verdict}")
     if args.gemm_profile and not args.gemm:
         parser.error("--gemm-profile profiles the <arm>+gemm graphs: add --gemm")
+    if args.gemm_probes and not args.gemm:
+        parser.error("--gemm-probes are arms before the GEMM: add --gemm")
     if len(args.width) > 1 and (args.programs_sweep or args.split_sweep):
         parser.error("--programs-sweep and --split-sweep take one --width (their reports key "
                      "rows by shape)")
@@ -489,6 +500,18 @@ def main():
 
         if args.gemm:
             timed("gemm_only", lambda layer: None, gemm=True)
+        if args.gemm_probes:
+            for mib in (2, 32):
+                scratch = torch.empty(mib << 18, device="cuda")  # float32: N MiB
+                column_max = torch.empty(1024, device="cuda")
+                timed(f"probe_write_{mib}m", lambda layer, x=scratch: x.fill_(layer))
+                timed(f"probe_read_{mib}m", lambda layer, x=scratch, m=column_max: torch.amax(
+                    x.view(-1, 1024), dim=0, out=m))
+            pages = s.table[:, :context // PAGE].flatten()
+            gathered = torch.empty((len(pages), *s.caches[0][0].shape[1:]), device="cuda",
+                                   dtype=torch.bfloat16)
+            timed("probe_gather", lambda layer: [torch.index_select(
+                cache, 0, pages, out=gathered) for cache in s.caches[layer]])
 
         if fa is not None:
             cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)

@@ -336,27 +336,25 @@ def test_tpot_report_gives_the_fused_cache_write_its_own_column(tmp_path):
 
     report = load("tpot_report")
     moira = dict(backend="moira", dense_below_tokens=20480)
-    for name, extra, tpot in (("d", dict(backend="dense"), 5.0), ("m", moira, 5.15),
-                              ("f", dict(moira, fused_cache_write=True), 5.07)):
-        run = dict(model="llama-3.1-8b", gamma=0.98, **extra,
-                   results=[dict(shape="8k1", tpot_ms=tpot, imposed_read_fraction=1.0)])
-        (tmp_path / f"{name}.json").write_text(json.dumps(run))
-    text = report.single_pairs_table([report.load([str(tmp_path)])])
-    assert text.splitlines()[0].endswith(
-        "K/V written in Estimate's launch (ms) | vs dense per pair | mean |")
-    assert text.splitlines()[2].endswith("| 5.15 | +3.0% | **+3.0%** | 5.07 | +1.4% | **+1.4%** |")
+
+    def single_table(runs):
+        for name, extra, tpot in runs:
+            run = dict(model="llama-3.1-8b", gamma=0.98, **extra,
+                       results=[dict(shape="8k1", tpot_ms=tpot, imposed_read_fraction=1.0)])
+            (tmp_path / f"{name}.json").write_text(json.dumps(run))
+        return report.single_pairs_table([report.load([str(tmp_path)])]).splitlines()
+
+    lines = single_table((("d", dict(backend="dense"), 5.0), ("m", moira, 5.15),
+                          ("f", dict(moira, fused_cache_write=True), 5.07)))
+    assert lines[0].endswith("K/V written in Estimate's launch (ms) | vs dense per pair | mean |")
+    assert lines[2].endswith("| 5.15 | +3.0% | **+3.0%** | 5.07 | +1.4% | **+1.4%** |")
     # since session 23 the write in Estimate is the default: the runs record it, and the
     # engine without it is the variant
     on = dict(plugin_defaults=dict(fused_cache_write=True))
-    for name, extra, tpot in (("m", dict(moira, fused_cache_write=True, **on), 5.07),
-                              ("f", dict(moira, fused_cache_write=False, **on), 5.15)):
-        run = dict(model="llama-3.1-8b", gamma=0.98, **extra,
-                   results=[dict(shape="8k1", tpot_ms=tpot, imposed_read_fraction=1.0)])
-        (tmp_path / f"{name}.json").write_text(json.dumps(run))
-    text = report.single_pairs_table([report.load([str(tmp_path)])])
-    assert text.splitlines()[0].endswith(
-        "K/V written by vLLM's kernel (ms) | vs dense per pair | mean |")
-    assert text.splitlines()[2].endswith("| 5.07 | +1.4% | **+1.4%** | 5.15 | +3.0% | **+3.0%** |")
+    lines = single_table((("m", dict(moira, fused_cache_write=True, **on), 5.07),
+                          ("f", dict(moira, fused_cache_write=False, **on), 5.15)))
+    assert lines[0].endswith("K/V written by vLLM's kernel (ms) | vs dense per pair | mean |")
+    assert lines[2].endswith("| 5.07 | +1.4% | **+1.4%** | 5.15 | +3.0% | **+3.0%** |")
 
 
 def test_bench_cache_write_plots_every_arm_of_every_row(tmp_path, monkeypatch):
@@ -842,6 +840,7 @@ def test_serve_report_run_inside_its_folder_plots_beside_the_folder(tmp_path, mo
     (["--width", "261,"], "expected pages per row"),
     (["--width", "0"], "expected pages per row"),
     (["--gemm-profile"], "add --gemm"),
+    (["--gemm-probes"], "add --gemm"),
 ])
 def test_bench_single_refuses_bad_widths_before_it_starts(monkeypatch, capsys, argv, message):
     bench_single = load("bench_single")

@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (PDL, sm_90+) between the kernels of a decode step.
+"""How Moira's launchers launch: ``on(kernel, grid)`` (or, inside ``build_only()``, only build
+the kernel), and programmatic dependent launch (PDL, sm_90+) between the kernels of a step.
 
 Estimate -> Select -> Attend -> Merge run back to back, each a few microseconds for a short
 request, so a layer pays each kernel's launch and ramp in series. With PDL a kernel may be
