@@ -268,7 +268,7 @@ def single_pairs_plot(pair_runs, path):
     ax.axhline(0.0, color="0", linewidth=0.6)
     ax.set_xticks(range(len(keys)), [f"{model}\n{shape}" for model, shape in keys], fontsize=7)
     ax.set_ylabel("TPOT against the pair's dense FA3 (%)")
-    ax.set_title("interleaved pairs, H200, vLLM 0.26 (dots: pairs; dashed: issue 5's 2% bar)",
+    ax.set_title("interleaved pairs, H200, vLLM 0.26\n(dots: pairs; dashed: issue 5's 2% bar)",
                  fontsize=8)
     ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     fig.tight_layout()
