@@ -19,9 +19,9 @@
 #     whose rows need at most 6 chunks of 24 pages), -nj16.json;
 #     (n1024, nj16, jmin and split share the report's "split" column: one of them per pair)
 #     "g099": Moira at the paper's gamma = 0.99 reads (Table 7), -g099.json
-#     "fcw": the new tokens' K/V written in Estimate's launch (fused_cache_write), -fcw.json
-#       (the plugin's default since session 23, so "moira" is the same engine); "nofcw":
-#       vLLM's own cache-write kernel, as before session 23, -nofcw.json
+#     "nofcw": the new tokens' K/V written by vLLM's own kernel, as before session 23,
+#       -nofcw.json (session 23's arm "fcw", the write in Estimate's launch, is the default
+#       since: the "moira" engine)
 #   TPOT_ARGS: more vllm_tpot.py options for every engine, e.g. "--max-model-len 131072" (the
 #     block table of serve_bench.sh's server, 2,048 pages per row, at any shape)
 # Results: $OUT/pair<i>/<model>-dense.json and <model>-moira-g098.json; report with
@@ -56,11 +56,9 @@ for pair in $(seq "$pairs"); do
               name=$model-moira-g098-jnocap ;;
       nj16) args="--backend moira --min-chunks-per-row 16"
             name=$model-moira-g098-nj16 ;;
-      fcw) args="--backend moira --fused-cache-write"
-           name=$model-moira-g098-fcw ;;
       nofcw) args="--backend moira --no-fused-cache-write"
              name=$model-moira-g098-nofcw ;;
-      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin, n1024, jnocap, nj16, fcw, nofcw)"; exit 1 ;;
+      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin, n1024, jnocap, nj16, nofcw)"; exit 1 ;;
     esac
     python3 benchmarks/vllm_tpot.py --model "$model" --shapes "$shapes" $args ${TPOT_ARGS:-} \
       --repeats 1 --out "$out/pair$pair/$name.json" 2>&1 | grep "tpot_ms\|Error\|Traceback" \

@@ -71,7 +71,9 @@ def load(folders):
             if run.get("dense_below_tokens") and run["gamma"] == 0.98:
                 # short requests read in full: its own column (γ = 0.99 runs: their γ column)
                 key = (run["model"], "fallback")
-            # the plugin's defaults when the run was made (older files: every flag off)
+            # the plugin's defaults when the run was made (older files: every flag off). So
+            # the base Moira column is the default of its time: with vLLM's cache write before
+            # session 23, the write in Estimate since; keep folders of both eras apart
             defaults = run.get("plugin_defaults") or {}
             # kernel variants of the same (programmatic launch; in older files Select in
             # Estimate's launch, Merge in Attend's): a column each, "+"-joined when combined

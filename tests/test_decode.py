@@ -203,7 +203,10 @@ def test_build_only_launches_nothing():
 
 @pytest.mark.cuda
 def test_build_only_builds_what_the_launch_then_uses():
-    """On a GPU, a launch after ``build_only()`` with the same arguments compiles nothing."""
+    """On a GPU, Estimate and the slot summaries built inside ``build_only()`` are what later
+    launches use: nothing compiles at the launch, whatever the step's ``dense_below_pages``
+    (the plugin builds once, in the warm-up of the largest graph's batch, and a mixed step
+    plans for its own batch: 320 pages at batch 1, 40 at 8, 1 at 256)."""
     import triton
 
     from moira.kernels import launch
@@ -217,15 +220,22 @@ def test_build_only_builds_what_the_launch_then_uses():
     triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
     try:
         with launch.build_only():
-            moira.sparse_decode(*inputs, gamma=0.9, dense_below_pages=3)
-            moira.update_summaries(ctx.key_cache, slots[1:], summaries)
-        built = list(compiled)
-        moira.sparse_decode(*inputs, gamma=0.9, dense_below_pages=3)
-        moira.update_summaries(ctx.key_cache, slots[1:], summaries)
+            moira.sparse_decode(*inputs, gamma=0.9, dense_below_pages=320)
+            for start in (0, 1):
+                moira.update_summaries(ctx.key_cache, slots[start:], summaries)
+        built = len(compiled)
+        for pages in (320, 40, 1):
+            moira.sparse_decode(*inputs, gamma=0.9, dense_below_pages=pages)
+        for start in (0, 1):
+            moira.update_summaries(ctx.key_cache, slots[start:], summaries)
         torch.cuda.synchronize()
     finally:
         triton.knobs.runtime.jit_post_compile_hook = hook
-    assert compiled == built, f"compiled at launch after the build: {compiled[len(built):]}"
+    # (Select builds per class of its own dense_below_pages: in vLLM, graph capture runs
+    # every planned batch's decode step, so its builds are done before serving)
+    late = [name for name in compiled[built:]
+            if name in ("_estimate_kernel", "_summarize_filled_slots_kernel")]
+    assert not late, f"compiled at launch after the build: {late}"
 
 
 def test_fraction_mode_through_the_step():

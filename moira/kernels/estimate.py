@@ -136,7 +136,9 @@ def _write_new_token(new_keys, new_values, key_cache, value_cache, slot_mapping,
                      + dims * stride_vd, value.to(value_cache.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["mvar_programs", "num_slots"])  # one build for every batch size
+# one build for every batch size: dense_below_pages follows the planned batch (320 / 160 / 80 /
+# 40 ... pages), and a specialized int would build once per class (multiple of 16, 1, other)
+@triton.jit(do_not_specialize=["dense_below_pages", "mvar_programs", "num_slots"])
 def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_masses,
                      new_keys, new_values, value_cache, slot_mapping,
                      stride_qb, stride_qh, stride_qd,

@@ -18,6 +18,7 @@ interleaved pairs (session 10): no stable gain.
 """
 
 import contextlib
+import contextvars
 import functools
 
 import triton
@@ -26,7 +27,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import interpreting
 
-_building_only = False
+# per thread (and task): a launch on another thread while one builds must still launch
+_building_only = contextvars.ContextVar("moira_building_only", default=False)
 
 
 @contextlib.contextmanager
@@ -35,17 +37,16 @@ def build_only():
     ``warmup``: the specialization a launch with them would get) and launch nothing. The vLLM
     plugin builds this way, during warm-up, the kernels that only mixed steps launch, which
     vLLM's warm-up and graph capture never run."""
-    global _building_only
-    before, _building_only = _building_only, True
+    token = _building_only.set(True)
     try:
         yield
     finally:
-        _building_only = before
+        _building_only.reset(token)
 
 
 def on(kernel, grid):
     """``kernel[grid]``, or only its build inside ``build_only()``."""
-    return functools.partial(kernel.warmup, grid=grid) if _building_only else kernel[grid]
+    return functools.partial(kernel.warmup, grid=grid) if _building_only.get() else kernel[grid]
 
 
 # the kernels chained when programmatic launch is on; the others launch plainly (their
