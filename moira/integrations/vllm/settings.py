@@ -75,7 +75,8 @@ key                environment variable     meaning
                                             (one launch fewer per layer; mixed steps write
                                             them as before; default on since session 23:
                                             outputs bit-identical in vLLM, 0.06 ms less per
-                                            token at 8k x 1, README "A single request")
+                                            token at 8k x 1, README "Session 23: the write
+                                            in Estimate")
 =================  =======================  ==================================================
 """
 
