@@ -173,7 +173,10 @@ def main():
                              "every row select, so prefix/preempt exercise the summaries")
     parser.add_argument("--jit-verbose", action="store_true",
                         help="vLLM's jit_monitor_verbose: log every kernel compiled after "
-                             "warm-up with its specialization (which launch missed warm-up)")
+                             "warm-up with its specialization (which launch missed warm-up). "
+                             "For finding compilations only: engines with it part from the "
+                             "same engine without it from the prefill on, and from each other "
+                             "(session 24), so never compare its tokens")
     parser.add_argument("--gpu-memory", type=float, default=0.85,
                         help="vLLM's gpu_memory_utilization (lower it to share the GPU)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check.json"))

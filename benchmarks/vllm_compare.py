@@ -1,7 +1,10 @@
 """Summarize ``vllm_checks.py`` results: greedy-token agreement and log-probability differences
 between runs, Moira's dense-check counters, and pages read.
 
-    python benchmarks/vllm_compare.py benchmarks/results/vllm-checks-2026-11-29
+    python benchmarks/vllm_compare.py benchmarks/results/vllm-checks-2026-11-29 [MORE_FOLDERS]
+
+Several folders are read as one (run names must differ), so runs of different sessions can be
+compared.
 """
 
 import gzip
@@ -86,8 +89,12 @@ def load_runs(folder):
 
 
 def main():
-    folder = sys.argv[1]
-    runs = load_runs(folder)
+    runs = {}
+    for folder in sys.argv[1:]:
+        for name, run in load_runs(folder).items():
+            if name in runs:
+                sys.exit(f"run {name!r} is in two of the folders: compare them apart")
+            runs[name] = run
     prompts = len(runs["dense"]["full"]) if "dense" in runs else 0
     # runs before session 11 did not record it (their args say what was asked for; at compile
     # mode 0 vLLM ran FULL_AND_PIECEWISE as NONE)
@@ -112,7 +119,15 @@ def main():
               "Moira gamma=0.9 vs the same with preemption"),
              # session 23: MOIRA_FUSED_CACHE_WRITE=0 / 1 (vLLM's write kernel / Estimate's)
              ("fcw0", "full", "fcw1", "full",
-              "Moira with vLLM's cache write vs the write in Estimate's launch")]
+              "Moira with vLLM's cache write vs the write in Estimate's launch"),
+             # session 24: the default engine (the write in Estimate) on another host and
+             # commit, and with vLLM's jit_monitor_verbose (--jit-verbose) on two hosts
+             ("fcw1", "full", "plain", "full",
+              "session 23's fcw1 vs the same command a session later (another host)"),
+             ("plain", "full", "verbose_host2", "full",
+              "without vs with --jit-verbose, one host"),
+             ("verbose_host1", "full", "verbose_host2", "full",
+              "--jit-verbose on two hosts")]
     # prefix mode: prefix-cache hits against the same prompts recomputed, in one engine
     pairs += [(name, "full", name, "recomputed", f"{name}: prefix-cache hits vs recomputed")
               for name, run in runs.items() if "recomputed" in run]
