@@ -1,6 +1,6 @@
 """Tables (markdown) and plots (PNG) from `moira eval` result files.
 
-    python benchmarks/accuracy_report.py benchmarks/results/accuracy-*.json [--readme README.md]
+    python benchmarks/accuracy_report.py benchmarks/results/accuracy-*.json [--readme benchmarks/RESULTS.md]
     PYTHONPATH=. python benchmarks/accuracy_report.py --merge-into merged.json part1.json ...
 
 ``--merge-into`` first joins runs of the same model and context that measured different tasks

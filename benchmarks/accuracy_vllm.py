@@ -4,8 +4,8 @@ samples `moira eval` uses; one engine per arm, several arms may share the GPU.
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/accuracy_vllm.py run --model HF_DIR \\
         --text essays.json --arm dense|GAMMA --out DIR/ARM.json
-    python3 benchmarks/accuracy_vllm.py report DIR [--out summary.json] [--readme README.md]
-    python3 benchmarks/accuracy_vllm.py report DIR/summary.json [--readme README.md]  # redraw
+    python3 benchmarks/accuracy_vllm.py report DIR [--out summary.json] [--readme benchmarks/RESULTS.md]
+    python3 benchmarks/accuracy_vllm.py report DIR/summary.json [--readme benchmarks/RESULTS.md]  # redraw
 
 Per context (``--contexts``, the longest first):
 
@@ -347,8 +347,8 @@ def report(args):
 
 
 def render(summary, path, readme=None):
-    """Print the markdown table, draw ``<summary>.png``, and optionally fill the README's
-    ``accuracy-vllm`` section."""
+    """Print the markdown table, draw ``<summary>.png``, and optionally fill the
+    ``accuracy-vllm`` section of ``readme`` (benchmarks/RESULTS.md)."""
     text = markdown(summary)
     print(text)
     plot(summary, os.path.splitext(path)[0] + ".png")

@@ -28,7 +28,7 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
                      ``rel_bw`` of an arm = (its K/V bytes / its time) / (dense bytes / dense time).
 
 (Files of sessions 4 and 6 also time ``moira_fused``: Merge folded into Attend, an option
-removed since as slower, README.)
+removed since as slower, benchmarks/RESULTS.md.)
 
 Also, per shape: Estimate (rotating over copies of the summaries that exceed twice the L2, as
 consecutive layers' do; before session 7 one copy stayed in the L2), Select (coverage 0.98 and

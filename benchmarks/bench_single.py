@@ -25,7 +25,7 @@ arm is therefore timed over 32 layers captured in one CUDA graph
   ``*_pdl_est_sel`` Estimate and Select only (``moira.kernels.launch.CHAINED``).
 - (Files of session 12 also time ``*_fsel``, Select run in Estimate's launch, ``*_fmerge``,
   Merge folded into Attend, and ``*_fboth``, both: options removed since, after measuring
-  slower or too little faster; README.)
+  slower or too little faster; benchmarks/RESULTS.md.)
 - Every arm runs ``MoiraConfig``'s defaults but the fields it names; from commit d7033db
   that includes the short-row floor (``step_programs`` 128; 256 from session 15), so the
   ``step*`` arms of later files are not those of earlier ones at batches 1-4 (the

@@ -1,7 +1,7 @@
 """Does a per-(layer, KV head) coverage target fix mvar's mis-calibration? (issue 6)
 
 On SmolLM2 at 4k the coverage rule's lists hold only 0.954 of the exact attention mass on
-average at gamma = 0.98, and some heads ~0.80 (README, accuracy section). If a head's shortfall
+average at gamma = 0.98, and some heads ~0.80 (benchmarks/RESULTS.md, accuracy section). If a head's shortfall
 is stable across documents, asking that head for more estimated mass should buy accuracy more
 cheaply than raising gamma for every head. This study measures both on the same documents.
 

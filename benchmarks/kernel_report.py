@@ -1,8 +1,8 @@
 """Turn ``bench_kernels.py``'s JSON into a Figure-4-style PNG (time per layer vs. CV of the
-row lengths, one panel per shape) and markdown tables; ``--readme`` writes the tables into the
-README between ``<!-- kernels:begin -->`` and ``<!-- kernels:end -->``.
+row lengths, one panel per shape) and markdown tables; ``--readme`` writes the tables into that
+file (benchmarks/RESULTS.md) between ``<!-- kernels:begin -->`` and ``<!-- kernels:end -->``.
 
-    python benchmarks/kernel_report.py benchmarks/results/kernels-<date>.json [--readme README.md]
+    python benchmarks/kernel_report.py benchmarks/results/kernels-<date>.json [--readme benchmarks/RESULTS.md]
 """
 
 import argparse

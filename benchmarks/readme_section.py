@@ -1,7 +1,16 @@
-"""Replace the generated part of a README: the text between ``<!-- NAME:begin -->`` and
-``<!-- NAME:end -->`` (shared by the report scripts)."""
+"""Replace the generated part of a markdown file (benchmarks/RESULTS.md, the README): the text
+between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` (shared by the report scripts)."""
 
+import os
 import re
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def repo_path(path):
+    """``path`` as the generated notes cite it: from the repository root, wherever the file
+    they are written into lives."""
+    return os.path.relpath(os.path.abspath(path), REPO)
 
 
 def write_section(readme_path, name, text):

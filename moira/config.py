@@ -60,7 +60,7 @@ class MoiraConfig:
         step of a few short rows still spreads over about T programs (about two per H200
         SM at the default) rather than one or two chunks of C pages per row. Steps of T rows
         or more are split as by C alone. 0 turns it off (Eq. 4's floor C alone). 256 since
-        session 15 (128 before; README, "Short requests")
+        session 15 (128 before; benchmarks/RESULTS.md, "Short requests")
     min_chunks_per_row:
         N_J, the fewest programs Attend launches per row.
     max_chunks_per_row:

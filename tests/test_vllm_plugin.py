@@ -86,7 +86,7 @@ def test_the_cache_write_joins_estimate_only_in_steps_without_an_fa3_call():
     (None, {"MOIRA_CHECK_DENSE": "yes"}, "use 0 or 1"),
     ({"moira": {"schedule": "even"}}, {}, "schedule must be 'rows'"),
     ({"moira": {"calibration": 3}}, {}, "calibration must be the path"),
-    # removed after measuring slower on the H200 (README): unknown keys like any other
+    # removed after measuring slower on the H200 (benchmarks/RESULTS.md): unknown keys like any other
     ({"moira": {"fused_merge": True}}, {}, r"unknown key\(s\) \['fused_merge'\]"),
     ({"moira": {"fused_select": True}}, {}, r"unknown key\(s\) \['fused_select'\]"),
     (None, {"MOIRA_FUSED_MERGE": "1"},

@@ -58,8 +58,8 @@ key                environment variable     meaning
                                             of 24 pages down in proportion (default 32)
 ``min_programs``   ``MOIRA_MIN_PROGRAMS``   Attend's split: the fewest programs per step,
                                             so a few rows still fill the GPU (default 4096;
-                                            with 1, 32 chunks per row; README, "A single
-                                            request", times both at batch 1)
+                                            with 1, 32 chunks per row; benchmarks/RESULTS.md,
+                                            "A single request", times both at batch 1)
 ``step_programs``  ``MOIRA_STEP_PROGRAMS``  Attend's split: a short row of a small step is
                                             cut finer so the step has about this many
                                             programs (default 256; 0: Eq. 4's floor C alone)
@@ -75,8 +75,8 @@ key                environment variable     meaning
                                             (one launch fewer per layer; mixed steps write
                                             them as before; default on since session 23:
                                             outputs bit-identical in vLLM, 0.06 ms less per
-                                            token at 8k x 1, README "Session 23: the write
-                                            in Estimate")
+                                            token at 8k x 1, benchmarks/RESULTS.md "Session
+                                            23: the write in Estimate")
 =================  =======================  ==================================================
 """
 
