@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 PAGE_SIZE = 64
 """Tokens per KV-cache page. Summaries and the estimate are defined per 64-token page."""
@@ -19,6 +20,12 @@ BISECTION_BITS = 24
 
 MAX_PAGES_PER_SEQ = 32768
 """Longest row Select keeps on chip (2M tokens)."""
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+"""Head dims the kernels are built and tested for."""
+
+CACHE_DTYPE_NAMES = ("bfloat16", "float16")
+"""KV-cache dtypes the kernels read (torch's names; vLLM's ``--kv-cache-dtype`` takes them)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +102,7 @@ class MoiraConfig:
     bisection_ways: tuple[tuple[int, int], ...] = ((256, 8), (4096, 4), (32768, 2))
 
     def __post_init__(self):
-        if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)):
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, numbers.Real):
             raise ValueError(f"gamma must be a float in (0, 1], got {self.gamma!r}")
         if not (0.0 < float(self.gamma) <= 1.0):
             raise ValueError(

@@ -24,10 +24,12 @@ replayed with new lengths and cache contents.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
-from .config import MAX_PAGES_PER_SEQ, PAGE_SIZE, MoiraConfig
+from .config import (CACHE_DTYPE_NAMES, MAX_PAGES_PER_SEQ, PAGE_SIZE, SUPPORTED_HEAD_DIMS,
+                     MoiraConfig)
 from .kernels import interpreting
 from .kernels.attend import attend as _launch_attend
 from .kernels.balanced import attend_balanced as _launch_attend_balanced
@@ -37,8 +39,7 @@ from .kernels.merge import merge as _launch_merge
 from .kernels.select import select as _launch_select
 from .kernels.summarize import summarize_filled_slots, summarize_pages
 
-SUPPORTED_HEAD_DIMS = (64, 128)
-CACHE_DTYPES = (torch.bfloat16, torch.float16)
+CACHE_DTYPES = tuple(getattr(torch, name) for name in CACHE_DTYPE_NAMES)
 SUMMARY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -50,6 +51,20 @@ SUMMARY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _require(condition, message):
     if not condition:
         raise ValueError(message)
+
+
+def _check_tensors(**tensors):
+    for name, tensor in tensors.items():
+        _require(torch.is_tensor(tensor), f"{name} must be a torch.Tensor, got "
+                                          f"{type(tensor).__name__}")
+
+
+def _check_unit_stride(**tensors):
+    """The kernels step through these tensors' last dimension one element at a time."""
+    for name, tensor in tensors.items():
+        _require(tensor.shape[-1] <= 1 or tensor.stride(-1) == 1,
+                 f"{name} must be contiguous in its last dimension, got strides "
+                 f"{tuple(tensor.stride())}: pass {name}.contiguous()")
 
 
 def _check_device(**tensors):
@@ -65,6 +80,7 @@ def _check_device(**tensors):
 
 
 def _check_cache(key_cache, value_cache, name="key_cache"):
+    _check_tensors(**{name: key_cache})
     _require(key_cache.dim() == 4, f"{name} must be [num_pages, 64, num_kv_heads, head_dim], "
              f"got shape {tuple(key_cache.shape)}")
     if key_cache.dtype not in CACHE_DTYPES:
@@ -80,7 +96,9 @@ def _check_cache(key_cache, value_cache, name="key_cache"):
     _require(key_cache.shape[3] in SUPPORTED_HEAD_DIMS,
              f"{name} has head_dim {key_cache.shape[3]}, which has no kernel; supported: "
              f"{SUPPORTED_HEAD_DIMS}")
+    _require(key_cache.shape[2] >= 1, f"{name} has no KV heads (shape {tuple(key_cache.shape)})")
     if value_cache is not None:
+        _check_tensors(value_cache=value_cache)
         _require(value_cache.shape == key_cache.shape,
                  f"value_cache shape {tuple(value_cache.shape)} must equal key_cache shape "
                  f"{tuple(key_cache.shape)}")
@@ -90,6 +108,7 @@ def _check_cache(key_cache, value_cache, name="key_cache"):
 
 
 def _check_table(block_table, seq_lens, batch=None):
+    _check_tensors(block_table=block_table, seq_lens=seq_lens)
     _require(block_table.dim() == 2 and block_table.dtype == torch.int32,
              f"block_table must be a 2-D int32 tensor [batch, max_pages_per_seq], got "
              f"{block_table.dtype} of shape {tuple(block_table.shape)}")
@@ -98,6 +117,7 @@ def _check_table(block_table, seq_lens, batch=None):
              f"{tuple(seq_lens.shape)}")
     _require(seq_lens.shape[0] == block_table.shape[0],
              f"seq_lens has {seq_lens.shape[0]} rows but block_table has {block_table.shape[0]}")
+    _check_unit_stride(block_table=block_table, seq_lens=seq_lens)
     if batch is not None:
         _require(block_table.shape[0] == batch,
                  f"block_table has {block_table.shape[0]} rows but query has batch {batch}")
@@ -105,11 +125,13 @@ def _check_table(block_table, seq_lens, batch=None):
 
 def _check_step(query, key_cache, value_cache, block_table, seq_lens):
     """Validate a decode step's inputs; return ``(batch, num_heads, num_kv_heads, head_dim)``."""
+    _check_tensors(query=query, value_cache=value_cache)
     _require(query.dim() == 3, f"query must be [batch, num_heads, head_dim], got shape "
              f"{tuple(query.shape)}")
     _check_cache(key_cache, value_cache)
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
+    _require(batch >= 1, "query has batch 0: a step needs at least one request")
     _require(query.dtype == key_cache.dtype,
              f"query dtype {query.dtype} must equal the cache dtype {key_cache.dtype}")
     _require(head_dim == key_cache.shape[3],
@@ -144,7 +166,8 @@ def _check_out(out, query):
 def _resolve_scale(scale, head_dim):
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    _require(isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0,
+    _require(isinstance(scale, numbers.Real) and not isinstance(scale, bool)
+             and math.isfinite(scale) and scale > 0,
              f"scale must be a positive finite float, got {scale!r}")
     return float(scale)
 
@@ -286,9 +309,11 @@ def update_summaries(key_cache, slot_mapping, summaries):
 
 
 def _check_slot_mapping(slot_mapping):
+    _check_tensors(slot_mapping=slot_mapping)
     _require(slot_mapping.dim() == 1 and slot_mapping.dtype in (torch.int32, torch.int64),
              f"slot_mapping must be a 1-D int32/int64 tensor, got {slot_mapping.dtype} of shape "
              f"{tuple(slot_mapping.shape)}")
+    _check_unit_stride(slot_mapping=slot_mapping)
 
 
 def _check_new_tokens(new_keys, new_values, slot_mapping, key_cache, value_cache, batch):
@@ -316,6 +341,7 @@ def _check_page_stats(page_stats, query):
                  and page_stats.device == query.device,
                  f"page_stats must be an int64 tensor of shape (2,) on {query.device}, got "
                  f"{page_stats.dtype} {tuple(page_stats.shape)} on {page_stats.device}")
+        _check_unit_stride(page_stats=page_stats)
 
 
 def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
@@ -350,11 +376,12 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     Parameters
     ----------
     page_lists : ``[batch, num_kv_heads, max_list]`` int32 logical page indices, each page at
-        most once; tokens at or past ``seq_lens[b]`` are masked.
+        most once; tokens at or past ``seq_lens[b]`` are masked, and entries outside
+        ``[0, max_pages_per_seq)`` read nothing.
     page_counts : ``[batch, num_kv_heads]`` int32, how many entries of each list are valid
         (0: the row's output is zeros).
     scale : softmax scale, default ``1 / sqrt(head_dim)``.
-    config : the work split (C, N_J, N_T); ignored if ``workspace`` is given.
+    config : the work split (C, N_J, N_T); with a ``workspace``, only its own config (or None).
     workspace : a ``DecodeWorkspace`` (required to capture the call in a CUDA graph).
     out : optional ``[batch, num_heads, head_dim]`` output tensor.
     page_stats : optional int64 ``[2]`` counters; the call adds (pages listed, pages in the
@@ -366,10 +393,12 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     """
     batch, num_heads, num_kv_heads, head_dim = _check_step(query, key_cache, value_cache,
                                                            block_table, seq_lens)
+    _check_tensors(page_lists=page_lists, page_counts=page_counts)
     _require(page_lists.dim() == 3 and page_lists.dtype == torch.int32
              and tuple(page_lists.shape[:2]) == (batch, num_kv_heads),
              f"page_lists must be int32 [batch={batch}, num_kv_heads={num_kv_heads}, max_list], "
              f"got {page_lists.dtype} of shape {tuple(page_lists.shape)}")
+    _check_unit_stride(page_lists=page_lists)
     _require(page_counts.dtype == torch.int32
              and tuple(page_counts.shape) == (batch, num_kv_heads),
              f"page_counts must be int32 [batch={batch}, num_kv_heads={num_kv_heads}], got "
@@ -378,6 +407,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     _check_out(out, query)
     _check_page_stats(page_stats, query)
     scale = _resolve_scale(scale, head_dim)
+    _check_config_fits(config, workspace)
     if workspace is None:
         workspace = DecodeWorkspace(batch, block_table.shape[1] or 1, num_heads, num_kv_heads,
                                     head_dim, device=query.device, config=config)
@@ -386,6 +416,14 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     out = torch.empty_like(query) if out is None else out
     return _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
                              page_counts, scale, workspace, out, page_stats)
+
+
+def _check_config_fits(config, workspace):
+    """A workspace carries its own config; a different one passed beside it would be ignored."""
+    if config is not None and workspace is not None and config != workspace.config:
+        raise ValueError(f"config {config} differs from the workspace's {workspace.config}: "
+                         f"pass only the workspace, or build it with this config "
+                         f"(DecodeWorkspace(..., config=config))")
 
 
 def _check_row_values(name, values, batch, num_kv_heads, query):
@@ -432,7 +470,8 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
         and Select's work; default ``config.dense_below_pages`` (0 = off).
     scale : softmax scale, default ``1 / sqrt(head_dim)``.
     return_pages : also return the page lists and counts.
-    config : a ``MoiraConfig`` (default: the paper's); ignored if ``workspace`` is given.
+    config : a ``MoiraConfig`` (default: the paper's); with a ``workspace``, only its own
+        config (or None).
     workspace : a ``DecodeWorkspace``; without one, buffers are allocated for this call. Pass
         one to capture the step in a CUDA graph.
     out : optional ``[batch, num_heads, head_dim]`` output tensor.
@@ -480,6 +519,7 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     _require(1 <= max_pages <= MAX_PAGES_PER_SEQ,
              f"block_table has {max_pages} pages per request; Select supports 1 to "
              f"{MAX_PAGES_PER_SEQ} (2M tokens)")
+    _check_config_fits(config, workspace)
     if workspace is None:
         workspace = DecodeWorkspace(batch, max_pages, num_heads, num_kv_heads, head_dim,
                                     device=query.device, config=config)
@@ -492,6 +532,9 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
         config = config.replace(**overrides)
     _require(gammas is None or config.top_k is None,
              "per-row gamma targets apply to the coverage rule, and this config sets top_k")
+    _require(keep_fractions is None or config.top_k is None,
+             f"keep_fractions and the config's top_k={config.top_k} both fix the page count: "
+             f"pass a config without top_k")
     scale = _resolve_scale(scale, head_dim)
     out = torch.empty_like(query) if out is None else out
 

@@ -327,7 +327,8 @@ def work_split(page_counts, num_rows, config=MoiraConfig(), max_pages=None, even
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
            scale=None, dtype=torch.float32):
     """Exact attention of each row's G query heads over the tokens of its listed pages (tokens
-    at or past ``seq_len`` masked). A row with no page outputs zeros.
+    at or past ``seq_len`` masked; entries outside the block table's ``[0, max_pages)`` read
+    nothing). A row with no page outputs zeros.
 
     ``dtype`` is the compute dtype: float32 is the spec; bfloat16 gives the low-precision
     baseline that tolerances are measured against. Returns ``[batch, num_heads, head_dim]``.
@@ -341,6 +342,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     for b in range(batch):
         for h in range(num_kv_heads):
             pages = page_lists[b, h, : int(page_counts[b, h])].long()
+            pages = pages[(pages >= 0) & (pages < block_table.shape[1])]
             tokens = (pages[:, None] * PAGE_SIZE + offsets).flatten()
             valid = tokens < int(seq_lens[b])
             physical = block_table[b, pages].long()

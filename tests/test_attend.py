@@ -268,6 +268,28 @@ def test_pages_past_seq_len_are_masked():
     assert (out.float().cpu() - dense).abs().max() < 2e-2
 
 
+@pytest.mark.parametrize("pages_per_iter", [1, 2])
+def test_list_entries_outside_the_table_read_nothing(monkeypatch, pages_per_iter):
+    # -1 (the reference's padding) and entries past the table's width, inside the count: they
+    # must not read another request's page (row 1's -1 would be row 0's last column)
+    monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
+    keys, values = make_cache(12, 1, 64)
+    table, _ = make_table([64 * 3, 64 * 3], 12, extra_columns=0)
+    table = table[:, :2]  # narrower than the rows: seq_len reaches past the table
+    seq_lens = torch.tensor([64 * 3, 64 * 3], dtype=torch.int32, device=DEVICE)
+    query = make_query(2, 4, 64)
+    page_lists = torch.tensor([[[0, 1, 2, -1]], [[-1, 0, 5, 1]]], dtype=torch.int32,
+                              device=DEVICE)
+    page_counts = torch.tensor([[4], [4]], dtype=torch.int32, device=DEVICE)
+    out = check_attend(query, keys, values, table, seq_lens, page_lists, page_counts,
+                       SMALL_SPLIT)
+    in_table = torch.tensor([[[0, 1]], [[0, 1]]], dtype=torch.int32, device=DEVICE)
+    expected = moira.attend(query, keys, values, table, seq_lens, in_table,
+                            torch.full((2, 1), 2, dtype=torch.int32, device=DEVICE),
+                            config=SMALL_SPLIT)
+    torch.testing.assert_close(out, expected, rtol=0, atol=2e-3)
+
+
 @pytest.mark.parametrize("even", [True, False])
 def test_equal_chunks_and_eq4_chunks(monkeypatch, even):
     """Rows whose Eq. (4) chunks are unequal (C = 4, J = 3: 5, 6 and 9 pages are 4 + 1, 4 + 2

@@ -63,6 +63,14 @@ def test_the_largest_step_programs_for_the_chunk_floor_is_accepted():
     assert MoiraConfig(step_programs=89478485).step_programs == 89478485  # * 24 < 2**31
 
 
+def test_gamma_accepts_numpy_floats():
+    import numpy as np
+
+    assert MoiraConfig(gamma=np.float32(0.5)).gamma == 0.5  # e.g. from a NumPy sweep
+    with pytest.raises(ValueError, match="gamma"):
+        MoiraConfig(gamma=np.float32(1.5))
+
+
 def test_gamma_one_and_replace():
     config = MoiraConfig(gamma=1.0)
     assert config.replace(top_k=8).top_k == 8

@@ -32,7 +32,7 @@ PDL = dict(programmatic_launch=True)
                          # on a GPU, one eager step with griddepcontrol between the kernels
                          # (the interpreter launches plainly; the race test is in
                          # test_cuda_graph.py)
-                         + [(4, 128, PDL)])
+                         + [pytest.param(4, 128, PDL, marks=pytest.mark.cuda)])
 def test_sparse_decode_matches_reference(group, head_dim, options):
     ctx, summaries = structured_step(group=group, head_dim=head_dim)
     inputs = (ctx.query, ctx.key_cache, ctx.value_cache, summaries, ctx.block_table,
@@ -58,6 +58,45 @@ def test_sparse_decode_matches_reference(group, head_dim, options):
                            ref.attend(*base, *lists_and_counts, dtype=torch.bfloat16))
 
 
+EDGE_LENGTHS = [1, 64, 65, 128, 64 * 9, 64 * 9 + 1, 0]  # one token, full current pages, padding
+
+
+@pytest.mark.parametrize("group", [1, 7])
+@pytest.mark.parametrize("mode", ["gamma", "top_k", "keep_fractions"])
+def test_edge_rows_match_reference_in_every_mode(group, mode):
+    """The whole step on rows of one token, one and two full pages (the step summarizes the
+    page its token filled), a partial last page and a padded row, in each selection mode:
+    lists, counts and output against the reference."""
+    num_kv_heads, head_dim = 2, 64
+    keys, values = make_cache(90, num_kv_heads, head_dim)
+    table, seq_lens = make_table(EDGE_LENGTHS, 90)
+    query = make_query(len(EDGE_LENGTHS), num_kv_heads * group, head_dim)
+    summaries = moira.summarize(keys, table, seq_lens,
+                                poisoned(90, num_kv_heads, 2, head_dim, dtype=torch.float32))
+    fractions = torch.tensor([0.5, 0.3], device=DEVICE)
+    selection = {"gamma": dict(gamma=0.9), "top_k": dict(top_k=3),
+                 "keep_fractions": dict(keep_fractions=fractions)}[mode]
+    out, page_lists, page_counts = moira.sparse_decode(
+        query, keys, values, summaries, table, seq_lens, config=SMALL_SPLIT, return_pages=True,
+        out=poisoned(*query.shape), **selection)
+
+    reference_selection = dict(selection, keep_fractions=fractions.cpu()) \
+        if mode == "keep_fractions" else selection
+    expected_lists, expected_counts = ref.select(
+        ref.estimate(*cpu(query, keys, summaries, table, seq_lens)), seq_lens.cpu(),
+        **reference_selection)
+    assert torch.equal(page_counts.cpu(), expected_counts)
+    for b in range(len(EDGE_LENGTHS)):
+        for h in range(num_kv_heads):
+            n = int(page_counts[b, h])
+            assert torch.equal(page_lists[b, h, :n].cpu(), expected_lists[b, h, :n])
+    base = cpu(query, keys, values, table, seq_lens)
+    lists_and_counts = cpu(page_lists, page_counts)
+    assert_attention_close(out, ref.attend(*base, *lists_and_counts),
+                           ref.attend(*base, *lists_and_counts, dtype=torch.bfloat16))
+    assert (out[-1] == 0).all()  # the padded row, written (the output was poisoned)
+
+
 @pytest.mark.parametrize("layout", ["packed", "hnd"])
 def test_gamma_one_is_dense(layout):
     num_kv_heads, group, head_dim = 2, 4, 128
@@ -66,7 +105,8 @@ def test_gamma_one_is_dense(layout):
     query = make_query(5, num_kv_heads * group, head_dim)
     summaries = moira.summarize(keys, table, seq_lens)
     out, _, page_counts = moira.sparse_decode(query, keys, values, summaries, table, seq_lens,
-                                              gamma=1.0, config=SMALL_SPLIT, return_pages=True)
+                                              gamma=1.0, config=SMALL_SPLIT, return_pages=True,
+                                              out=poisoned(*query.shape))
     assert page_counts.tolist() == [[1, 1], [1, 1], [2, 2], [12, 12], [0, 0]]
     base = cpu(query, keys, values, table, seq_lens)
     assert_attention_close(out, ref.dense_attention(*base),
@@ -330,9 +370,10 @@ def test_planned_batch_splits_rows_as_the_padded_batch_does(monkeypatch):
 
     caches = (ctx.key_cache, ctx.value_cache, summaries)
     replay = moira.sparse_decode(padded(ctx.query), *caches, padded(ctx.block_table),
-                                 padded(ctx.seq_lens), config=config)
+                                 padded(ctx.seq_lens), config=config,
+                                 out=poisoned(4, *ctx.query.shape[1:]))
     eager = moira.sparse_decode(ctx.query, *caches, ctx.block_table, ctx.seq_lens,
-                                config=config, planned_batch=4)
+                                config=config, planned_batch=4, out=poisoned(*ctx.query.shape))
     unplanned = moira.sparse_decode(ctx.query, *caches, ctx.block_table, ctx.seq_lens,
                                     config=config)
     assert splits[0] == splits[1] != splits[2]
@@ -404,6 +445,11 @@ def call(step, **kwargs):
     ("block_table", lambda t: t.long(), "block_table"),
     ("block_table", lambda t: torch.cat([t, t]), "seq_lens has 1 rows but block_table has 2"),
     ("seq_lens", lambda t: t.long(), "seq_lens"),
+    # the kernels step through these one element at a time: a strided view would be misread
+    ("block_table", lambda t: torch.stack([t, t], -1)[..., 0], "block_table must be contiguous"),
+    ("value_cache", lambda t: None, "value_cache must be a torch.Tensor"),
+    ("key_cache", lambda t: t[:, :, :0], "no KV heads"),
+    ("query", lambda t: t[:0], "batch 0"),
 ])
 def test_bad_inputs_raise_value_error(name, change, match):
     step = good_step()
@@ -414,7 +460,15 @@ def test_bad_inputs_raise_value_error(name, change, match):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(gamma=0.0), "gamma"), (dict(gamma=1.5), "gamma"), (dict(top_k=1), "top_k"),
-    (dict(scale=-1.0), "scale"), (dict(out=torch.empty(2, 3)), "out must match"),
+    (dict(scale=-1.0), "scale"), (dict(scale=True), "scale"),
+    (dict(out=torch.empty(2, 3)), "out must match"),
+    (dict(page_stats=torch.zeros(4, dtype=torch.int64, device=DEVICE)[::2]),
+     "page_stats must be contiguous"),
+    (dict(config=moira.MoiraConfig(gamma=0.5),
+          workspace=moira.DecodeWorkspace(1, 8, 8, 2, 64, device=DEVICE)),
+     "differs from the workspace's"),
+    (dict(config=moira.MoiraConfig(top_k=4),
+          keep_fractions=torch.full((2,), 0.5, device=DEVICE)), "keep_fractions and the config"),
 ])
 def test_bad_options_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -442,6 +496,17 @@ def test_attend_checks_page_lists():
     with pytest.raises(ValueError, match="page_counts"):
         moira.attend(step["query"], step["key_cache"], step["value_cache"],
                      step["block_table"], step["seq_lens"], lists.int(), counts[:, :1])
+    strided = torch.zeros(1, 2, 4, dtype=torch.int32, device=DEVICE)[..., ::2]
+    with pytest.raises(ValueError, match="page_lists must be contiguous"):
+        moira.attend(step["query"], step["key_cache"], step["value_cache"],
+                     step["block_table"], step["seq_lens"], strided, counts)
+
+
+def test_update_summaries_checks_slot_mapping():
+    step = good_step()
+    slots = torch.arange(128, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous"):
+        moira.update_summaries(step["key_cache"], slots[::2], step["summaries"])
 
 
 def test_programmatic_launch_before_hopper_raises(monkeypatch):

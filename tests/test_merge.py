@@ -32,3 +32,22 @@ def test_merge_matches_reference(group, head_dim):
         expected, _ = ref.merge(partial_out[row, :chunks].cpu(), partial_lse[row, :chunks].cpu())
         torch.testing.assert_close(out[row].float(), expected, rtol=1e-2, atol=1e-2)
     assert (out[5, 0] == 0).all()
+
+
+@pytest.mark.parametrize("chunks_per_row", [33, 40])
+def test_merge_of_more_chunks_than_one_load(chunks_per_row):
+    """Rows of more than 32 chunks (the default at batch 1, J up to 128) merge in several
+    loads of SPLITS_PER_LOAD chunks; the largest partial sits in the last load."""
+    group, head_dim, num_kv_heads = 4, 64, 1
+    page_counts = torch.tensor([[chunks_per_row], [chunks_per_row - 1], [31]], dtype=torch.int32,
+                               device=DEVICE)
+    rows = page_counts.numel()
+    partial_out = torch.randn(rows, chunks_per_row, group, head_dim, device=DEVICE)
+    partial_lse = torch.randn(rows, chunks_per_row, group, device=DEVICE)
+    partial_lse[:, chunks_per_row - 2] += 6  # dominant, past the first 32
+    out = poisoned(rows, num_kv_heads * group, head_dim)
+    merge(page_counts, partial_out.flatten(), partial_lse.flatten(), out,
+          num_kv_heads=num_kv_heads, chunk_floor=1, chunks_per_row=chunks_per_row)
+    for row, chunks in enumerate(page_counts.flatten().tolist()):
+        expected, _ = ref.merge(partial_out[row, :chunks].cpu(), partial_lse[row, :chunks].cpu())
+        torch.testing.assert_close(out[row].float().cpu(), expected, rtol=1e-2, atol=1e-2)

@@ -80,6 +80,8 @@ def test_the_cache_write_joins_estimate_only_in_steps_without_an_fa3_call():
     ({"moira": {"top_k": 1}}, {}, "top_k must be None"),
     ({"moira": {"gama": 0.9}}, {}, r"unknown key\(s\) \['gama'\]"),
     ({"moira": {"stats_interval": -1}}, {}, "stats_interval must be"),
+    ({"moira": {"stats_interval": True}}, {}, "stats_interval must be"),
+    ({"moira": "gamma=0.9"}, {}, "must be a JSON object"),
     ({"moira": {"imposed_fraction": 1.5}}, {}, "imposed_fraction must be a fraction"),
     (None, {"MOIRA_IMPOSED_FRACTION": "8k:0.4"}, "use a fraction or tokens:fraction"),
     ({"moira": {"imposed_fraction": 0.3, "top_k": 8}}, {}, "top_k or imposed_fraction"),
@@ -166,11 +168,13 @@ def test_imposed_fractions_follow_the_context_length():
 
 def test_rejections_say_what_to_change():
     reasons = explain(["block_size not supported", "kv_cache_dtype not supported",
-                       "attention type encoder not supported", "compute capability not supported"])
+                       "attention type encoder not supported", "compute capability not supported",
+                       "KV connector not supported"])
     assert "--block-size 64" in reasons[0]
     assert "FP8" in reasons[1] and "--kv-cache-dtype auto" in reasons[1]
     assert "decoder self-attention only" in reasons[2]
     assert reasons[3] == "compute capability not supported"
+    assert "drop the connector" in reasons[4]
 
 
 @pytest.mark.parametrize("query_lens, max_query_len, expected", [

@@ -95,17 +95,20 @@ def attend_tile(q, key_cache, value_cache, row_pages, row_table, seq_len, head, 
     """One tile of listed pages ``[i, i + PAGES_PER_TILE)`` (those before ``last``) folded into
     the online softmax: ``(running_max, running_sum, acc)``. The running max is in the log2
     domain, or with ``FA3_ORDER`` in raw scores, the scale folded into the exponent."""
+    # an entry outside the block table's [0, max_pages) reads nothing (a caller's bad list
+    # must not read another request's page)
     if PAGES_PER_TILE == 1:  # one page: its list entry and physical id are scalars
         logical = tl.load(row_pages + i)
-        valid = logical * PAGE + offset < seq_len  # masks the current page's tail
-        page = tl.load(row_table + logical, mask=logical < max_pages, other=0).to(tl.int64)
+        in_table = (logical >= 0) & (logical < max_pages)
+        valid = in_table & (logical * PAGE + offset < seq_len)  # and the current page's tail
+        page = tl.load(row_table + logical, mask=in_table, other=0).to(tl.int64)
     else:  # several pages: one list entry per token
         slot = i + tile_page
         listed = slot < last
         logical = tl.load(row_pages + slot, mask=listed, other=0)
-        valid = listed & (logical * PAGE + offset < seq_len)
-        page = tl.load(row_table + logical, mask=listed & (logical < max_pages),
-                       other=0).to(tl.int64)
+        in_table = listed & (logical >= 0) & (logical < max_pages)
+        valid = in_table & (logical * PAGE + offset < seq_len)
+        page = tl.load(row_table + logical, mask=in_table, other=0).to(tl.int64)
     key_rows = page * stride_kp + offset * stride_kt
     value_rows = page * stride_vp + offset * stride_vt
     keys = tl.load(key_cache + head * stride_kh + key_rows[:, None]

@@ -32,10 +32,10 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
                                                    FlashAttentionMetadataBuilder)
 
 from ... import reference
-from ...config import PAGE_SIZE
+from ...config import CACHE_DTYPE_NAMES, MAX_PAGES_PER_SEQ, PAGE_SIZE, SUPPORTED_HEAD_DIMS
 from ...decode import DecodeWorkspace, sparse_decode, update_summaries
 from ...kernels import launch
-from .settings import (SUPPORTED_HEAD_DIMS, SUPPORTED_KV_CACHE_DTYPES, MoiraSettings,
+from .settings import (SUPPORTED_KV_CACHE_DTYPES, MoiraSettings,
                        cache_write_in_estimate, decode_rows_skipped, explain, fa3_rows,
                        full_read_pages, planning_batch, split_decodes)
 from .state import DenseCheck, ImposedFractions, LayerState, PageStatsLog
@@ -50,7 +50,7 @@ def _current_config():
 
 
 class MoiraAttentionBackend(FlashAttentionBackend):
-    supported_kv_cache_dtypes = ["auto", "float16", "bfloat16"]
+    supported_kv_cache_dtypes = ["auto", *CACHE_DTYPE_NAMES]
     # vLLM does not launch its cache write before forward: forward writes K/V (in pure decode
     # steps, with fused_cache_write, inside Estimate's launch: one launch fewer per layer)
     forward_includes_kv_cache_update = True
@@ -106,6 +106,12 @@ class MoiraAttentionBackend(FlashAttentionBackend):
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        # pages a KV connector loads (disaggregated prefill, offloaded KV brought back) are
+        # written without passing through this backend, so they would have no summaries
+        return False
 
     @classmethod
     def validate_configuration(cls, *args, **kwargs) -> list[str]:
@@ -199,13 +205,19 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
             raise ValueError("Moira's attention backend does not support decode context "
                              "parallelism yet: drop --decode-context-parallel-size, or use "
                              "another --attention-backend")
+        max_model_len = vllm_config.model_config.max_model_len
+        if max_model_len > MAX_PAGES_PER_SEQ * PAGE_SIZE:
+            raise ValueError(f"Moira's attention backend supports contexts of up to "
+                             f"{MAX_PAGES_PER_SEQ * PAGE_SIZE:,} tokens (Select keeps a row of "
+                             f"{MAX_PAGES_PER_SEQ} pages on chip), and --max-model-len is "
+                             f"{max_model_len:,}: lower --max-model-len")
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)  # decode rows first under the V1 runner too
         self.settings = MoiraSettings.from_sources(vllm_config.additional_config, os.environ)
         logger.info_once(self.settings.describe())
         self.max_batch = max(vllm_config.scheduler_config.max_num_seqs,
                              self.max_cudagraph_size or 0)
-        self.workspace = self._workspace(-(-vllm_config.model_config.max_model_len // PAGE_SIZE))
+        self.workspace = self._workspace(-(-max_model_len // PAGE_SIZE))
         self.retired = []
         self.imposed = None
         if self.settings.imposed_fraction is not None:

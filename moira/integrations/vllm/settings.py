@@ -86,7 +86,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from ...config import PAGE_SIZE, MoiraConfig
+from ...config import CACHE_DTYPE_NAMES, PAGE_SIZE, SUPPORTED_HEAD_DIMS, MoiraConfig
 
 # settings passed through to MoiraConfig's fields of the same name (None: its default)
 SPLIT_SETTINGS = ("floor_rows", "min_programs", "step_programs", "min_chunks_per_row",
@@ -94,8 +94,7 @@ SPLIT_SETTINGS = ("floor_rows", "min_programs", "step_programs", "min_chunks_per
 
 BOOL_SETTINGS = ("check_dense", "programmatic_launch", "exact_prefill", "fused_cache_write")
 
-SUPPORTED_HEAD_DIMS = (64, 128)
-SUPPORTED_KV_CACHE_DTYPES = (None, "auto", "bfloat16", "float16")
+SUPPORTED_KV_CACHE_DTYPES = (None, "auto", *CACHE_DTYPE_NAMES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +134,8 @@ class MoiraSettings:
             raise ValueError(f"moira dense_below_tokens must be an int >= 0 (0 turns it off), "
                              f"got {self.dense_below_tokens!r}")
         self.config  # MoiraConfig's errors name the field and its range
-        if not (isinstance(self.stats_interval, (int, float)) and self.stats_interval >= 0
+        if not (isinstance(self.stats_interval, (int, float))
+                and not isinstance(self.stats_interval, bool) and self.stats_interval >= 0
                 and math.isfinite(self.stats_interval)):
             raise ValueError(f"moira stats_interval must be a number of seconds >= 0 (0 turns "
                              f"the page counters off), got {self.stats_interval!r}")
@@ -195,7 +195,11 @@ class MoiraSettings:
     def from_sources(cls, additional_config: Mapping | None,
                      environ: Mapping[str, str]) -> MoiraSettings:
         """``additional_config["moira"]`` first, then ``MOIRA_*`` variables, then defaults."""
-        given = dict((additional_config or {}).get("moira") or {})
+        given = (additional_config or {}).get("moira") or {}
+        if not isinstance(given, Mapping):
+            raise ValueError(f"additional_config['moira'] must be a JSON object of settings, "
+                             f'e.g. {{"moira": {{"gamma": 0.98}}}}, got {given!r}')
+        given = dict(given)
         unknown = sorted(set(given) - set(cls._ENV))
         if unknown:
             raise ValueError(f"unknown key(s) {unknown} in additional_config['moira']; known: "
@@ -252,6 +256,10 @@ _FIXES = {
         "this model"),
     "attention sinks not supported": (
         "Moira does not support attention sinks; use another attention backend"),
+    "KV connector not supported": (
+        "Moira summarizes the pages it writes, and a KV connector (--kv-transfer-config: "
+        "disaggregated prefill, KV offloading) writes pages past it: drop the connector or use "
+        "another attention backend"),
 }
 
 
