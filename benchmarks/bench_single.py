@@ -67,7 +67,8 @@ arm is therefore timed over 32 layers captured in one CUDA graph
   Estimate, 1-5 µs per call; never after Select; 0.5 after FA3): ``probe_write_<N>m`` writes
   N MiB (dirty L2 lines for the GEMM to write back), ``probe_read_<N>m`` reads N MiB,
   ``probe_gather`` reads the layer's K/V pages in the table's random order (page-scattered
-  reads, as Attend's).
+  reads, as Attend's) and writes them out, 2 x 16 MiB per request at 8k, so it measures those
+  writes too (session 24: as slow as ``probe_write_32m``; results/single-2026-12-01-s24-probes).
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/bench_single.py [--contexts 2048,8192,32768]
     python3 benchmarks/bench_single.py --plot benchmarks/results/single-<date>.json  # PNG
