@@ -4,7 +4,11 @@ against dense FA3, batch 1, Llama-3.1-8B geometry (8 KV heads, G = 4, head_dim 1
 A decode step of one request runs 32 layers back to back, each on its own KV cache, so a
 layer's K/V come from HBM, not from L2 (a 2k-token layer is 8 MB; 32 of them are 256 MB). Every
 arm is therefore timed over 32 layers captured in one CUDA graph
-(``triton.testing.do_bench_cudagraph``, median) and reported per layer:
+(``triton.testing.do_bench_cudagraph``, median) and reported per layer. Estimate's own input
+is smaller: the 32 layers' summaries are 4.5 MB at 2k and 17 MB at 8k, plus 8 MB of the exact
+pages' keys, so up to 8k the ``estimate`` arm reads mostly from the L2; the ``+gemm`` arms
+(``--gemm``) evict it between layers, as an engine's GEMMs do. Times only, no bytes: the
+kernel suite (``bench_kernels.py``) states bandwidths.
 
 - ``fa3_dense``: vLLM's FA3 call in its CUDA graphs (``num_splits`` 32, scheduler metadata
   built beforehand), every page.

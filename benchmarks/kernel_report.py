@@ -47,6 +47,26 @@ def fmt(row, key="us", digits=1):
     return f"{row[key]:.{digits}f}"
 
 
+def output_checks(report):
+    """One line on the run's output checks (``bench_kernels.check_outputs``): how many arm
+    outputs matched Moira's, and any that did not or could not be run."""
+    checks = report.get("checks", [])
+    if not checks:
+        return "Output checks: none in this run."
+    agreed = [c for c in checks if c.get("max_abs_diff_to_moira") is not None
+              and c.get("agrees", True)]
+    bad = [c for c in checks if c not in agreed]
+    worst = max((c["max_abs_diff_to_moira"] for c in agreed), default=0.0)
+    line = (f"Output checks: {len(agreed)} of {len(checks)} arm outputs match Moira's "
+            f"(largest |difference| {worst:.2g})")
+    if bad:
+        line += "; **not matching or failed**: " + ", ".join(
+            f"{c.get('arm', '?')} {c['shape']} {c.get('spread')}"
+            + (f" ({c['max_abs_diff_to_moira']:.2g})" if c.get("max_abs_diff_to_moira")
+               is not None else f" ({c.get('error', 'error')[:60]})") for c in bad)
+    return line + "."
+
+
 def tables(report):
     table = collect(report)
     lines = [
@@ -132,7 +152,7 @@ def main():
     args = parser.parse_args()
     with open(args.result) as f:
         report = json.load(f)
-    markdown = tables(report)
+    markdown = tables(report) + "\n\n" + output_checks(report)
     png = os.path.splitext(args.result)[0] + ".png"
     plot(report, png)
     print(markdown)

@@ -74,6 +74,12 @@ def stream_completion(url, model, prompt, max_tokens, timeout=3600):
                 ok=tokens == max_tokens)
 
 
+def tpot_ms(first, last, tokens):
+    """Time per output token after the first, in ms, from the first and last tokens' times in
+    seconds (vLLM's definition; ``vllm_tpot.py`` uses it too)."""
+    return (last - first) / (tokens - 1) * 1e3
+
+
 def set_prompts(name, offset=0, limit=0, seed=0):
     """Prompts ``offset .. offset + limit - 1`` (all from ``offset`` if ``limit`` is 0) of a
     set, as token-id lists; each prompt is the same whatever the slice."""
@@ -110,7 +116,7 @@ def run(url, model, prompts, concurrency, max_tokens):
         thread.join()
     wall = time.perf_counter() - start
     done = [r for r in records if r and r.get("ok")]
-    tpots = [(r["last"] - r["first"]) / (r["tokens"] - 1) * 1e3 for r in done
+    tpots = [tpot_ms(r["first"], r["last"], r["tokens"]) for r in done
              if r["tokens"] > 1 and r["chunks"] > 1]
     return dict(requests=len(prompts), completed=len(done), wall_s=round(wall, 1),
                 output_tokens_per_s=sum(r["tokens"] for r in done) / wall,
@@ -148,6 +154,10 @@ def host_versions():
             info.setdefault("versions", {})[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             pass
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    if commit:  # which code the server ran (slices of one pooled row may span commits)
+        info["commit"] = commit
     return info
 
 
@@ -170,6 +180,9 @@ def main():
         connection.request("GET", "/v1/models")
         model = json.loads(connection.getresponse().read())["data"][0]["id"]
     prompts = set_prompts(args.set, args.offset, args.limit)
+    # one short untimed request first: whatever the server does at its first request (a
+    # kernel built, a pool grown) stays out of the timed run
+    stream_completion(args.url, model, prompts[0][:256], 8)
     result = run(args.url, model, prompts, args.concurrency, args.output_tokens)
     result.update(label=args.label, set=args.set, concurrency=args.concurrency, offset=args.offset,
                   output_tokens=args.output_tokens, command="python3 " + " ".join(sys.argv),

@@ -27,6 +27,9 @@ from moira.kernels import attend as attend_module
 from moira.kernels import estimate as estimate_module
 from moira.kernels import select as select_module
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import estimate_bytes, estimate_rotation  # noqa: E402
+
 KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
 SHAPES = [(8192, 32), (32768, 16), (65536, 8), (131072, 4)]
 EXTRA_SHAPES = [(16384, 32)]  # timed only when named in --shapes (256-page rows: Select's warps)
@@ -60,15 +63,18 @@ def patched(module, **settings):
 
 
 def step_inputs(context, batch):
+    """One layer's inputs, each row one token short of a full page (the common decode step;
+    until session 24 every row's token filled its page, so Estimate also summarized it), and
+    the summaries of every page (for ``estimate_rotation``)."""
     pages = context // 64
     keys = torch.randn(batch * pages, 64, KV_HEADS, HEAD_DIM, device="cuda",
                        dtype=torch.bfloat16)
     values = torch.randn_like(keys)
     table = torch.randperm(batch * pages, device="cuda").view(batch, pages).int()
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    full = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     query = torch.randn(batch, KV_HEADS * GROUP, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    summaries = moira.summarize(keys, table, seq_lens)
-    return query, keys, values, summaries, table, seq_lens
+    summaries = moira.summarize(keys, table, full)
+    return query, keys, values, summaries, table, full - 1
 
 
 def main():
@@ -117,13 +123,17 @@ def main():
                                           device="cuda")
         log_masses, lists, counts = workspace.selection_buffers(batch, pages)
         scale = 1 / math.sqrt(HEAD_DIM)
-        summary_bytes = batch * KV_HEADS * pages * 2 * HEAD_DIM * summaries.element_size()
+        summary_bytes = estimate_bytes(batch * KV_HEADS, pages, summaries.element_size())
 
-        def time_estimate(label, **settings):
-            """Time Estimate with some of its module's settings changed."""
+        def time_estimate(label, table=table, masses=log_masses, **settings):
+            """Time Estimate with some of its module's settings changed, rotating over inputs
+            larger than the L2 (``bench_kernels.estimate_rotation``; one copy before session
+            24, whose Estimate rates were of data in the L2)."""
+            rotation = estimate_rotation(summaries, table, pages, summary_bytes)
             with patched(estimate_module, **settings):
-                micros = bench(lambda: estimate_module.estimate(query, keys, summaries, table,
-                                                                seq_lens, scale, log_masses))
+                micros = bench(lambda: [estimate_module.estimate(
+                    query, keys, copy, rolled, seq_lens, scale, masses)
+                    for copy, rolled in rotation]) / len(rotation)
             record("estimate", shape, label, micros, summary_bytes)
 
         blocks = [16, 32, 64] if not args.quick else [32, 64]
@@ -264,9 +274,7 @@ def main():
                                          device="cuda")
             wide_masses, wide_lists, wide_counts = wide.selection_buffers(batch, width)
             name = f"table {width} pages"
-            micros = bench(lambda: estimate_module.estimate(query, keys, summaries, wide_table,
-                                                            seq_lens, scale, wide_masses))
-            record("estimate", shape, name, micros, summary_bytes)
+            time_estimate(name, table=wide_table, masses=wide_masses)
             select_modes(f", {name}", wide_masses, width, wide_lists, wide_counts)
             micros = bench(lambda: moira.sparse_decode(query, keys, values, summaries,
                                                        wide_table, seq_lens, top_k=top_k,

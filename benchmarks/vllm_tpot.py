@@ -33,6 +33,7 @@ os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from serve_bench import tpot_ms  # noqa: E402
 from vllm_checks import model_dir  # noqa: E402
 
 SHAPES = {"8k32": (8192, 32), "16k32": (16384, 32), "32k16": (32768, 16), "64k8": (65536, 8),
@@ -127,6 +128,7 @@ def main():
     args = parser.parse_args()
 
     import torch
+    import triton
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -182,7 +184,7 @@ def main():
             for out in outputs:
                 m = out.metrics
                 tokens = len(out.outputs[0].token_ids)
-                tpots.append((m.last_token_ts - m.first_token_ts) / (tokens - 1) * 1e3)
+                tpots.append(tpot_ms(m.first_token_ts, m.last_token_ts, tokens))
             row = dict(shape=name, context=context, batch=batch, repeat=repeat,
                        tpot_ms=statistics.median(tpots), tpot_ms_min=min(tpots),
                        tpot_ms_max=max(tpots), generate_s=round(wall, 2),
@@ -217,7 +219,8 @@ def main():
                            fractions="imposed (paper's measured reads), not the coverage rule"
                            if args.backend == "moira" else None,
                            startup_s=round(startup, 1), gpu=torch.cuda.get_device_name(),
-                           versions=dict(torch=torch.__version__, vllm=vllm.__version__),
+                           versions=dict(torch=torch.__version__, vllm=vllm.__version__,
+                                         triton=triton.__version__),
                            command="python3 " + " ".join(sys.argv),
                            date=time.strftime("%Y-%m-%d %H:%M:%S"), results=results), f,
                       indent=1)

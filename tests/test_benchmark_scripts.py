@@ -939,3 +939,52 @@ def test_step_profile_call_stats_give_the_spread_of_a_kernels_calls():
     assert stats == dict(calls=10, p10_us=1.0, median_us=5.5, p90_us=9.0, max_us=10.0)
     assert vllm_step_profile.call_stats([float(v) for v in range(1, 12)])["p90_us"] == 10.0
     assert vllm_step_profile.call_stats([3.0])["median_us"] == 3.0
+
+
+def test_bytes_and_rates_of_the_kernel_bench():
+    bench = load("bench_kernels")
+    tune = load("tune_kernels")
+    # K and V of one 64-token page of one KV head, head_dim 128, bf16
+    assert bench.PAGE_BYTES == tune.PAGE_KV_BYTES == 2 * 64 * 128 * 2 == 32768
+    # Estimate at 8k x 32 (256 rows of 128 pages), bf16 summaries: summaries 16 MiB, the sink's
+    # and the current page's keys 8 MiB, G = 4 float32 log-masses per page 0.5 MiB
+    assert bench.estimate_bytes(256, 128, 2) == 16777216 + 8388608 + 524288
+    assert bench.tbps(4.3e6, 1.0) == pytest.approx(4.3)  # 4.3 MB in 1 us
+    assert bench.tbps(25690112, 12.0) == pytest.approx(2.1408, rel=1e-4)
+
+
+def test_estimate_rotation_moves_the_exact_pages_and_copies_the_summaries():
+    bench = load("bench_kernels")
+    summaries = torch.randn(12, 2, 2, 8)
+    table = torch.arange(12, dtype=torch.int32).view(2, 6)
+    wide = torch.cat([table, torch.zeros(2, 2, dtype=torch.int32)], dim=1)  # an engine's width
+    rotation = bench.estimate_rotation(summaries, wide, 6, bytes_per_call=40 << 20)
+    assert len(rotation) == 4  # ceil(128 MiB / 40 MiB): more than twice the L2 in all
+    assert rotation[0][0] is summaries and torch.equal(rotation[0][1], wide)
+    for i, (copy, rolled) in enumerate(rotation[1:], start=1):
+        assert torch.equal(copy, summaries) and copy.data_ptr() != summaries.data_ptr()
+        assert torch.equal(rolled[:, :6], table.roll(i, dims=1))
+        assert not rolled[:, 6:].any()  # the padding columns stay
+        # the sink and the current page are other physical pages than in the call before
+        assert (rolled[:, [0, 5]] != rotation[i - 1][1][:, [0, 5]]).all()
+
+
+def test_tpot_is_the_time_after_the_first_token_per_later_token():
+    serve = load("serve_bench")
+    # 257 tokens, the first at 1.0 s and the last at 2.28 s: 256 gaps of 5 ms
+    assert serve.tpot_ms(1.0, 2.28, 257) == pytest.approx(5.0)
+
+
+def test_kernel_report_states_every_output_check():
+    report = load("kernel_report")
+    assert report.output_checks({}) == "Output checks: none in this run."
+    checks = [dict(shape="8k32", spread="cv0.0", arm="fa3_varlen", max_abs_diff_to_moira=0.002,
+                   agrees=True),
+              dict(shape="8k32", spread="cv0.0", arm="moira_hnd", max_abs_diff_to_moira=0.0),
+              dict(shape="8k32", spread="cv0.0", arm="flashinfer", max_abs_diff_to_moira=0.5,
+                   agrees=False),
+              dict(shape="131k4", spread="cv1.0", arm="flex", error="RuntimeError: no")]
+    line = report.output_checks(dict(checks=checks))
+    assert line.startswith("Output checks: 2 of 4 arm outputs match Moira's")
+    assert "largest |difference| 0.002" in line
+    assert "flashinfer 8k32 cv0.0 (0.5)" in line and "flex 131k4 cv1.0 (RuntimeError" in line
