@@ -407,6 +407,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     _check_out(out, query)
     _check_page_stats(page_stats, query)
     scale = _resolve_scale(scale, head_dim)
+    _check_table_width(block_table)
     _check_config_fits(config, workspace)
     if workspace is None:
         workspace = DecodeWorkspace(batch, block_table.shape[1] or 1, num_heads, num_kv_heads,
@@ -416,6 +417,13 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     out = torch.empty_like(query) if out is None else out
     return _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
                              page_counts, scale, workspace, out, page_stats)
+
+
+def _check_table_width(block_table):
+    _require(block_table.shape[1] <= MAX_PAGES_PER_SEQ,
+             f"block_table has {block_table.shape[1]} pages per request; Moira supports up to "
+             f"{MAX_PAGES_PER_SEQ} ({MAX_PAGES_PER_SEQ * PAGE_SIZE:,} tokens): trim the table to "
+             f"the pages in use")
 
 
 def _check_config_fits(config, workspace):
@@ -516,9 +524,8 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
                  "keep_fractions")
         gamma, gammas = None, gamma
     max_pages = block_table.shape[1]
-    _require(1 <= max_pages <= MAX_PAGES_PER_SEQ,
-             f"block_table has {max_pages} pages per request; Select supports 1 to "
-             f"{MAX_PAGES_PER_SEQ} (2M tokens)")
+    _require(max_pages >= 1, "block_table has no columns: a request needs at least one page")
+    _check_table_width(block_table)
     _check_config_fits(config, workspace)
     if workspace is None:
         workspace = DecodeWorkspace(batch, max_pages, num_heads, num_kv_heads, head_dim,

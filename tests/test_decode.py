@@ -502,6 +502,18 @@ def test_attend_checks_page_lists():
                      step["block_table"], step["seq_lens"], strided, counts)
 
 
+def test_tables_wider_than_select_holds_are_refused_by_both_entry_points():
+    step = good_step()
+    wide = torch.zeros(1, moira.config.MAX_PAGES_PER_SEQ + 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="block_table has 32769 pages per request"):
+        call(dict(step, block_table=wide))
+    lists = torch.zeros(1, 2, 1, dtype=torch.int32, device=DEVICE)
+    counts = torch.ones(1, 2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="block_table has 32769 pages per request"):
+        moira.attend(step["query"], step["key_cache"], step["value_cache"], wide,
+                     step["seq_lens"], lists, counts)
+
+
 def test_update_summaries_checks_slot_mapping():
     step = good_step()
     slots = torch.arange(128, dtype=torch.int32, device=DEVICE)
