@@ -125,11 +125,12 @@ def main():
         scale = 1 / math.sqrt(HEAD_DIM)
         summary_bytes = estimate_bytes(batch * KV_HEADS, pages, summaries.element_size())
 
-        def time_estimate(label, table=table, masses=log_masses, **settings):
-            """Time Estimate with some of its module's settings changed, rotating over inputs
-            larger than the L2 (``bench_kernels.estimate_rotation``; one copy before session
-            24, whose Estimate rates were of data in the L2)."""
-            rotation = estimate_rotation(summaries, table, pages, summary_bytes)
+        # rotating over inputs larger than the L2 (one copy before session 24, whose Estimate
+        # rates were of data in the L2)
+        rotation = estimate_rotation(summaries, table, pages, summary_bytes)
+
+        def time_estimate(label, rotation=rotation, masses=log_masses, **settings):
+            """Time Estimate with some of its module's settings changed."""
             with patched(estimate_module, **settings):
                 micros = bench(lambda: [estimate_module.estimate(
                     query, keys, copy, rolled, seq_lens, scale, masses)
@@ -274,7 +275,8 @@ def main():
                                          device="cuda")
             wide_masses, wide_lists, wide_counts = wide.selection_buffers(batch, width)
             name = f"table {width} pages"
-            time_estimate(name, table=wide_table, masses=wide_masses)
+            time_estimate(name, masses=wide_masses, rotation=estimate_rotation(
+                summaries, wide_table, pages, summary_bytes))
             select_modes(f", {name}", wide_masses, width, wide_lists, wide_counts)
             micros = bench(lambda: moira.sparse_decode(query, keys, values, summaries,
                                                        wide_table, seq_lens, top_k=top_k,
