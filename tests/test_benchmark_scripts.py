@@ -988,3 +988,27 @@ def test_kernel_report_states_every_output_check():
     assert line.startswith("Output checks: 2 of 4 arm outputs match Moira's")
     assert "largest |difference| 0.002" in line
     assert "flashinfer 8k32 cv0.0 (0.5)" in line and "flex 131k4 cv1.0 (RuntimeError" in line
+
+
+def test_vllm_compare_reads_runs_of_several_folders(tmp_path, monkeypatch, capsys):
+    compare = load("vllm_compare")
+
+    def write(folder, name, tokens):
+        folder.mkdir(exist_ok=True)
+        run = dict(full=[dict(tokens=tokens, logprobs=[-1.0] * len(tokens))])
+        (folder / f"{name}.json").write_text(json.dumps(run))
+
+    earlier, later = tmp_path / "s23", tmp_path / "s24"
+    write(earlier, "fcw1", [1, 2, 3])
+    write(later, "plain", [1, 2, 3])
+    write(later, "verbose_host2", [1, 5, 3])
+    monkeypatch.setattr(sys, "argv", ["vllm_compare.py", str(later), str(earlier)])
+    compare.main()
+    table = capsys.readouterr().out
+    assert "| session 23's fcw1 vs the same command a session later (another host) | 1/1 | - |" \
+        in table
+    assert "| without vs with --jit-verbose, one host | 0/1 | 1 |" in table
+    write(later, "fcw1", [1, 2, 3])  # the same name in both folders: refused, not overwritten
+    monkeypatch.setattr(sys, "argv", ["vllm_compare.py", str(later), str(earlier)])
+    with pytest.raises(SystemExit, match="'fcw1' is in two of the folders"):
+        compare.main()
