@@ -97,8 +97,7 @@ def _check_cache(key_cache, value_cache, name="key_cache"):
              f"{name} has head_dim {key_cache.shape[3]}, which has no kernel; supported: "
              f"{SUPPORTED_HEAD_DIMS}")
     _require(key_cache.shape[2] >= 1, f"{name} has no KV heads (shape {tuple(key_cache.shape)})")
-    if value_cache is not None:
-        _check_tensors(value_cache=value_cache)
+    if value_cache is not None:  # a tensor: _check_step checked it
         _require(value_cache.shape == key_cache.shape,
                  f"value_cache shape {tuple(value_cache.shape)} must equal key_cache shape "
                  f"{tuple(key_cache.shape)}")

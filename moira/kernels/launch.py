@@ -62,8 +62,8 @@ CHAINED = frozenset({"estimate", "select", "attend", "merge"})
 def options(programmatic: bool, kernel: str) -> dict:
     """Keywords for the launch of decode-step ``kernel``: the ``PDL`` constexpr its programs
     branch on, and Triton's ``launch_pdl`` (the interpreter runs neither)."""
-    on = bool(programmatic) and kernel in CHAINED and not interpreting()
-    return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
+    chained = bool(programmatic) and kernel in CHAINED and not interpreting()
+    return dict(PDL=True, launch_pdl=True) if chained else dict(PDL=False)
 
 
 @triton.jit
