@@ -111,7 +111,7 @@ def kernels(group, head_dim, block, pdl=False):
         (f"estimate {tag}", estimate._estimate_kernel,
          dict(GROUP=group, GROUP_DOT=group_pad,
               HEAD_DIM=head_dim, PAGE=PAGE, BLOCK_P=estimate.PAGES_PER_PROGRAM,
-              TILE_STAGES=estimate.TILE_STAGES, EXACT=estimate.EXACT_PAGES,
+              NEXT_AHEAD=estimate.NEXT_TILE_AHEAD, EXACT=estimate.EXACT_PAGES,
               PREFETCH=estimate.PREFETCH_TABLE, WRITE_KV=False, PDL=pdl),
          estimate.NUM_WARPS, 3),
         *[(f"select {mode} {tag} lanes={block}", select._select_kernel,
@@ -163,6 +163,9 @@ def main():
         if name.startswith("estimate") and build(f"{name} prefetched table", kernel, dict(
                 constexprs, PREFETCH=True), warps, stages):
             spilled.append(f"{name} prefetched table")
+        if name.startswith("estimate") and build(f"{name} next tile ahead", kernel, dict(
+                constexprs, NEXT_AHEAD=True), warps, stages):
+            spilled.append(f"{name} next tile ahead")
         # the decode token's cache write in Estimate's launch (sparse_decode's new_keys, the
         # plugin's fused_cache_write); vLLM's slot_mapping is int64
         if name.startswith("estimate") and build(f"{name} writing the new tokens", kernel, dict(

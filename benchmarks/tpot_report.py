@@ -55,7 +55,9 @@ PAIR_VARIANT_LABELS = {"fsel": "the same, Estimate + Select in one launch",
                        "nofcw": "Moira, K/V written by vLLM's kernel (fused_cache_write off)",
                        "split": "Moira, Attend's split set (floor_rows, min_programs, "
                                 "min_chunks_per_row: in its JSON)",
-                       "Jmax=4096": JNOCAP_LABEL}
+                       "Jmax=4096": JNOCAP_LABEL,
+                       "est": "Moira, Estimate's tuning constants set (estimate_settings: in "
+                              "its JSON)"}
 
 
 def load(folders):
@@ -89,6 +91,8 @@ def load(folders):
                 variant = "+".join(filter(None, [variant, f"Jmax={run['max_chunks_per_row']}"]))
             if run.get("step_programs") is not None:  # the short-row floor (0: Eq. 4 alone)
                 variant = "+".join(filter(None, [variant, f"T={run['step_programs']}"]))
+            if run.get("estimate_settings"):  # Estimate's tuning constants (session 25)
+                variant = "+".join(filter(None, [variant, "est"]))
             if run.get("launched_programs"):  # Attend's grid (session 19's arm, removed)
                 variant = "+".join(filter(None, [variant, f"P={run['launched_programs']}"]))
             if variant:

@@ -34,9 +34,9 @@ KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
 SHAPES = [(8192, 32), (32768, 16), (65536, 8), (131072, 4)]
 EXTRA_SHAPES = [(16384, 32)]  # timed only when named in --shapes (256-page rows: Select's warps)
 PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
-# --kinds ("exact": Estimate's exact-page forms alone)
-KINDS = ("estimate", "exact", "select", "attend", "tiles", "balanced", "fractions", "step",
-         "wide")
+# --kinds ("exact": Estimate's exact-page forms alone; "ahead": its next-tile-ahead sweep alone)
+KINDS = ("estimate", "exact", "ahead", "select", "attend", "tiles", "balanced", "fractions",
+         "step", "wide")
 
 
 def bench(fn):
@@ -142,13 +142,20 @@ def main():
                                               [2, 4, 8] if not args.quick else [4, 8]):
             time_estimate(f"pages={block} warps={warps}", PAGES_PER_PROGRAM=block,
                           NUM_WARPS=warps)
-        # fewer, longer programs whose tile loop is software-pipelined, against the default
-        # grid of ~2,048 one-or-few-tile programs (session 8: Estimate takes 16-19 us at every
-        # shape while its summaries range over 17-34 MB, so it is not bandwidth-bound)
-        for programs, stages in itertools.product(
-                [512, 1024, 2048, 4096] if "estimate" in kinds else [], [1, 2, 3]):
-            time_estimate(f"programs={programs} stages={stages}", TARGET_PROGRAMS=programs,
-                          TILE_STAGES=stages)
+        # fewer, longer programs, each loading its next tile while it computes one
+        # (estimate.NEXT_TILE_AHEAD), against the default grid of ~2,048 one-or-few-tile
+        # programs (session 8: Estimate takes 16-19 us at every shape while its summaries
+        # range over 17-34 MB, so it is not bandwidth-bound; session 9: Triton's pipelining
+        # of the loop, num_stages 2-3, was slower). The default first and last, to see drift
+        for label, settings in ([("default", {})] + [
+                (f"next tile ahead pages={block} warps={warps} programs={programs}",
+                 dict(NEXT_TILE_AHEAD=True, PAGES_PER_PROGRAM=block, NUM_WARPS=warps,
+                      TARGET_PROGRAMS=programs))
+                for block, warps, programs in [(32, 4, 528), (32, 4, 1056), (32, 4, 2048),
+                                               (16, 4, 528), (16, 4, 1056), (16, 4, 2048),
+                                               (32, 8, 528), (32, 8, 1056)]]
+                + [("default again", {})]) if kinds & {"estimate", "ahead"} else []:
+            time_estimate(label, **settings)
         # a program's first tile's block-table entries loaded beside the row's length
         # (estimate.PREFETCH_TABLE), against the default, twice each in alternation
         for prefetch in [False, True, False, True] if "estimate" in kinds else []:

@@ -85,6 +85,22 @@ def cached_prompts(llm, rng, context, batch):
     return prompts
 
 
+# Estimate's tuning constants an engine of this script may be given (--estimate-setting)
+ESTIMATE_SETTINGS = ("NEXT_TILE_AHEAD", "TARGET_PROGRAMS", "PAGES_PER_PROGRAM", "NUM_WARPS")
+
+
+def parse_estimate_settings(parser, items):
+    """``["NAME=INT", ...]`` -> ``{NAME: int}`` (NEXT_TILE_AHEAD as a bool), or a usage error."""
+    settings = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in ESTIMATE_SETTINGS or not value.lstrip("-").isdigit():
+            parser.error(f"--estimate-setting {item!r}: use NAME=INT with NAME one of "
+                         f"{', '.join(ESTIMATE_SETTINGS)}")
+        settings[name] = bool(int(value)) if name == "NEXT_TILE_AHEAD" else int(value)
+    return settings
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", choices=["dense", "moira"], required=True)
@@ -124,8 +140,15 @@ def main():
                         help="the engine's max_model_len (default: the longest shape + the "
                              "tokens + 64; 131072 sizes the block table as serve_bench.sh's "
                              "server, 2,048 pages per row)")
+    parser.add_argument("--estimate-setting", action="append", default=[],
+                        metavar="NAME=INT",
+                        help="moira: a module constant of moira/kernels/estimate.py for this "
+                             f"engine (one of {', '.join(ESTIMATE_SETTINGS)}; repeatable), to "
+                             "time a tuning candidate before it becomes the default (the "
+                             "engine runs in this process, so the kernels see it)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tpot.json"))
     args = parser.parse_args()
+    estimate_settings = parse_estimate_settings(parser, args.estimate_setting)
 
     import torch
     import triton
@@ -136,6 +159,11 @@ def main():
     from moira.integrations.vllm.settings import SPLIT_SETTINGS, MoiraSettings
 
     plugin.register()
+    if estimate_settings:
+        from moira.kernels import estimate as estimate_module
+
+        for name, value in estimate_settings.items():
+            setattr(estimate_module, name, value)
     shapes = [(name, *SHAPES[name]) for name in args.shapes.split(",")]
     knots = paper_knots(args.model, args.gamma)
     extra = {}
@@ -214,6 +242,7 @@ def main():
                            # what Attend ran with, set or default (None: the setting unset)
                            attend_split={key: getattr(settings.config, key) for key in
                                          ("chunk_pages", *SPLIT_SETTINGS)} if settings else None,
+                           estimate_settings=estimate_settings or None,
                            commit=subprocess.run(["git", "rev-parse", "HEAD"],
                                                  capture_output=True, text=True).stdout.strip(),
                            fractions="imposed (paper's measured reads), not the coverage rule"

@@ -1012,3 +1012,31 @@ def test_vllm_compare_reads_runs_of_several_folders(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(sys, "argv", ["vllm_compare.py", str(later), str(earlier)])
     with pytest.raises(SystemExit, match="'fcw1' is in two of the folders"):
         compare.main()
+
+
+def test_tpot_pairs_table_gives_an_engine_with_estimates_settings_its_own_column(tmp_path):
+    import json
+
+    report = load("tpot_report")
+    write_two_pairs(tmp_path, gamma=0.98, shape="130k4", reads=0.15)
+    for pair, tpot in ((1, 8.0), (2, 6.0)):  # tpot_pairs.sh arm est
+        run = dict(backend="moira", model="llama-3.1-8b", gamma=0.98,
+                   estimate_settings=dict(NEXT_TILE_AHEAD=True, TARGET_PROGRAMS=1056),
+                   results=[dict(shape="130k4", tpot_ms=tpot, imposed_read_fraction=0.15)])
+        (tmp_path / f"pair{pair}" / "e.json").write_text(json.dumps(run))
+    lines = report.pairs_table([report.load([str(tmp_path / f"pair{i}")])
+                                for i in (1, 2)]).splitlines()
+    assert "Moira, Estimate's tuning constants set" in lines[0]
+    assert lines[2].endswith("| **2.50×** | 2.64× | 2.50× / 3.50× | **3.00×** |")
+
+
+def test_vllm_tpot_estimate_settings_are_checked():
+    import argparse
+
+    tpot = load("vllm_tpot")
+    parser = argparse.ArgumentParser()
+    assert tpot.parse_estimate_settings(parser, ["NEXT_TILE_AHEAD=1", "TARGET_PROGRAMS=528"]) \
+        == dict(NEXT_TILE_AHEAD=True, TARGET_PROGRAMS=528)
+    for bad in ("TILE_STAGES=2", "TARGET_PROGRAMS=many", "NUM_WARPS"):
+        with pytest.raises(SystemExit):
+            tpot.parse_estimate_settings(parser, [bad])

@@ -68,6 +68,23 @@ def test_programs_share_a_rows_tiles_in_a_wide_table(monkeypatch, target_program
         assert torch.isnan(got[b, :, :, pages:]).all()
 
 
+@pytest.mark.parametrize("target_programs, max_tiles", [(1, 100), (8, 8), (24, 8)])
+def test_next_tile_ahead(monkeypatch, target_programs, max_tiles):
+    """NEXT_TILE_AHEAD (a tuning option): a program's next tile loaded while it computes the
+    current one, over programs of one to four tiles (and programs past their row's tiles):
+    the same pages written, with the same values, nothing past a row."""
+    monkeypatch.setattr(estimate_module, "NEXT_TILE_AHEAD", True)
+    test_programs_share_a_rows_tiles_in_a_wide_table(monkeypatch, target_programs, max_tiles)
+
+
+@pytest.mark.parametrize("group", [1, 7])
+@pytest.mark.parametrize("lengths", ["one-page", "mixed"])
+def test_next_tile_ahead_edge_rows(monkeypatch, group, lengths):
+    monkeypatch.setattr(estimate_module, "NEXT_TILE_AHEAD", True)
+    monkeypatch.setattr(estimate_module, "TARGET_PROGRAMS", 1)  # each row's tiles in one program
+    test_estimate_matches_reference(group, 64, lengths)
+
+
 def test_estimate_programs_per_row_follow_the_batch_not_the_table_width():
     # a 131k-token engine's table (2,048 pages) at 8k x 32 (256 rows): 8 programs per row,
     # not 64; at 131k x 4 (32 rows) one per tile, as before; never more than the tiles

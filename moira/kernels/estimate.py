@@ -46,10 +46,15 @@ TARGET_PROGRAMS = 2048
 # a program's tiles run one after another (two dependent loads each): however many rows the
 # batch has, a row as long as the table is split so that no program has more tiles than this
 MAX_TILES_PER_PROGRAM = 8
-# software-pipeline stages of a program's tile loop (1: each tile's two dependent loads wait
-# for the previous tile's stores; more only matter where programs hold several tiles, i.e.
-# with TARGET_PROGRAMS below the table's tiles over the batch)
-TILE_STAGES = 1
+# a program with several tiles loads tile t + 1's summaries and tile t + 2's block-table
+# entries before it computes tile t, so that its two dependent loads per tile overlap the
+# previous tile's arithmetic (registers as the buffer: the next tile's summaries stay in the
+# cache dtype until used). Why: ncu (session 9) saw Estimate at 27-35% of DRAM bandwidth with
+# 4 blocks per SM, each idle through its chain of length -> block table -> summaries; more
+# warps per block (same blocks per SM, same bytes in flight) and Triton's own pipelining of
+# the loop (num_stages 2-3, through shared memory) were both slower. Off: one tile at a time.
+# Only programs with two tiles or more differ, so TARGET_PROGRAMS sets where it can matter.
+NEXT_TILE_AHEAD = False
 # how the sink's and the current page's exact log-masses are computed (G heads over the
 # page's 64 tokens):
 # - "chained" (the timed default): head by head, a row sum over D, then the head's
@@ -92,22 +97,42 @@ def _log_sum_exp(logits):
 
 
 @triton.jit
-def _mvar_tile(query_row, summaries, dst, physical, pages, middle, head, scale, stride_qh,
-               stride_qd, stride_sp, stride_sh, stride_ss, stride_sd, stride_lg,
-               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
-    """mvar of the ``middle`` pages among ``pages`` (their physical ids ``physical``) for
-    every head of the group, stored at ``dst[g, page]``: G is small, so plain FMAs and a row
-    sum per head."""
+def _summary_tile(summaries, physical, middle, head, stride_sp, stride_sh, stride_ss,
+                  stride_sd, HEAD_DIM: tl.constexpr):
+    """The summaries (mean, variance) ``[pages, D]`` of the ``middle`` pages, whose physical
+    ids are ``physical``, in the summaries' dtype (zeros elsewhere)."""
     dims = tl.arange(0, HEAD_DIM)
     src = summaries + physical.to(tl.int64)[:, None] * stride_sp + head * stride_sh \
         + dims[None, :] * stride_sd
-    mean = tl.load(src, mask=middle[:, None], other=0.0).to(tl.float32)
-    var = tl.load(src + stride_ss, mask=middle[:, None], other=0.0).to(tl.float32)
+    return (tl.load(src, mask=middle[:, None], other=0.0),
+            tl.load(src + stride_ss, mask=middle[:, None], other=0.0))
+
+
+@triton.jit
+def _mvar_store(query_row, dst, mean, var, pages, middle, scale, stride_qh, stride_qd,
+                stride_lg, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
+    """mvar of the ``middle`` pages among ``pages`` from their summaries for every head of the
+    group, stored at ``dst[g, page]``: G is small, so plain FMAs and a row sum per head."""
+    dims = tl.arange(0, HEAD_DIM)
+    mean = mean.to(tl.float32)
+    var = var.to(tl.float32)
     for g in tl.static_range(GROUP):
         q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
         est = tl.sum(mean * q_g[None, :] + var * (0.5 * q_g * q_g)[None, :], axis=1) \
             + math.log(PAGE)
         tl.store(dst + g * stride_lg + pages, est, mask=middle)
+
+
+@triton.jit
+def _mvar_tile(query_row, summaries, dst, physical, pages, middle, head, scale, stride_qh,
+               stride_qd, stride_sp, stride_sh, stride_ss, stride_sd, stride_lg,
+               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
+    """mvar of the ``middle`` pages among ``pages`` (physical ids ``physical``): load, then
+    compute and store."""
+    mean, var = _summary_tile(summaries, physical, middle, head, stride_sp, stride_sh,
+                              stride_ss, stride_sd, HEAD_DIM)
+    _mvar_store(query_row, dst, mean, var, pages, middle, scale, stride_qh, stride_qd,
+                stride_lg, GROUP, HEAD_DIM, PAGE)
 
 
 @triton.jit
@@ -151,7 +176,7 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
                      num_slots,
                      GROUP: tl.constexpr, GROUP_DOT: tl.constexpr,
                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
-                     TILE_STAGES: tl.constexpr, EXACT: tl.constexpr, PREFETCH: tl.constexpr,
+                     NEXT_AHEAD: tl.constexpr, EXACT: tl.constexpr, PREFETCH: tl.constexpr,
                      WRITE_KV: tl.constexpr, PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
@@ -233,9 +258,31 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
             _mvar_tile(query_row, summaries, dst, tl.where(middle, guess_physical, 0),
                        guess_pages, middle, head, scale, stride_qh, stride_qd, stride_sp,
                        stride_sh, stride_ss, stride_sd, stride_lg, GROUP, HEAD_DIM, PAGE)
+    elif NEXT_AHEAD:  # NEXT_TILE_AHEAD: tile t + 1's summaries in flight while t computes
+        end_tile = tl.minimum(first_tile + share, tiles)
+        if first_tile < end_tile:
+            pages = first_tile * BLOCK_P + tl.arange(0, BLOCK_P)
+            middle = (pages > 0) & (pages < last)  # full pages, summarized
+            mean, var = _summary_tile(summaries, tl.load(row_table + pages, mask=middle, other=0),
+                                      middle, head, stride_sp, stride_sh, stride_ss, stride_sd,
+                                      HEAD_DIM)
+            next_pages = pages + BLOCK_P
+            next_middle = (next_pages < last) & (first_tile + 1 < end_tile)
+            next_physical = tl.load(row_table + next_pages, mask=next_middle, other=0)
+            for tile in range(first_tile, end_tile):
+                next_mean, next_var = _summary_tile(summaries, next_physical, next_middle, head,
+                                                    stride_sp, stride_sh, stride_ss, stride_sd,
+                                                    HEAD_DIM)
+                after_pages = next_pages + BLOCK_P
+                after_middle = (after_pages < last) & (tile + 2 < end_tile)
+                after_physical = tl.load(row_table + after_pages, mask=after_middle, other=0)
+                _mvar_store(query_row, dst, mean, var, pages, middle, scale, stride_qh,
+                            stride_qd, stride_lg, GROUP, HEAD_DIM, PAGE)
+                pages, middle, mean, var = next_pages, next_middle, next_mean, next_var
+                next_pages, next_middle, next_physical = after_pages, after_middle, \
+                    after_physical
     else:
-        for tile in tl.range(first_tile, tl.minimum(first_tile + share, tiles),
-                             num_stages=TILE_STAGES):
+        for tile in range(first_tile, tl.minimum(first_tile + share, tiles)):
             pages = tile * BLOCK_P + tl.arange(0, BLOCK_P)
             middle = (pages > 0) & (pages < last)  # full pages, summarized
             physical = tl.load(row_table + pages, mask=middle, other=0)
@@ -276,7 +323,8 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         num_kv_heads, max_pages, scale, dense_below_pages, per_row,
         slot_mapping.shape[0] if new_kv else 0,
         GROUP=group, GROUP_DOT=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-        PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM, TILE_STAGES=TILE_STAGES, EXACT=EXACT_PAGES,
+        PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM, NEXT_AHEAD=NEXT_TILE_AHEAD,
+        EXACT=EXACT_PAGES,
         PREFETCH=PREFETCH_TABLE, WRITE_KV=new_kv is not None, num_warps=NUM_WARPS,
         **launch.options(programmatic_launch, "estimate"),
     )
