@@ -22,8 +22,8 @@
 #     "nofcw": the new tokens' K/V written by vLLM's own kernel, as before session 23,
 #       -nofcw.json (session 23's arm "fcw", the write in Estimate's launch, is the default
 #       since: the "moira" engine)
-#   "est": Estimate's constants as EST_SETTINGS says (e.g. "NEXT_TILE_AHEAD=1
-#     TARGET_PROGRAMS=1056"), -est.json
+#   "kern": kernel tuning constants as KERNEL_SETTINGS says (e.g. "estimate.MAX_REGISTERS=96
+#     attend.PAGES_PER_ITER=1"), -kern.json
 #   TPOT_ARGS: more vllm_tpot.py options for every engine, e.g. "--max-model-len 131072" (the
 #     block table of serve_bench.sh's server, 2,048 pages per row, at any shape)
 # Results: $OUT/pair<i>/<model>-dense.json and <model>-moira-g098.json; report with
@@ -60,14 +60,14 @@ for pair in $(seq "$pairs"); do
             name=$model-moira-g098-nj16 ;;
       nofcw) args="--backend moira --no-fused-cache-write"
              name=$model-moira-g098-nofcw ;;
-      # a candidate of Estimate's tuning constants, e.g. EST_SETTINGS="NEXT_TILE_AHEAD=1
-      # TARGET_PROGRAMS=1056" (vllm_tpot.py --estimate-setting)
-      est) args="--backend moira"
-           for setting in ${EST_SETTINGS:?the est arm needs EST_SETTINGS}; do
-             args="$args --estimate-setting $setting"
-           done
-           name=$model-moira-g098-est ;;
-      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin, n1024, jnocap, nj16, nofcw, est)"; exit 1 ;;
+      # a candidate of the kernels' tuning constants, e.g. KERNEL_SETTINGS=
+      # "estimate.MAX_REGISTERS=96" (vllm_tpot.py --kernel-setting)
+      kern) args="--backend moira"
+            for setting in ${KERNEL_SETTINGS:?the kern arm needs KERNEL_SETTINGS}; do
+              args="$args --kernel-setting $setting"
+            done
+            name=$model-moira-g098-kern ;;
+      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin, n1024, jnocap, nj16, nofcw, kern)"; exit 1 ;;
     esac
     python3 benchmarks/vllm_tpot.py --model "$model" --shapes "$shapes" $args ${TPOT_ARGS:-} \
       --repeats 1 --out "$out/pair$pair/$name.json" 2>&1 | grep "tpot_ms\|Error\|Traceback" \

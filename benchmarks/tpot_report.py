@@ -56,8 +56,8 @@ PAIR_VARIANT_LABELS = {"fsel": "the same, Estimate + Select in one launch",
                        "split": "Moira, Attend's split set (floor_rows, min_programs, "
                                 "min_chunks_per_row: in its JSON)",
                        "Jmax=4096": JNOCAP_LABEL,
-                       "est": "Moira, Estimate's tuning constants set (estimate_settings: in "
-                              "its JSON)"}
+                       "kern": "Moira, kernel tuning constants set (kernel_settings: in its "
+                               "JSON)"}
 
 
 def load(folders):
@@ -91,8 +91,8 @@ def load(folders):
                 variant = "+".join(filter(None, [variant, f"Jmax={run['max_chunks_per_row']}"]))
             if run.get("step_programs") is not None:  # the short-row floor (0: Eq. 4 alone)
                 variant = "+".join(filter(None, [variant, f"T={run['step_programs']}"]))
-            if run.get("estimate_settings"):  # Estimate's tuning constants (session 25)
-                variant = "+".join(filter(None, [variant, "est"]))
+            if run.get("kernel_settings"):  # kernels' tuning constants (session 25)
+                variant = "+".join(filter(None, [variant, "kern"]))
             if run.get("launched_programs"):  # Attend's grid (session 19's arm, removed)
                 variant = "+".join(filter(None, [variant, f"P={run['launched_programs']}"]))
             if variant:

@@ -34,9 +34,10 @@ KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
 SHAPES = [(8192, 32), (32768, 16), (65536, 8), (131072, 4)]
 EXTRA_SHAPES = [(16384, 32)]  # timed only when named in --shapes (256-page rows: Select's warps)
 PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
-# --kinds ("exact": Estimate's exact-page forms alone; "ahead": its next-tile-ahead sweep alone)
-KINDS = ("estimate", "exact", "ahead", "select", "attend", "tiles", "balanced", "fractions",
-         "step", "wide")
+# --kinds ("exact": Estimate's exact-page forms alone; "ahead": its next-tile-ahead sweep alone;
+# "registers": Estimate's and Attend's register ceilings)
+KINDS = ("estimate", "exact", "ahead", "registers", "select", "attend", "tiles", "balanced",
+         "fractions", "step", "wide")
 
 
 def bench(fn):
@@ -156,6 +157,20 @@ def main():
                                                (32, 8, 528), (32, 8, 1056)]]
                 + [("default again", {})]) if kinds & {"estimate", "ahead"} else []:
             time_estimate(label, **settings)
+        # a ceiling on Estimate's registers (estimate.MAX_REGISTERS): more blocks per SM
+        # (118 registers by default: 4 blocks of 4 warps; 96: 5, 80: 6, 72: 7, 64: 8, the
+        # last three with spills), the default first and last
+        for label, settings in ([("default", {})] + [
+                (f"max registers {registers}" + (f" pages={block}" if block != 32 else ""),
+                 dict(MAX_REGISTERS=registers, PAGES_PER_PROGRAM=block))
+                for registers, block in [(96, 32), (80, 32), (72, 32), (64, 32), (96, 16),
+                                         (80, 16), (64, 16)]]
+                + [(f"max registers {registers} next tile ahead programs={programs}",
+                    dict(MAX_REGISTERS=registers, NEXT_TILE_AHEAD=True,
+                         TARGET_PROGRAMS=programs))
+                   for registers, programs in [(96, 1056), (80, 1056)]]
+                + [("default again", {})]) if "registers" in kinds else []:
+            time_estimate(label, **settings)
         # a program's first tile's block-table entries loaded beside the row's length
         # (estimate.PREFETCH_TABLE), against the default, twice each in alternation
         for prefetch in [False, True, False, True] if "estimate" in kinds else []:
@@ -252,6 +267,20 @@ def main():
                                                     workspace=workspace, out=out))
             record("attend22", shape, f"pages/tile={per_tile} warps={warps} stages={stages}",
                    micros, sparse_bytes)
+        # Attend under a register ceiling (attend.MAX_REGISTERS): one page per tile halves its
+        # shared memory, so that registers decide its blocks per SM (default: 3; one page with
+        # 128 registers: 4, with 96: 5), the default first and last
+        for label, settings in ([("default", {})] + [
+                (f"pages/tile={per_tile} stages={stages} max registers {registers}",
+                 dict(PAGES_PER_ITER=per_tile, NUM_STAGES=stages, MAX_REGISTERS=registers))
+                for per_tile, stages, registers in [(1, 2, None), (1, 2, 128), (1, 2, 96),
+                                                    (1, 3, 128), (1, 3, 96)]]
+                + [("default again", {})]) if "registers" in kinds else []:
+            with patched(attend_module, **settings):
+                micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
+                                                    sparse_lists, sparse_counts,
+                                                    workspace=workspace, out=out))
+            record("attend22", shape, label, micros, sparse_bytes)
         # the balanced global split: programs P and minimum pages per program C
         for programs, floor in itertools.product(
                 [264, 528, 792, 1056, 1584, 2112] if "balanced" in kinds else [], [4, 8, 16]):

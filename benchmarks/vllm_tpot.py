@@ -85,19 +85,23 @@ def cached_prompts(llm, rng, context, batch):
     return prompts
 
 
-# Estimate's tuning constants an engine of this script may be given (--estimate-setting)
-ESTIMATE_SETTINGS = ("NEXT_TILE_AHEAD", "TARGET_PROGRAMS", "PAGES_PER_PROGRAM", "NUM_WARPS")
+# the kernels' tuning constants an engine of this script may be given (--kernel-setting)
+KERNEL_SETTINGS = {"estimate": ("NEXT_TILE_AHEAD", "TARGET_PROGRAMS", "PAGES_PER_PROGRAM",
+                                "NUM_WARPS", "MAX_REGISTERS"),
+                   "attend": ("PAGES_PER_ITER", "NUM_STAGES", "NUM_WARPS", "MAX_REGISTERS")}
 
 
-def parse_estimate_settings(parser, items):
-    """``["NAME=INT", ...]`` -> ``{NAME: int}`` (NEXT_TILE_AHEAD as a bool), or a usage error."""
+def parse_kernel_settings(parser, items):
+    """``["module.NAME=INT", ...]`` -> ``{"module.NAME": int}`` (NEXT_TILE_AHEAD as a bool), or
+    a usage error."""
     settings = {}
     for item in items:
-        name, _, value = item.partition("=")
-        if name not in ESTIMATE_SETTINGS or not value.lstrip("-").isdigit():
-            parser.error(f"--estimate-setting {item!r}: use NAME=INT with NAME one of "
-                         f"{', '.join(ESTIMATE_SETTINGS)}")
-        settings[name] = bool(int(value)) if name == "NEXT_TILE_AHEAD" else int(value)
+        key, _, value = item.partition("=")
+        module, _, name = key.partition(".")
+        if name not in KERNEL_SETTINGS.get(module, ()) or not value.lstrip("-").isdigit():
+            known = ", ".join(f"{m}.{n}" for m, names in KERNEL_SETTINGS.items() for n in names)
+            parser.error(f"--kernel-setting {item!r}: use MODULE.NAME=INT, one of {known}")
+        settings[key] = bool(int(value)) if name == "NEXT_TILE_AHEAD" else int(value)
     return settings
 
 
@@ -140,15 +144,15 @@ def main():
                         help="the engine's max_model_len (default: the longest shape + the "
                              "tokens + 64; 131072 sizes the block table as serve_bench.sh's "
                              "server, 2,048 pages per row)")
-    parser.add_argument("--estimate-setting", action="append", default=[],
-                        metavar="NAME=INT",
-                        help="moira: a module constant of moira/kernels/estimate.py for this "
-                             f"engine (one of {', '.join(ESTIMATE_SETTINGS)}; repeatable), to "
-                             "time a tuning candidate before it becomes the default (the "
-                             "engine runs in this process, so the kernels see it)")
+    parser.add_argument("--kernel-setting", action="append", default=[],
+                        metavar="MODULE.NAME=INT",
+                        help="moira: a tuning constant of moira/kernels/<MODULE>.py for this "
+                             "engine, e.g. estimate.MAX_REGISTERS=96 (repeatable), to time a "
+                             "candidate before it becomes the default (the engine runs in this "
+                             "process, so the kernels see it)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tpot.json"))
     args = parser.parse_args()
-    estimate_settings = parse_estimate_settings(parser, args.estimate_setting)
+    kernel_settings = parse_kernel_settings(parser, args.kernel_setting)
 
     import torch
     import triton
@@ -159,11 +163,12 @@ def main():
     from moira.integrations.vllm.settings import SPLIT_SETTINGS, MoiraSettings
 
     plugin.register()
-    if estimate_settings:
-        from moira.kernels import estimate as estimate_module
+    if kernel_settings:
+        import importlib
 
-        for name, value in estimate_settings.items():
-            setattr(estimate_module, name, value)
+        for key, value in kernel_settings.items():
+            module, name = key.split(".")
+            setattr(importlib.import_module(f"moira.kernels.{module}"), name, value)
     shapes = [(name, *SHAPES[name]) for name in args.shapes.split(",")]
     knots = paper_knots(args.model, args.gamma)
     extra = {}
@@ -242,7 +247,7 @@ def main():
                            # what Attend ran with, set or default (None: the setting unset)
                            attend_split={key: getattr(settings.config, key) for key in
                                          ("chunk_pages", *SPLIT_SETTINGS)} if settings else None,
-                           estimate_settings=estimate_settings or None,
+                           kernel_settings=kernel_settings or None,
                            commit=subprocess.run(["git", "rev-parse", "HEAD"],
                                                  capture_output=True, text=True).stdout.strip(),
                            fractions="imposed (paper's measured reads), not the coverage rule"

@@ -201,6 +201,15 @@ def test_several_pages_per_tile(monkeypatch, pages_per_iter):
     check_attend(*mixed_rows(), SMALL_SPLIT)
 
 
+@pytest.mark.parametrize("pages_per_iter, registers", [(1, 128), (1, 96)])
+def test_register_ceiling(monkeypatch, pages_per_iter, registers):
+    """MAX_REGISTERS (a tuning option): builds under a register ceiling (96 spills 8 bytes on
+    sm_90) compute the same; the interpreter ignores the ceiling, the GPU run checks it."""
+    monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
+    monkeypatch.setattr(attend_module, "MAX_REGISTERS", registers)
+    check_attend(*mixed_rows(), SMALL_SPLIT)
+
+
 @pytest.mark.parametrize("schedule", ["rows", "balanced"])
 def test_fa3_normalizer_convention_matches_reference(monkeypatch, schedule):
     """The softmax denominator summed from float32 weights (FA3's convention) instead of the

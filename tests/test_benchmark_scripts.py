@@ -394,8 +394,11 @@ def test_every_kernel_compiles_for_the_h200_without_spilling():
     done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    built = done.stdout.count("registers")
-    assert built >= 28 and done.stdout.count("spilled bytes 0") == built, done.stdout
+    # the register ceilings' candidate builds may spill (compile_check.py reports, not fails)
+    lines = [line for line in done.stdout.splitlines()
+             if "registers" in line and "max registers" not in line]
+    assert len(lines) >= 28 and all("spilled bytes 0" in line for line in lines), done.stdout
+    assert done.stdout.count("max registers") == 7, done.stdout
 
 
 def test_serve_report_puts_dense_first_and_compares_each_arm_on_its_own_workload(tmp_path):
@@ -1014,29 +1017,46 @@ def test_vllm_compare_reads_runs_of_several_folders(tmp_path, monkeypatch, capsy
         compare.main()
 
 
-def test_tpot_pairs_table_gives_an_engine_with_estimates_settings_its_own_column(tmp_path):
+def test_tpot_pairs_table_gives_an_engine_with_kernel_settings_its_own_column(tmp_path):
     import json
 
     report = load("tpot_report")
     write_two_pairs(tmp_path, gamma=0.98, shape="130k4", reads=0.15)
-    for pair, tpot in ((1, 8.0), (2, 6.0)):  # tpot_pairs.sh arm est
+    for pair, tpot in ((1, 8.0), (2, 6.0)):  # tpot_pairs.sh arm kern
         run = dict(backend="moira", model="llama-3.1-8b", gamma=0.98,
-                   estimate_settings=dict(NEXT_TILE_AHEAD=True, TARGET_PROGRAMS=1056),
+                   kernel_settings={"estimate.MAX_REGISTERS": 96},
                    results=[dict(shape="130k4", tpot_ms=tpot, imposed_read_fraction=0.15)])
         (tmp_path / f"pair{pair}" / "e.json").write_text(json.dumps(run))
     lines = report.pairs_table([report.load([str(tmp_path / f"pair{i}")])
                                 for i in (1, 2)]).splitlines()
-    assert "Moira, Estimate's tuning constants set" in lines[0]
+    assert "Moira, kernel tuning constants set" in lines[0]
     assert lines[2].endswith("| **2.50×** | 2.64× | 2.50× / 3.50× | **3.00×** |")
 
 
-def test_vllm_tpot_estimate_settings_are_checked():
+def test_vllm_tpot_kernel_settings_are_checked():
     import argparse
 
     tpot = load("vllm_tpot")
     parser = argparse.ArgumentParser()
-    assert tpot.parse_estimate_settings(parser, ["NEXT_TILE_AHEAD=1", "TARGET_PROGRAMS=528"]) \
-        == dict(NEXT_TILE_AHEAD=True, TARGET_PROGRAMS=528)
-    for bad in ("TILE_STAGES=2", "TARGET_PROGRAMS=many", "NUM_WARPS"):
+    assert tpot.parse_kernel_settings(parser, ["estimate.NEXT_TILE_AHEAD=1",
+                                               "attend.MAX_REGISTERS=96"]) \
+        == {"estimate.NEXT_TILE_AHEAD": True, "attend.MAX_REGISTERS": 96}
+    for bad in ("estimate.TILE_STAGES=2", "estimate.MAX_REGISTERS=many", "MAX_REGISTERS=96",
+                "merge.NUM_WARPS=4", "attend.NUM_WARPS"):
         with pytest.raises(SystemExit):
-            tpot.parse_estimate_settings(parser, [bad])
+            tpot.parse_kernel_settings(parser, [bad])
+
+
+def test_tune_report_compares_each_variant_with_the_mean_of_the_default_runs():
+    report = load("tune_report")
+    rows = [dict(kind="estimate", shape="8k x32", variant="default", us=10.0),
+            dict(kind="estimate", shape="8k x32", variant="candidate", us=9.0),
+            dict(kind="select", shape="8k x32", variant="candidate", us=99.0),
+            dict(kind="estimate", shape="8k x32", variant="default again", us=12.0)]
+    by_variant = report.table(rows, "estimate")
+    assert list(by_variant) == ["default", "candidate", "default again"]
+    base = report.baseline(by_variant)
+    assert base == {"8k x32": 11.0}
+    assert "| candidate | 9.0 (-18%) |" in report.markdown(by_variant, base)
+    with pytest.raises(SystemExit):
+        report.baseline({"candidate": {"8k x32": 9.0}})

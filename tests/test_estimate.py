@@ -85,6 +85,16 @@ def test_next_tile_ahead_edge_rows(monkeypatch, group, lengths):
     test_estimate_matches_reference(group, 64, lengths)
 
 
+@pytest.mark.parametrize("registers", [80, 64])
+def test_register_ceiling(monkeypatch, registers):
+    """MAX_REGISTERS (a tuning option): a build under a register ceiling, whose spills (64 and
+    200 bytes on sm_90) go through local memory on the GPU, computes the same (the
+    interpreter ignores the ceiling; the GPU run is the one that checks the spilled build)."""
+    monkeypatch.setattr(estimate_module, "MAX_REGISTERS", registers)
+    test_estimate_matches_reference(4, 128, "mixed")
+    test_programs_share_a_rows_tiles_in_a_wide_table(monkeypatch, 8, 8)
+
+
 def test_estimate_programs_per_row_follow_the_batch_not_the_table_width():
     # a 131k-token engine's table (2,048 pages) at 8k x 32 (256 rows): 8 programs per row,
     # not 64; at 131k x 4 (32 rows) one per tile, as before; never more than the tiles

@@ -34,6 +34,12 @@ from . import launch
 NUM_WARPS = 4
 NUM_STAGES = 2
 PAGES_PER_ITER = 2  # listed pages per inner-loop tile ([PAGES_PER_ITER * 64, D]), a power of 2
+# a ceiling on registers per thread (Triton's maxnreg; None: ptxas's choice). The default
+# build (147 registers, 74 KB of shared memory) fits 3 blocks per SM; one page per tile halves
+# the shared memory (39 KB), and then 128 registers fit 4 blocks, 96 five (8 bytes spilled).
+# A tuning option (tune_kernels.py --kinds registers): Estimate's time followed its blocks
+# per SM in session 25, and at 8k x 32 Attend's 512 working programs exceed 3 x 132 slots
+MAX_REGISTERS = None
 # the softmax denominator sums the weights as rounded to the cache dtype for the P @ V product
 # (True: the output stays a weighted average, about half the error against float32) or as
 # computed in float32 before rounding (False: FA3's convention, so outputs round like FA3's)
@@ -255,7 +261,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE=PAGE_SIZE, PAGES_PER_TILE=PAGES_PER_ITER, SUM_ROUNDED=SUM_ROUNDED_WEIGHTS,
         FA3_ORDER=FA3_TILE_ORDER, EVEN_CHUNKS=EVEN_CHUNKS,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS,
         **launch.options(programmatic_launch, "attend"),
     )
     return out

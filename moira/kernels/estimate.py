@@ -39,6 +39,12 @@ from .summarize import summarize_page
 # tuned on the H200 (benchmarks/NOTES.md)
 PAGES_PER_PROGRAM = 32
 NUM_WARPS = 4
+# a ceiling on registers per thread (Triton's maxnreg; None: ptxas's choice, 118 at G = 4,
+# D = 128, i.e. 4 blocks of 4 warps per SM). Why: Estimate is latency-bound (session 9's ncu:
+# 27-35% of DRAM bandwidth), and in session 25 a build of 142 registers (3 blocks per SM) ran
+# 20-25% slower with the same loads, so blocks per SM set its speed; 96 registers allow 5
+# blocks, 80 six (ptxas then spills 64 bytes), 64 eight (200 bytes)
+MAX_REGISTERS = None
 # mvar programs to launch over the whole batch: about 16 per SM on the H200's 132, the grid of
 # one program per tile that the kernel was tuned with at 131k x 4 (4 requests, 2,048 pages), so
 # rows that fill the table keep that grid and only the exiting programs of short rows go
@@ -326,6 +332,7 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM, NEXT_AHEAD=NEXT_TILE_AHEAD,
         EXACT=EXACT_PAGES,
         PREFETCH=PREFETCH_TABLE, WRITE_KV=new_kv is not None, num_warps=NUM_WARPS,
+        maxnreg=MAX_REGISTERS,
         **launch.options(programmatic_launch, "estimate"),
     )
     return log_masses
