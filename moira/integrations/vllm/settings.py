@@ -140,10 +140,9 @@ class MoiraSettings:
             raise ValueError(f"moira stats_interval must be a number of seconds >= 0 (0 turns "
                              f"the page counters off), got {self.stats_interval!r}")
         if self.imposed_fraction is not None:
-            knots = self.imposed_knots  # validates
+            self.imposed_knots  # its errors name the knot and the fix
             if self.top_k is not None:
                 raise ValueError("moira: set top_k or imposed_fraction, not both")
-            del knots
         if self.calibration is not None:
             if not isinstance(self.calibration, str):
                 raise ValueError(f"moira calibration must be the path of a `moira calibrate` "
