@@ -35,8 +35,9 @@ SHAPES = [(8192, 32), (32768, 16), (65536, 8), (131072, 4)]
 EXTRA_SHAPES = [(16384, 32)]  # timed only when named in --shapes (256-page rows: Select's warps)
 PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # --kinds ("exact": Estimate's exact-page forms alone; "ahead": its next-tile-ahead sweep alone;
-# "registers": Estimate's and Attend's register ceilings)
-KINDS = ("estimate", "exact", "ahead", "registers", "select", "attend", "tiles", "balanced",
+# "registers": Estimate's and Attend's register ceilings; "query": Estimate's query of the next
+# head loaded ahead)
+KINDS = ("estimate", "exact", "ahead", "registers", "query", "select", "attend", "tiles", "balanced",
          "fractions", "step", "wide")
 
 
@@ -157,10 +158,11 @@ def main():
                                                (32, 8, 528), (32, 8, 1056)]]
                 + [("default again", {})]) if kinds & {"estimate", "ahead"} else []:
             time_estimate(label, **settings)
-        # a ceiling on Estimate's registers (estimate.MAX_REGISTERS): more blocks per SM
-        # (118 registers by default: 4 blocks of 4 warps; 96: 5, 80: 6, 72: 7, 64: 8, the
-        # last three with spills), the default first and last
-        for label, settings in ([("default", {})] + [
+        # a ceiling on Estimate's registers (estimate.MAX_REGISTERS, 96 since session 26):
+        # more blocks per SM (none: ptxas's 117, 4 blocks of 4 warps; 96: 5, 80: 6, 72: 7,
+        # 64: 8, the last three with spills), the default first and last
+        for label, settings in ([("default", {}), ("no register ceiling",
+                                                   dict(MAX_REGISTERS=None))] + [
                 (f"max registers {registers}" + (f" pages={block}" if block != 32 else ""),
                  dict(MAX_REGISTERS=registers, PAGES_PER_PROGRAM=block))
                 for registers, block in [(96, 32), (80, 32), (72, 32), (64, 32), (96, 16),
@@ -170,6 +172,15 @@ def main():
                          TARGET_PROGRAMS=programs))
                    for registers, programs in [(96, 1056), (80, 1056)]]
                 + [("default again", {})]) if "registers" in kinds else []:
+            time_estimate(label, **settings)
+        # each head's query loaded while the previous head computes (estimate.QUERY_HEAD_AHEAD)
+        # and the register ceiling (MAX_REGISTERS), the defaults since session 26, against
+        # each head's query in its turn without and with the ceiling, twice each in alternation
+        for label, settings in [("default", {}), ("query head in turn",
+                                                  dict(QUERY_HEAD_AHEAD=False)),
+                                ("query head in turn no register ceiling",
+                                 dict(QUERY_HEAD_AHEAD=False, MAX_REGISTERS=None))] * 2 \
+                if "query" in kinds else []:
             time_estimate(label, **settings)
         # a program's first tile's block-table entries loaded beside the row's length
         # (estimate.PREFETCH_TABLE), against the default, twice each in alternation

@@ -5,7 +5,8 @@ again`` where the sweep timed it twice).
     python benchmarks/tune_report.py benchmarks/results/tune-2026-12-01-s25-ahead.json \
         [--kind estimate]
 
-Writes ``<json without .json>.png`` and prints a markdown table.
+Writes ``<json without .json>.png`` (``...-<kind>.png`` for a kind other than estimate, so
+one sweep's kinds keep their own plots) and prints a markdown table.
 """
 
 import argparse
@@ -72,7 +73,8 @@ def main():
     fig.suptitle(f"{run.get('gpu', '')}, {run.get('date', '')}: {run.get('command', '')}",
                  fontsize=8)
     fig.tight_layout()
-    path = args.result[:-len(".json")] + ".png"
+    path = args.result[:-len(".json")] + ("" if args.kind == "estimate" else f"-{args.kind}") \
+        + ".png"
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
 

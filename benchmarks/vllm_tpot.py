@@ -86,14 +86,14 @@ def cached_prompts(llm, rng, context, batch):
 
 
 # the kernels' tuning constants an engine of this script may be given (--kernel-setting)
-KERNEL_SETTINGS = {"estimate": ("NEXT_TILE_AHEAD", "TARGET_PROGRAMS", "PAGES_PER_PROGRAM",
-                                "NUM_WARPS", "MAX_REGISTERS"),
+KERNEL_SETTINGS = {"estimate": ("NEXT_TILE_AHEAD", "QUERY_HEAD_AHEAD", "TARGET_PROGRAMS",
+                                "PAGES_PER_PROGRAM", "NUM_WARPS", "MAX_REGISTERS"),
                    "attend": ("PAGES_PER_ITER", "NUM_STAGES", "NUM_WARPS", "MAX_REGISTERS")}
 
 
 def parse_kernel_settings(parser, items):
-    """``["module.NAME=INT", ...]`` -> ``{"module.NAME": int}`` (NEXT_TILE_AHEAD as a bool), or
-    a usage error."""
+    """``["module.NAME=INT", ...]`` -> ``{"module.NAME": int}`` (the switches, ``*_AHEAD``, as
+    bools), or a usage error."""
     settings = {}
     for item in items:
         key, _, value = item.partition("=")
@@ -101,7 +101,7 @@ def parse_kernel_settings(parser, items):
         if name not in KERNEL_SETTINGS.get(module, ()) or not value.lstrip("-").isdigit():
             known = ", ".join(f"{m}.{n}" for m, names in KERNEL_SETTINGS.items() for n in names)
             parser.error(f"--kernel-setting {item!r}: use MODULE.NAME=INT, one of {known}")
-        settings[key] = bool(int(value)) if name == "NEXT_TILE_AHEAD" else int(value)
+        settings[key] = bool(int(value)) if name.endswith("_AHEAD") else int(value)
     return settings
 
 

@@ -85,14 +85,38 @@ def test_next_tile_ahead_edge_rows(monkeypatch, group, lengths):
     test_estimate_matches_reference(group, 64, lengths)
 
 
+@pytest.mark.parametrize("group", [1, 4, 7, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("lengths", ["one-token", "two-pages-partial", "mixed"])
+def test_query_head_ahead(monkeypatch, group, head_dim, lengths):
+    """QUERY_HEAD_AHEAD (a tuning option): each head's query loaded while the previous head
+    computes, in the mvar tiles and the exact pages; every head's log-masses the reference's
+    (a head given its neighbour's query fails this), G = 1 with nothing to load ahead."""
+    monkeypatch.setattr(estimate_module, "QUERY_HEAD_AHEAD", True)
+    test_estimate_matches_reference(group, head_dim, lengths)
+
+
+@pytest.mark.parametrize("next_tile_ahead", [False, True])
+def test_query_head_ahead_in_programs_of_several_tiles(monkeypatch, next_tile_ahead):
+    monkeypatch.setattr(estimate_module, "QUERY_HEAD_AHEAD", True)
+    monkeypatch.setattr(estimate_module, "NEXT_TILE_AHEAD", next_tile_ahead)
+    test_programs_share_a_rows_tiles_in_a_wide_table(monkeypatch, 8, 8)
+
+
 @pytest.mark.parametrize("registers", [80, 64])
 def test_register_ceiling(monkeypatch, registers):
-    """MAX_REGISTERS (a tuning option): a build under a register ceiling, whose spills (64 and
-    200 bytes on sm_90) go through local memory on the GPU, computes the same (the
-    interpreter ignores the ceiling; the GPU run is the one that checks the spilled build)."""
+    """MAX_REGISTERS: a build under a lower register ceiling, whose spills (80 and 200 bytes
+    on sm_90) go through local memory on the GPU, computes the same (the interpreter ignores
+    the ceiling; the GPU run is the one that checks the spilled build)."""
     monkeypatch.setattr(estimate_module, "MAX_REGISTERS", registers)
     test_estimate_matches_reference(4, 128, "mixed")
     test_programs_share_a_rows_tiles_in_a_wide_table(monkeypatch, 8, 8)
+
+
+def test_register_ceiling_applies_to_small_groups_only():
+    # G = 8 spills under 96 registers on sm_90 (benchmarks/compile_check.py): ptxas's choice
+    assert [estimate_module.max_registers(group) for group in (1, 4, 7, 8)] \
+        == [estimate_module.MAX_REGISTERS] * 2 + [None] * 2
 
 
 def test_estimate_programs_per_row_follow_the_batch_not_the_table_width():

@@ -39,12 +39,16 @@ from .summarize import summarize_page
 # tuned on the H200 (benchmarks/NOTES.md)
 PAGES_PER_PROGRAM = 32
 NUM_WARPS = 4
-# a ceiling on registers per thread (Triton's maxnreg; None: ptxas's choice, 118 at G = 4,
-# D = 128, i.e. 4 blocks of 4 warps per SM). Why: Estimate is latency-bound (session 9's ncu:
-# 27-35% of DRAM bandwidth), and in session 25 a build of 142 registers (3 blocks per SM) ran
-# 20-25% slower with the same loads, so blocks per SM set its speed; 96 registers allow 5
-# blocks, 80 six (ptxas then spills 64 bytes), 64 eight (200 bytes)
-MAX_REGISTERS = None
+# a ceiling on registers per thread (Triton's maxnreg; None: ptxas's choice, 117 at G = 4,
+# D = 128, i.e. 4 blocks of 4 warps per SM), for groups of at most MAX_REGISTERS_GROUP query
+# heads (``max_registers``). 96 registers allow 5 blocks, with no spill at G <= 4 (G = 8
+# spills 16 bytes at 96, so larger groups keep ptxas's choice). Timed on the H200 (sessions
+# 25-26, tune_kernels.py --kinds registers,query): 96 registers 2-5% faster than ptxas's
+# choice at every shape from 32k x 16 on, with the query ahead (below) at all four; 80 (six
+# blocks, 64 bytes spilled) and 64 (eight, 200 bytes) slower. Blocks per SM are not the
+# lever session 25 took them for: five instead of four gained 4%, not 20%
+MAX_REGISTERS = 96
+MAX_REGISTERS_GROUP = 4
 # mvar programs to launch over the whole batch: about 16 per SM on the H200's 132, the grid of
 # one program per tile that the kernel was tuned with at 131k x 4 (4 requests, 2,048 pages), so
 # rows that fill the table keep that grid and only the exiting programs of short rows go
@@ -77,6 +81,14 @@ NEXT_TILE_AHEAD = False
 # 10, 19.1 to 162 us against 16.9 at 128k x 4 depending on the precision, and removed.)
 EXACT_PAGES = "chained"
 EXACT_FORMS = ("chained", "side by side")
+# each head's query loaded while the previous head computes (head 0's with the tile), in the
+# mvar tiles and the exact pages' chained form. Why: ncu (session 26, 128k x 4) showed each
+# head's query load (one bf16 per thread, then through shared memory to the tile's layout)
+# issued after the previous head's row sums and store, so every head waited a load's latency
+# before its FMAs: 11% of the warps' stall samples, at the shared-memory store of the query.
+# Timed (session 26, tune_kernels.py --kinds query): 3% faster at 8k x 32, 7% at 32k x 16 to
+# 128k x 4 (19.1 -> 17.9 us there). Off: each head's query loaded as its turn comes
+QUERY_HEAD_AHEAD = True
 # a program's first tile's block-table entries loaded at once, beside the row's length, on the
 # guess that the program has one tile, (block - 2) (its row has no more tiles than mvar
 # programs: every row at 131k x 4, where Estimate is furthest from its target); otherwise the
@@ -85,6 +97,11 @@ EXACT_FORMS = ("chained", "side by side")
 # 16.26 against 16.73 us at 128k x 4 and 15.89 against 16.31 at 8k x 32 (predicted 2-4 us
 # less at 128k x 4; the rule set before asked for 1.5; benchmarks/NOTES.md)
 PREFETCH_TABLE = False
+
+
+def max_registers(group):
+    """Triton's ``maxnreg`` for Estimate's build at ``group`` query heads per KV head."""
+    return MAX_REGISTERS if group <= MAX_REGISTERS_GROUP else None
 
 
 def programs_per_row(rows, max_pages):
@@ -115,15 +132,33 @@ def _summary_tile(summaries, physical, middle, head, stride_sp, stride_sh, strid
 
 
 @triton.jit
+def _query_head(query_row, q_next, g: tl.constexpr, dims, scale, stride_qh, stride_qd,
+                GROUP: tl.constexpr, AHEAD: tl.constexpr):
+    """(head ``g``'s query scaled, float32; the raw query to pass for head g + 1). With
+    ``AHEAD`` (``QUERY_AHEAD``) ``q_next`` holds head g's raw query, loaded during head g - 1
+    (head 0's before the loop), and head g + 1's is loaded now; otherwise head g's loads now."""
+    if AHEAD:
+        q_g = q_next.to(tl.float32) * scale
+        if g + 1 < GROUP:
+            q_next = tl.load(query_row + (g + 1) * stride_qh + dims * stride_qd)
+    else:
+        q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
+    return q_g, q_next
+
+
+@triton.jit
 def _mvar_store(query_row, dst, mean, var, pages, middle, scale, stride_qh, stride_qd,
-                stride_lg, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
+                stride_lg, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                QUERY_AHEAD: tl.constexpr):
     """mvar of the ``middle`` pages among ``pages`` from their summaries for every head of the
     group, stored at ``dst[g, page]``: G is small, so plain FMAs and a row sum per head."""
     dims = tl.arange(0, HEAD_DIM)
     mean = mean.to(tl.float32)
     var = var.to(tl.float32)
+    q_next = tl.load(query_row + dims * stride_qd)  # head 0's query
     for g in tl.static_range(GROUP):
-        q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) * scale
+        q_g, q_next = _query_head(query_row, q_next, g, dims, scale, stride_qh, stride_qd,
+                                  GROUP, QUERY_AHEAD)
         est = tl.sum(mean * q_g[None, :] + var * (0.5 * q_g * q_g)[None, :], axis=1) \
             + math.log(PAGE)
         tl.store(dst + g * stride_lg + pages, est, mask=middle)
@@ -132,13 +167,14 @@ def _mvar_store(query_row, dst, mean, var, pages, middle, scale, stride_qh, stri
 @triton.jit
 def _mvar_tile(query_row, summaries, dst, physical, pages, middle, head, scale, stride_qh,
                stride_qd, stride_sp, stride_sh, stride_ss, stride_sd, stride_lg,
-               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
+               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+               QUERY_AHEAD: tl.constexpr):
     """mvar of the ``middle`` pages among ``pages`` (physical ids ``physical``): load, then
     compute and store."""
     mean, var = _summary_tile(summaries, physical, middle, head, stride_sp, stride_sh,
                               stride_ss, stride_sd, HEAD_DIM)
     _mvar_store(query_row, dst, mean, var, pages, middle, scale, stride_qh, stride_qd,
-                stride_lg, GROUP, HEAD_DIM, PAGE)
+                stride_lg, GROUP, HEAD_DIM, PAGE, QUERY_AHEAD)
 
 
 @triton.jit
@@ -183,7 +219,8 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
                      GROUP: tl.constexpr, GROUP_DOT: tl.constexpr,
                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
                      NEXT_AHEAD: tl.constexpr, EXACT: tl.constexpr, PREFETCH: tl.constexpr,
-                     WRITE_KV: tl.constexpr, PDL: tl.constexpr):
+                     WRITE_KV: tl.constexpr, QUERY_AHEAD: tl.constexpr,
+                     PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     block = tl.program_id(1)
@@ -232,9 +269,10 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
                        mask=valid[:, None], other=0.0)
         if EXACT == "chained":
             keys = keys.to(tl.float32)
+            q_next = tl.load(query_row + dims * stride_qd)  # head 0's query
             for g in tl.static_range(GROUP):
-                q_g = tl.load(query_row + g * stride_qh + dims * stride_qd).to(tl.float32) \
-                    * scale
+                q_g, q_next = _query_head(query_row, q_next, g, dims, scale, stride_qh,
+                                          stride_qd, GROUP, QUERY_AHEAD)
                 logits = tl.where(valid, tl.sum(keys * q_g[None, :], axis=1), float("-inf"))
                 tl.store(dst + g * stride_lg + page, _log_sum_exp(logits))
         else:  # "side by side": the G heads' logits in one [64, GROUP_DOT] tile
@@ -263,7 +301,8 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
             middle = (guess_pages > 0) & (guess_pages < last)  # full pages, summarized
             _mvar_tile(query_row, summaries, dst, tl.where(middle, guess_physical, 0),
                        guess_pages, middle, head, scale, stride_qh, stride_qd, stride_sp,
-                       stride_sh, stride_ss, stride_sd, stride_lg, GROUP, HEAD_DIM, PAGE)
+                       stride_sh, stride_ss, stride_sd, stride_lg, GROUP, HEAD_DIM, PAGE,
+                       QUERY_AHEAD)
     elif NEXT_AHEAD:  # NEXT_TILE_AHEAD: tile t + 1's summaries in flight while t computes
         end_tile = tl.minimum(first_tile + share, tiles)
         if first_tile < end_tile:
@@ -283,7 +322,7 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
                 after_middle = (after_pages < last) & (tile + 2 < end_tile)
                 after_physical = tl.load(row_table + after_pages, mask=after_middle, other=0)
                 _mvar_store(query_row, dst, mean, var, pages, middle, scale, stride_qh,
-                            stride_qd, stride_lg, GROUP, HEAD_DIM, PAGE)
+                            stride_qd, stride_lg, GROUP, HEAD_DIM, PAGE, QUERY_AHEAD)
                 pages, middle, mean, var = next_pages, next_middle, next_mean, next_var
                 next_pages, next_middle, next_physical = after_pages, after_middle, \
                     after_physical
@@ -294,7 +333,7 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
             physical = tl.load(row_table + pages, mask=middle, other=0)
             _mvar_tile(query_row, summaries, dst, physical, pages, middle, head, scale,
                        stride_qh, stride_qd, stride_sp, stride_sh, stride_ss, stride_sd,
-                       stride_lg, GROUP, HEAD_DIM, PAGE)
+                       stride_lg, GROUP, HEAD_DIM, PAGE, QUERY_AHEAD)
 
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
@@ -331,8 +370,9 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         GROUP=group, GROUP_DOT=triton.next_power_of_2(group), HEAD_DIM=head_dim,
         PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM, NEXT_AHEAD=NEXT_TILE_AHEAD,
         EXACT=EXACT_PAGES,
-        PREFETCH=PREFETCH_TABLE, WRITE_KV=new_kv is not None, num_warps=NUM_WARPS,
-        maxnreg=MAX_REGISTERS,
+        PREFETCH=PREFETCH_TABLE, WRITE_KV=new_kv is not None, QUERY_AHEAD=QUERY_HEAD_AHEAD,
+        num_warps=NUM_WARPS,
+        maxnreg=max_registers(group),
         **launch.options(programmatic_launch, "estimate"),
     )
     return log_masses
