@@ -111,8 +111,7 @@ def kernels(group, head_dim, block, pdl=False):
         (f"estimate {tag}", estimate._estimate_kernel,
          dict(GROUP=group, GROUP_DOT=group_pad,
               HEAD_DIM=head_dim, PAGE=PAGE, BLOCK_P=estimate.PAGES_PER_PROGRAM,
-              NEXT_AHEAD=estimate.NEXT_TILE_AHEAD, EXACT=estimate.EXACT_PAGES,
-              PREFETCH=estimate.PREFETCH_TABLE, WRITE_KV=False,
+              EXACT=estimate.EXACT_PAGES, WRITE_KV=False,
               QUERY_AHEAD=estimate.QUERY_HEAD_AHEAD, PDL=pdl),
          estimate.NUM_WARPS, 3, estimate.max_registers(group)),
         *[(f"select {mode} {tag} lanes={block}", select._select_kernel,
@@ -153,7 +152,7 @@ def main():
                in kernels(group, head_dim, block, pdl)
                if build(name, kernel, constexprs, warps, stages, maxnreg)]
     # the options in tune_kernels.py's sweeps: Estimate's exact pages in one tile (at G = 4
-    # and 8) and its prefetched block table, and
+    # and 8) and each head's query in its turn, and
     # Attend with FA3's loop order and normalizer (what vllm_checks.py --fa3-arithmetic runs)
     for group in (GROUP, 8):
         for name, kernel, constexprs, warps, stages, maxnreg in kernels(group, HEAD_DIM, 2048):
@@ -162,13 +161,6 @@ def main():
                     dict(constexprs, EXACT="side by side"), warps, stages, maxnreg):
                 spilled.append(f"{name} exact side by side")
     for name, kernel, constexprs, warps, stages, maxnreg in kernels(GROUP, HEAD_DIM, 2048):
-        if name.startswith("estimate") and build(f"{name} prefetched table", kernel, dict(
-                constexprs, PREFETCH=True), warps, stages, maxnreg):
-            spilled.append(f"{name} prefetched table")
-        # (next tile ahead, timed without a ceiling, spills 192 bytes under 96 registers)
-        if name.startswith("estimate") and build(f"{name} next tile ahead", kernel, dict(
-                constexprs, NEXT_AHEAD=True), warps, stages, None):
-            spilled.append(f"{name} next tile ahead")
         if name.startswith("estimate") and build(f"{name} query head in turn", kernel, dict(
                 constexprs, QUERY_AHEAD=False), warps, stages, maxnreg):
             spilled.append(f"{name} query head in turn")

@@ -34,10 +34,9 @@ KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
 SHAPES = [(8192, 32), (32768, 16), (65536, 8), (131072, 4)]
 EXTRA_SHAPES = [(16384, 32)]  # timed only when named in --shapes (256-page rows: Select's warps)
 PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
-# --kinds ("exact": Estimate's exact-page forms alone; "ahead": its next-tile-ahead sweep alone;
-# "registers": Estimate's and Attend's register ceilings; "query": Estimate's query of the next
-# head loaded ahead)
-KINDS = ("estimate", "exact", "ahead", "registers", "query", "select", "attend", "tiles", "balanced",
+# --kinds ("exact": Estimate's exact-page forms alone; "registers": Estimate's and Attend's
+# register ceilings; "query": Estimate's query of the next head loaded ahead)
+KINDS = ("estimate", "exact", "registers", "query", "select", "attend", "tiles", "balanced",
          "fractions", "step", "wide")
 
 
@@ -144,20 +143,6 @@ def main():
                                               [2, 4, 8] if not args.quick else [4, 8]):
             time_estimate(f"pages={block} warps={warps}", PAGES_PER_PROGRAM=block,
                           NUM_WARPS=warps)
-        # fewer, longer programs, each loading its next tile while it computes one
-        # (estimate.NEXT_TILE_AHEAD), against the default grid of ~2,048 one-or-few-tile
-        # programs (session 8: Estimate takes 16-19 us at every shape while its summaries
-        # range over 17-34 MB, so it is not bandwidth-bound; session 9: Triton's pipelining
-        # of the loop, num_stages 2-3, was slower). The default first and last, to see drift
-        for label, settings in ([("default", {})] + [
-                (f"next tile ahead pages={block} warps={warps} programs={programs}",
-                 dict(NEXT_TILE_AHEAD=True, PAGES_PER_PROGRAM=block, NUM_WARPS=warps,
-                      TARGET_PROGRAMS=programs))
-                for block, warps, programs in [(32, 4, 528), (32, 4, 1056), (32, 4, 2048),
-                                               (16, 4, 528), (16, 4, 1056), (16, 4, 2048),
-                                               (32, 8, 528), (32, 8, 1056)]]
-                + [("default again", {})]) if kinds & {"estimate", "ahead"} else []:
-            time_estimate(label, **settings)
         # a ceiling on Estimate's registers (estimate.MAX_REGISTERS, 96 since session 26):
         # more blocks per SM (none: ptxas's 117, 4 blocks of 4 warps; 96: 5, 80: 6, 72: 7,
         # 64: 8, the last three with spills), the default first and last
@@ -167,10 +152,6 @@ def main():
                  dict(MAX_REGISTERS=registers, PAGES_PER_PROGRAM=block))
                 for registers, block in [(96, 32), (80, 32), (72, 32), (64, 32), (96, 16),
                                          (80, 16), (64, 16)]]
-                + [(f"max registers {registers} next tile ahead programs={programs}",
-                    dict(MAX_REGISTERS=registers, NEXT_TILE_AHEAD=True,
-                         TARGET_PROGRAMS=programs))
-                   for registers, programs in [(96, 1056), (80, 1056)]]
                 + [("default again", {})]) if "registers" in kinds else []:
             time_estimate(label, **settings)
         # each head's query loaded while the previous head computes (estimate.QUERY_HEAD_AHEAD)
@@ -182,11 +163,6 @@ def main():
                                  dict(QUERY_HEAD_AHEAD=False, MAX_REGISTERS=None))] * 2 \
                 if "query" in kinds else []:
             time_estimate(label, **settings)
-        # a program's first tile's block-table entries loaded beside the row's length
-        # (estimate.PREFETCH_TABLE), against the default, twice each in alternation
-        for prefetch in [False, True, False, True] if "estimate" in kinds else []:
-            time_estimate(f"block table {'prefetched' if prefetch else 'after the length'}",
-                          PREFETCH_TABLE=prefetch)
         # the exact pages' heads: chained (the default) or side by side
         # (estimate.EXACT_PAGES), twice each in alternation
         for exact in ["chained", "side by side"] * 2 \

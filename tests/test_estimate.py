@@ -68,38 +68,20 @@ def test_programs_share_a_rows_tiles_in_a_wide_table(monkeypatch, target_program
         assert torch.isnan(got[b, :, :, pages:]).all()
 
 
-@pytest.mark.parametrize("target_programs, max_tiles", [(1, 100), (8, 8), (24, 8)])
-def test_next_tile_ahead(monkeypatch, target_programs, max_tiles):
-    """NEXT_TILE_AHEAD (a tuning option): a program's next tile loaded while it computes the
-    current one, over programs of one to four tiles (and programs past their row's tiles):
-    the same pages written, with the same values, nothing past a row."""
-    monkeypatch.setattr(estimate_module, "NEXT_TILE_AHEAD", True)
-    test_programs_share_a_rows_tiles_in_a_wide_table(monkeypatch, target_programs, max_tiles)
-
-
-@pytest.mark.parametrize("group", [1, 7])
-@pytest.mark.parametrize("lengths", ["one-page", "mixed"])
-def test_next_tile_ahead_edge_rows(monkeypatch, group, lengths):
-    monkeypatch.setattr(estimate_module, "NEXT_TILE_AHEAD", True)
-    monkeypatch.setattr(estimate_module, "TARGET_PROGRAMS", 1)  # each row's tiles in one program
-    test_estimate_matches_reference(group, 64, lengths)
-
-
 @pytest.mark.parametrize("group", [1, 4, 7, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("lengths", ["one-token", "two-pages-partial", "mixed"])
-def test_query_head_ahead(monkeypatch, group, head_dim, lengths):
-    """QUERY_HEAD_AHEAD (a tuning option): each head's query loaded while the previous head
-    computes, in the mvar tiles and the exact pages; every head's log-masses the reference's
-    (a head given its neighbour's query fails this), G = 1 with nothing to load ahead."""
-    monkeypatch.setattr(estimate_module, "QUERY_HEAD_AHEAD", True)
+def test_query_head_in_turn(monkeypatch, group, head_dim, lengths):
+    """QUERY_HEAD_AHEAD off (on by default, which the other tests run): each head's query
+    loaded in its turn, in the mvar tiles and the exact pages. (With it on, a head given its
+    neighbour's query fails test_estimate_matches_reference at G > 1.)"""
+    monkeypatch.setattr(estimate_module, "QUERY_HEAD_AHEAD", False)
     test_estimate_matches_reference(group, head_dim, lengths)
 
 
-@pytest.mark.parametrize("next_tile_ahead", [False, True])
-def test_query_head_ahead_in_programs_of_several_tiles(monkeypatch, next_tile_ahead):
-    monkeypatch.setattr(estimate_module, "QUERY_HEAD_AHEAD", True)
-    monkeypatch.setattr(estimate_module, "NEXT_TILE_AHEAD", next_tile_ahead)
+@pytest.mark.parametrize("query_head_ahead", [False, True])
+def test_query_head_ahead_or_not_in_programs_of_several_tiles(monkeypatch, query_head_ahead):
+    monkeypatch.setattr(estimate_module, "QUERY_HEAD_AHEAD", query_head_ahead)
     test_programs_share_a_rows_tiles_in_a_wide_table(monkeypatch, 8, 8)
 
 
@@ -164,20 +146,3 @@ def test_an_unknown_exact_form_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="EXACT_PAGES"):
         estimate(make_query(1, 1, 64), keys, torch.zeros(4, 1, 2, 64, device=DEVICE), table,
                  seq_lens, 0.125, log_masses)
-
-
-@pytest.mark.parametrize("group", [1, 4, 7])
-@pytest.mark.parametrize("lengths", list(SEQ_LENS))
-def test_prefetched_block_table(monkeypatch, group, lengths):
-    """PREFETCH_TABLE (a tuning option): a program's guessed tile's block-table entries loaded
-    before the row's length, used when the row has no more tiles than mvar programs."""
-    monkeypatch.setattr(estimate_module, "PREFETCH_TABLE", True)
-    test_estimate_matches_reference(group, 64, lengths)
-
-
-@pytest.mark.parametrize("target_programs, max_tiles", [(1, 100), (24, 8)])
-def test_prefetched_block_table_falls_back_to_the_loop(monkeypatch, target_programs, max_tiles):
-    """With PREFETCH_TABLE, rows with more tiles than programs (one program per row: the guess
-    fails) take the loop, rows with fewer the guess; every page written once either way."""
-    monkeypatch.setattr(estimate_module, "PREFETCH_TABLE", True)
-    test_programs_share_a_rows_tiles_in_a_wide_table(monkeypatch, target_programs, max_tiles)

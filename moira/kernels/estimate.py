@@ -56,15 +56,11 @@ TARGET_PROGRAMS = 2048
 # a program's tiles run one after another (two dependent loads each): however many rows the
 # batch has, a row as long as the table is split so that no program has more tiles than this
 MAX_TILES_PER_PROGRAM = 8
-# a program with several tiles loads tile t + 1's summaries and tile t + 2's block-table
-# entries before it computes tile t, so that its two dependent loads per tile overlap the
-# previous tile's arithmetic (registers as the buffer: the next tile's summaries stay in the
-# cache dtype until used). Why: ncu (session 9) saw Estimate at 27-35% of DRAM bandwidth with
-# 4 blocks per SM, each idle through its chain of length -> block table -> summaries; more
-# warps per block (same blocks per SM, same bytes in flight) and Triton's own pipelining of
-# the loop (num_stages 2-3, through shared memory) were both slower. Off: one tile at a time.
-# Only programs with two tiles or more differ, so TARGET_PROGRAMS sets where it can matter.
-NEXT_TILE_AHEAD = False
+# (Removed in session 26, timed and lost twice: a program loading tile t + 1's summaries while
+# it computed tile t, with fewer programs: 20.3 against 19.1 us at 128k x 4 in session 25,
+# +42-49% under 96 registers in session 26; and, from session 15, the first tile's
+# block-table entries loaded beside the row's length: 16.26 against 16.73 us at 128k x 4,
+# under the 1.5 us the rule asked for. benchmarks/NOTES.md has both.)
 # how the sink's and the current page's exact log-masses are computed (G heads over the
 # page's 64 tokens):
 # - "chained" (the timed default): head by head, a row sum over D, then the head's
@@ -89,14 +85,6 @@ EXACT_FORMS = ("chained", "side by side")
 # Timed (session 26, tune_kernels.py --kinds query): 3% faster at 8k x 32, 7% at 32k x 16 to
 # 128k x 4 (19.1 -> 17.9 us there). Off: each head's query loaded as its turn comes
 QUERY_HEAD_AHEAD = True
-# a program's first tile's block-table entries loaded at once, beside the row's length, on the
-# guess that the program has one tile, (block - 2) (its row has no more tiles than mvar
-# programs: every row at 131k x 4, where Estimate is furthest from its target); otherwise the
-# loop. Why: each program's chain is three dependent loads (length, block table, summaries),
-# ~4 waves of them at 131k x 4, and this takes the first link out. Off: timed in session 15
-# 16.26 against 16.73 us at 128k x 4 and 15.89 against 16.31 at 8k x 32 (predicted 2-4 us
-# less at 128k x 4; the rule set before asked for 1.5; benchmarks/NOTES.md)
-PREFETCH_TABLE = False
 
 
 def max_registers(group):
@@ -165,19 +153,6 @@ def _mvar_store(query_row, dst, mean, var, pages, middle, scale, stride_qh, stri
 
 
 @triton.jit
-def _mvar_tile(query_row, summaries, dst, physical, pages, middle, head, scale, stride_qh,
-               stride_qd, stride_sp, stride_sh, stride_ss, stride_sd, stride_lg,
-               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-               QUERY_AHEAD: tl.constexpr):
-    """mvar of the ``middle`` pages among ``pages`` (physical ids ``physical``): load, then
-    compute and store."""
-    mean, var = _summary_tile(summaries, physical, middle, head, stride_sp, stride_sh,
-                              stride_ss, stride_sd, HEAD_DIM)
-    _mvar_store(query_row, dst, mean, var, pages, middle, scale, stride_qh, stride_qd,
-                stride_lg, GROUP, HEAD_DIM, PAGE, QUERY_AHEAD)
-
-
-@triton.jit
 def _write_new_token(new_keys, new_values, key_cache, value_cache, slot_mapping, b, head,
                      num_slots, stride_knb, stride_knh, stride_knd,
                      stride_vnb, stride_vnh, stride_vnd,
@@ -218,7 +193,7 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
                      num_slots,
                      GROUP: tl.constexpr, GROUP_DOT: tl.constexpr,
                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
-                     NEXT_AHEAD: tl.constexpr, EXACT: tl.constexpr, PREFETCH: tl.constexpr,
+                     EXACT: tl.constexpr,
                      WRITE_KV: tl.constexpr, QUERY_AHEAD: tl.constexpr,
                      PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
@@ -227,12 +202,6 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
     b = row // num_kv_heads
     head = row % num_kv_heads
     row_table = block_table + b.to(tl.int64) * stride_bt
-    guess_pages = (block - 2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    if PREFETCH:  # tile (block - 2)'s entries, before the length is known (PREFETCH_TABLE)
-        guess_physical = tl.load(row_table + guess_pages,
-                                 mask=(block >= 2) & (guess_pages < max_pages), other=0)
-    else:
-        guess_physical = tl.zeros([BLOCK_P], dtype=tl.int32)
     seq_len = tl.load(seq_lens + b)
     pages_in_row = tl.minimum(tl.cdiv(seq_len, PAGE), max_pages)
     last = pages_in_row - 1
@@ -296,44 +265,14 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
     tiles = tl.cdiv(pages_in_row, BLOCK_P)
     share = tl.cdiv(tiles, mvar_programs)
     first_tile = (block - 2) * share
-    if (share == 1) & PREFETCH:  # the guess held: one tile, its entries already loaded
-        if first_tile < tiles:
-            middle = (guess_pages > 0) & (guess_pages < last)  # full pages, summarized
-            _mvar_tile(query_row, summaries, dst, tl.where(middle, guess_physical, 0),
-                       guess_pages, middle, head, scale, stride_qh, stride_qd, stride_sp,
-                       stride_sh, stride_ss, stride_sd, stride_lg, GROUP, HEAD_DIM, PAGE,
-                       QUERY_AHEAD)
-    elif NEXT_AHEAD:  # NEXT_TILE_AHEAD: tile t + 1's summaries in flight while t computes
-        end_tile = tl.minimum(first_tile + share, tiles)
-        if first_tile < end_tile:
-            pages = first_tile * BLOCK_P + tl.arange(0, BLOCK_P)
-            middle = (pages > 0) & (pages < last)  # full pages, summarized
-            mean, var = _summary_tile(summaries, tl.load(row_table + pages, mask=middle, other=0),
-                                      middle, head, stride_sp, stride_sh, stride_ss, stride_sd,
-                                      HEAD_DIM)
-            next_pages = pages + BLOCK_P
-            next_middle = (next_pages < last) & (first_tile + 1 < end_tile)
-            next_physical = tl.load(row_table + next_pages, mask=next_middle, other=0)
-            for tile in range(first_tile, end_tile):
-                next_mean, next_var = _summary_tile(summaries, next_physical, next_middle, head,
-                                                    stride_sp, stride_sh, stride_ss, stride_sd,
-                                                    HEAD_DIM)
-                after_pages = next_pages + BLOCK_P
-                after_middle = (after_pages < last) & (tile + 2 < end_tile)
-                after_physical = tl.load(row_table + after_pages, mask=after_middle, other=0)
-                _mvar_store(query_row, dst, mean, var, pages, middle, scale, stride_qh,
-                            stride_qd, stride_lg, GROUP, HEAD_DIM, PAGE, QUERY_AHEAD)
-                pages, middle, mean, var = next_pages, next_middle, next_mean, next_var
-                next_pages, next_middle, next_physical = after_pages, after_middle, \
-                    after_physical
-    else:
-        for tile in range(first_tile, tl.minimum(first_tile + share, tiles)):
-            pages = tile * BLOCK_P + tl.arange(0, BLOCK_P)
-            middle = (pages > 0) & (pages < last)  # full pages, summarized
-            physical = tl.load(row_table + pages, mask=middle, other=0)
-            _mvar_tile(query_row, summaries, dst, physical, pages, middle, head, scale,
-                       stride_qh, stride_qd, stride_sp, stride_sh, stride_ss, stride_sd,
-                       stride_lg, GROUP, HEAD_DIM, PAGE, QUERY_AHEAD)
+    for tile in range(first_tile, tl.minimum(first_tile + share, tiles)):
+        pages = tile * BLOCK_P + tl.arange(0, BLOCK_P)
+        middle = (pages > 0) & (pages < last)  # full pages, summarized
+        physical = tl.load(row_table + pages, mask=middle, other=0)
+        mean, var = _summary_tile(summaries, physical, middle, head, stride_sp, stride_sh,
+                                  stride_ss, stride_sd, HEAD_DIM)
+        _mvar_store(query_row, dst, mean, var, pages, middle, scale, stride_qh, stride_qd,
+                    stride_lg, GROUP, HEAD_DIM, PAGE, QUERY_AHEAD)
 
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
@@ -368,11 +307,9 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         num_kv_heads, max_pages, scale, dense_below_pages, per_row,
         slot_mapping.shape[0] if new_kv else 0,
         GROUP=group, GROUP_DOT=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-        PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM, NEXT_AHEAD=NEXT_TILE_AHEAD,
-        EXACT=EXACT_PAGES,
-        PREFETCH=PREFETCH_TABLE, WRITE_KV=new_kv is not None, QUERY_AHEAD=QUERY_HEAD_AHEAD,
-        num_warps=NUM_WARPS,
-        maxnreg=max_registers(group),
+        PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM,
+        EXACT=EXACT_PAGES, WRITE_KV=new_kv is not None, QUERY_AHEAD=QUERY_HEAD_AHEAD,
+        num_warps=NUM_WARPS, maxnreg=max_registers(group),
         **launch.options(programmatic_launch, "estimate"),
     )
     return log_masses
