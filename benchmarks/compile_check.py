@@ -100,10 +100,10 @@ def build(name, kernel, constexprs, num_warps, num_stages=3, maxnreg=None, **typ
 
 
 def kernels(group, head_dim, block, pdl=False):
-    """(name, kernel, constexprs, warps, stages, maxnreg) of every kernel for one geometry, with the
-    launch settings the package uses; ``block``: Select's lanes (the table's pages, rounded up
-    to a power of two); ``pdl``: the decode-step kernels built for programmatic dependent
-    launch (``moira/kernels/launch.py``), and summarize left out."""
+    """(name, kernel, constexprs, warps, stages, maxnreg) of every kernel for one geometry,
+    with the launch settings the package uses; ``block``: Select's lanes (the table's pages,
+    rounded up to a power of two); ``pdl``: the decode-step kernels built for programmatic
+    dependent launch (``moira/kernels/launch.py``), and summarize left out."""
     lanes = min(block, 32 * select.num_warps(block))
     group_pad = triton.next_power_of_2(group)
     tag = f"G={group} D={head_dim}" + (" PDL" if pdl else "")

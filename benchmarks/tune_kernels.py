@@ -37,8 +37,8 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # --kinds ("exact": Estimate's exact-page forms alone; "registers": Estimate's and Attend's
 # register ceilings; "query": Estimate's query of the next head loaded ahead; "chunks": Select's
 # shares in a loop over chunks)
-KINDS = ("estimate", "exact", "registers", "query", "chunks", "select", "attend", "tiles", "balanced",
-         "fractions", "step", "wide")
+KINDS = ("estimate", "exact", "registers", "query", "chunks", "select", "attend", "tiles",
+         "balanced", "fractions", "step", "wide")
 
 
 def bench(fn):
@@ -151,8 +151,8 @@ def main():
                                                    dict(MAX_REGISTERS=None))] + [
                 (f"max registers {registers}" + (f" pages={block}" if block != 32 else ""),
                  dict(MAX_REGISTERS=registers, PAGES_PER_PROGRAM=block))
-                for registers, block in [(96, 32), (80, 32), (72, 32), (64, 32), (96, 16),
-                                         (80, 16), (64, 16)]]
+                for registers, block in [(80, 32), (72, 32), (64, 32), (96, 16), (80, 16),
+                                         (64, 16)]]
                 + [("default again", {})]) if "registers" in kinds else []:
             time_estimate(label, **settings)
         # each head's query loaded while the previous head computes (estimate.QUERY_HEAD_AHEAD)

@@ -1043,7 +1043,8 @@ def test_vllm_tpot_kernel_settings_are_checked():
                                                "select.SHARES_IN_CHUNKS_FROM=1024"]) \
         == {"estimate.QUERY_HEAD_AHEAD": False, "attend.MAX_REGISTERS": 96,
             "select.SHARES_IN_CHUNKS_FROM": 1024}
-    for bad in ("estimate.TILE_STAGES=2", "estimate.NEXT_TILE_AHEAD=1", "estimate.MAX_REGISTERS=many", "MAX_REGISTERS=96",
+    for bad in ("estimate.TILE_STAGES=2", "estimate.NEXT_TILE_AHEAD=1",
+                "estimate.MAX_REGISTERS=many", "MAX_REGISTERS=96",
                 "merge.NUM_WARPS=4", "attend.NUM_WARPS"):
         with pytest.raises(SystemExit):
             tpot.parse_kernel_settings(parser, [bad])

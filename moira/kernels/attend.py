@@ -37,8 +37,9 @@ PAGES_PER_ITER = 2  # listed pages per inner-loop tile ([PAGES_PER_ITER * 64, D]
 # a ceiling on registers per thread (Triton's maxnreg; None: ptxas's choice). The default
 # build (147 registers, 74 KB of shared memory) fits 3 blocks per SM; one page per tile halves
 # the shared memory (39 KB), and then 128 registers fit 4 blocks, 96 five (8 bytes spilled).
-# A tuning option (tune_kernels.py --kinds registers): Estimate's time followed its blocks
-# per SM in session 25, and at 8k x 32 Attend's 512 working programs exceed 3 x 132 slots
+# A tuning option (tune_kernels.py --kinds registers). Timed in session 26: one page per tile
+# uncapped +6 to +8%, at 128 registers +10 to +22%, at 96 +15% at 8k x 32 and within 2%
+# elsewhere, against this default; so ptxas's choice
 MAX_REGISTERS = None
 # the softmax denominator sums the weights as rounded to the cache dtype for the P @ V product
 # (True: the output stays a weighted average, about half the error against float32) or as

@@ -45,7 +45,7 @@ NUM_WARPS = 4
 # spills 16 bytes at 96, so larger groups keep ptxas's choice). Timed on the H200 (sessions
 # 25-26, tune_kernels.py --kinds registers,query): 96 registers 2-5% faster than ptxas's
 # choice at every shape from 32k x 16 on, with the query ahead (below) at all four; 80 (six
-# blocks, 64 bytes spilled) and 64 (eight, 200 bytes) slower. Blocks per SM are not the
+# blocks, 80 bytes spilled) and 64 (eight, 200 bytes) slower. Blocks per SM are not the
 # lever session 25 took them for: five instead of four gained 4%, not 20%
 MAX_REGISTERS = 96
 MAX_REGISTERS_GROUP = 4
@@ -193,8 +193,7 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
                      num_slots,
                      GROUP: tl.constexpr, GROUP_DOT: tl.constexpr,
                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
-                     EXACT: tl.constexpr,
-                     WRITE_KV: tl.constexpr, QUERY_AHEAD: tl.constexpr,
+                     EXACT: tl.constexpr, WRITE_KV: tl.constexpr, QUERY_AHEAD: tl.constexpr,
                      PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)

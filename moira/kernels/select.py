@@ -282,6 +282,7 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
         FIXED_COUNT=top_k is not None or fractions, FRACTIONS=fractions,
         ROW_GAMMAS=gammas is not None and not fractions, PAGE=PAGE_SIZE,
         GROUP_PAD=triton.next_power_of_2(group), SOFTMAX_TILE=SOFTMAX_TILE,
-        CHUNKS_FROM=SHARES_IN_CHUNKS_FROM, CHUNK=SHARES_CHUNK, num_warps=num_warps(block), **launch.options(programmatic_launch, "select"),
+        CHUNKS_FROM=SHARES_IN_CHUNKS_FROM, CHUNK=SHARES_CHUNK, num_warps=num_warps(block),
+        **launch.options(programmatic_launch, "select"),
     )
     return page_lists, page_counts
