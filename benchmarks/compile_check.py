@@ -118,8 +118,7 @@ def kernels(group, head_dim, block, pdl=False):
            dict(GROUP=group, BLOCK=block, BLOCK_2=max(lanes, block // 2),
                 BLOCK_4=max(lanes, block // 4), BLOCK_8=max(lanes, block // 8), WAYS=4,
                 PASSES=12, FIXED_COUNT=fixed, FRACTIONS=fractions, ROW_GAMMAS=gammas,
-                PAGE=PAGE, GROUP_PAD=group_pad, SOFTMAX_TILE=select.SOFTMAX_TILE,
-                CHUNKS_FROM=select.SHARES_IN_CHUNKS_FROM, CHUNK=select.SHARES_CHUNK, PDL=pdl),
+                PAGE=PAGE, GROUP_PAD=group_pad, SOFTMAX_TILE=select.SOFTMAX_TILE, PDL=pdl),
            select.num_warps(block), 3, None)
           for mode, fixed, fractions, gammas in (("coverage", False, False, False),
                                                  ("fractions", True, True, False),
@@ -165,11 +164,6 @@ def main():
         if name.startswith("estimate") and build(f"{name} query head in turn", kernel, dict(
                 constexprs, QUERY_AHEAD=False), warps, stages, maxnreg):
             spilled.append(f"{name} query head in turn")
-        # Select's shares in a loop over chunks (select.SHARES_IN_CHUNKS_FROM), every mode
-        if name.startswith("select") and build(f"{name} shares in chunks", kernel, dict(
-                constexprs, CHUNKS_FROM=1024, CHUNK=select.SHARES_CHUNK), warps, stages,
-                maxnreg):
-            spilled.append(f"{name} shares in chunks")
         # the decode token's cache write in Estimate's launch (sparse_decode's new_keys, the
         # plugin's fused_cache_write); vLLM's slot_mapping is int64
         if name.startswith("estimate") and build(f"{name} writing the new tokens", kernel, dict(

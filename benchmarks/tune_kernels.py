@@ -35,10 +35,9 @@ SHAPES = [(8192, 32), (32768, 16), (65536, 8), (131072, 4)]
 EXTRA_SHAPES = [(16384, 32)]  # timed only when named in --shapes (256-page rows: Select's warps)
 PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # --kinds ("exact": Estimate's exact-page forms alone; "registers": Estimate's and Attend's
-# register ceilings; "query": Estimate's query of the next head loaded ahead; "chunks": Select's
-# shares in a loop over chunks)
-KINDS = ("estimate", "exact", "registers", "query", "chunks", "select", "attend", "tiles",
-         "balanced", "fractions", "step", "wide")
+# register ceilings; "query": Estimate's query of the next head loaded ahead)
+KINDS = ("estimate", "exact", "registers", "query", "select", "attend", "tiles", "balanced",
+         "fractions", "step", "wide")
 
 
 def bench(fn):
@@ -203,16 +202,6 @@ def main():
         for tile in [0, 1 << 14] if "select" in kinds else []:
             with patched(select_module, SOFTMAX_TILE=tile):
                 select_modes(f" softmax tile {tile}")
-        # the shares in a loop over chunks of pages (select.SHARES_IN_CHUNKS_FROM, lanes from
-        # which it applies; SHARES_CHUNK pages per chunk), against the default first and last
-        for label, settings in ([(" default", {})] + [
-                (f" shares in chunks of {chunk} from {lanes} lanes",
-                 dict(SHARES_IN_CHUNKS_FROM=lanes, SHARES_CHUNK=chunk))
-                for lanes, chunk in [(1024, 256), (1024, 128), (1024, 512), (512, 256),
-                                     (128, 128)]]
-                + [(" default again", {})]) if "chunks" in kinds else []:
-            with patched(select_module, **settings):
-                select_modes(label)
         # how much the bisection's passes cost: 18 bits (K_B = 4 or 8, these shapes' schedule:
         # 9 or 6 passes instead of 12 or 8) keep the coverage rule (a superset of the exact
         # set, by pages within max share * 2**-18 of the threshold) -- a probe, not a setting

@@ -1,6 +1,7 @@
 """A plot of a ``tune_kernels.py`` JSON: per shape, every variant of one kind (µs per layer),
 each as a ratio to the shape's ``default`` variant (the mean of ``default`` and ``default
-again`` where the sweep timed it twice).
+again`` where the sweep timed it twice). Where a kind's variants are named by mode first
+(Select's ``coverage ...``, ``top22% ...``), each mode has its own ``<mode> default``.
 
     python benchmarks/tune_report.py benchmarks/results/tune-2026-12-01-s25-ahead.json \
         [--kind estimate]
@@ -23,21 +24,34 @@ def table(results, kind):
     return by_variant
 
 
-def baseline(by_variant):
-    """``{shape: µs}``: the mean of the default's runs (``default`` and ``default again``)."""
-    runs = [by_variant[name] for name in ("default", "default again") if name in by_variant]
+def baselines(by_variant):
+    """``{mode: {shape: µs}}``: per mode (the words before ``default``; "" for a plain
+    ``default``), the mean of its default's runs (``default`` and ``default again``)."""
+    runs = {}
+    for name, by_shape in by_variant.items():
+        for suffix in ("default", "default again"):
+            if name == suffix or name.endswith(" " + suffix):
+                runs.setdefault(name[:-len(suffix)].strip(), []).append(by_shape)
     if not runs:
         raise SystemExit("no 'default' variant to compare with")
-    return {shape: statistics.mean(run[shape] for run in runs if shape in run)
-            for shape in runs[0]}
+    return {mode: {shape: statistics.mean(run[shape] for run in mode_runs if shape in run)
+                   for shape in mode_runs[0]} for mode, mode_runs in runs.items()}
 
 
-def markdown(by_variant, base):
-    shapes = list(base)
+def base_of(variant, bases):
+    """The baseline of ``variant``: its mode's (the longest mode it starts with)."""
+    modes = [mode for mode in bases if variant == mode or variant.startswith(mode + " ")
+             or not mode]
+    return bases[max(modes, key=len)] if modes else None
+
+
+def markdown(by_variant, bases):
+    shapes = list(next(iter(bases.values())))
     lines = ["| variant | " + " | ".join(shapes) + " |", "|---" * (len(shapes) + 1) + "|"]
     for variant, by_shape in by_variant.items():
-        cells = [f"{by_shape[s]:.1f} ({by_shape[s] / base[s] - 1:+.0%})" if s in by_shape
-                 else "–" for s in shapes]
+        base = base_of(variant, bases) or {}
+        cells = [(f"{by_shape[s]:.1f} ({by_shape[s] / base[s] - 1:+.0%})" if s in base
+                  else f"{by_shape[s]:.1f}") if s in by_shape else "–" for s in shapes]
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -50,23 +64,25 @@ def main():
     with open(args.result) as f:
         run = json.load(f)
     by_variant = table(run["results"], args.kind)
-    base = baseline(by_variant)
-    print(markdown(by_variant, base))
+    bases = baselines(by_variant)
+    print(markdown(by_variant, bases))
 
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shapes = list(base)
+    shapes = list(next(iter(bases.values())))
     fig, axes = plt.subplots(1, len(shapes), figsize=(4 * len(shapes), 0.35 * len(by_variant) + 2),
                              sharey=True, squeeze=False)
     names = list(by_variant)
     for ax, shape in zip(axes[0], shapes):
-        ratios = [by_variant[name].get(shape, float("nan")) / base[shape] for name in names]
-        ax.barh(range(len(names)), ratios, color=["grey" if name.startswith("default") else
-                                                  "tab:blue" for name in names])
+        ratios = [by_variant[name].get(shape, float("nan"))
+                  / (base_of(name, bases) or {}).get(shape, float("nan")) for name in names]
+        ax.barh(range(len(names)), ratios, color=["grey" if "default" in name else "tab:blue"
+                                                  for name in names])
         ax.axvline(1.0, color="black", linewidth=0.8)
-        ax.set_title(f"{shape}: default {base[shape]:.1f} µs")
+        ax.set_title(f"{shape}: default " + " / ".join(
+            f"{base[shape]:.1f}" for base in bases.values() if shape in base) + " µs")
         ax.set_xlabel(f"{args.kind} time / default's")
     axes[0][0].set_yticks(range(len(names)), names, fontsize=8)
     axes[0][0].invert_yaxis()

@@ -88,8 +88,7 @@ def cached_prompts(llm, rng, context, batch):
 # the kernels' tuning constants an engine of this script may be given (--kernel-setting)
 KERNEL_SETTINGS = {"estimate": ("QUERY_HEAD_AHEAD", "TARGET_PROGRAMS", "PAGES_PER_PROGRAM",
                                 "NUM_WARPS", "MAX_REGISTERS"),
-                   "attend": ("PAGES_PER_ITER", "NUM_STAGES", "NUM_WARPS", "MAX_REGISTERS"),
-                   "select": ("SHARES_IN_CHUNKS_FROM", "SHARES_CHUNK")}
+                   "attend": ("PAGES_PER_ITER", "NUM_STAGES", "NUM_WARPS", "MAX_REGISTERS")}
 
 
 def parse_kernel_settings(parser, items):

@@ -457,12 +457,12 @@ def test_tpot_report_gives_a_run_with_attends_split_set_its_own_pairs_column(tmp
                     results=[dict(shape="2k1", tpot_ms=tpot)], **moira)
 
     pairs = []
-    for pair, (dense, moira, split) in enumerate([(5.0, 5.1, 4.95), (5.0, 5.2, 5.05)]):
+    for pair, (dense, sparse, split) in enumerate([(5.0, 5.1, 4.95), (5.0, 5.2, 5.05)]):
         folder = tmp_path / f"pair{pair}"
         folder.mkdir()
         (folder / "dense.json").write_text(json.dumps(run("dense", dense)))
         (folder / "moira.json").write_text(json.dumps(
-            run("moira", moira, dense_below_tokens=20480, floor_rows=None)))
+            run("moira", sparse, dense_below_tokens=20480, floor_rows=None)))
         (folder / "split.json").write_text(json.dumps(
             run("moira", split, dense_below_tokens=20480, floor_rows=96, min_programs=1)))
         pairs.append(report.load([str(folder)]))
@@ -621,11 +621,11 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
     import json
 
     report = load("tpot_report")
-    for pair, (dense, moira, pdl) in enumerate([(5.0, 5.2, 5.1), (4.0, 4.2, 4.12)], start=1):
+    for pair, (dense, sparse, pdl) in enumerate([(5.0, 5.2, 5.1), (4.0, 4.2, 4.12)], start=1):
         folder = tmp_path / f"pair{pair}"
         folder.mkdir()
         for name, tpot, extra in (("dense", dense, dict(backend="dense")),
-                                  ("moira", moira, dict(backend="moira",
+                                  ("moira", sparse, dict(backend="moira",
                                                         dense_below_tokens=20480)),
                                   ("pdl", pdl, dict(backend="moira", dense_below_tokens=20480,
                                                     programmatic_launch=True))):
@@ -743,7 +743,7 @@ def test_split_report_applies_the_batch_1_rule_to_the_mean_of_the_runs(tmp_path)
     assert chosen == (32, 16)
     assert "(32, 16)" in verdict
     # batch 2 columns: labelled with the batch; the rule then holds there too
-    fourth = run(tmp_path / "d.json", {2048: {default: 16.6, floor2: 14.6, j16: 16.0}})
+    run(tmp_path / "d.json", {2048: {default: 16.6, floor2: 14.6, j16: 16.0}})
     rows = json.loads((tmp_path / "d.json").read_text())
     rows["results"].append(dict(rows["results"][0], batch=2, us_per_layer={
         "split_32_None": 20.0, "split_96_None": 21.0, "split_32_16": 20.1}))
@@ -1039,12 +1039,11 @@ def test_vllm_tpot_kernel_settings_are_checked():
     tpot = load("vllm_tpot")
     parser = argparse.ArgumentParser()
     assert tpot.parse_kernel_settings(parser, ["estimate.QUERY_HEAD_AHEAD=0",
-                                               "attend.MAX_REGISTERS=96",
-                                               "select.SHARES_IN_CHUNKS_FROM=1024"]) \
-        == {"estimate.QUERY_HEAD_AHEAD": False, "attend.MAX_REGISTERS": 96,
-            "select.SHARES_IN_CHUNKS_FROM": 1024}
+                                               "attend.MAX_REGISTERS=96"]) \
+        == {"estimate.QUERY_HEAD_AHEAD": False, "attend.MAX_REGISTERS": 96}
     for bad in ("estimate.TILE_STAGES=2", "estimate.NEXT_TILE_AHEAD=1",
-                "estimate.MAX_REGISTERS=many", "MAX_REGISTERS=96",
+                "select.SHARES_IN_CHUNKS_FROM=1024", "estimate.MAX_REGISTERS=many",
+                "MAX_REGISTERS=96",
                 "merge.NUM_WARPS=4", "attend.NUM_WARPS"):
         with pytest.raises(SystemExit):
             tpot.parse_kernel_settings(parser, [bad])
@@ -1058,8 +1057,17 @@ def test_tune_report_compares_each_variant_with_the_mean_of_the_default_runs():
             dict(kind="estimate", shape="8k x32", variant="default again", us=12.0)]
     by_variant = report.table(rows, "estimate")
     assert list(by_variant) == ["default", "candidate", "default again"]
-    base = report.baseline(by_variant)
-    assert base == {"8k x32": 11.0}
-    assert "| candidate | 9.0 (-18%) |" in report.markdown(by_variant, base)
+    bases = report.baselines(by_variant)
+    assert bases == {"": {"8k x32": 11.0}}
+    assert "| candidate | 9.0 (-18%) |" in report.markdown(by_variant, bases)
     with pytest.raises(SystemExit):
-        report.baseline({"candidate": {"8k x32": 9.0}})
+        report.baselines({"candidate": {"8k x32": 9.0}})
+    # variants named by mode first (Select's): each mode against its own default
+    select = {"coverage default": {"8k x32": 4.0}, "top22% default": {"8k x32": 8.0},
+              "coverage warps=1": {"8k x32": 5.0}, "top22% warps=1": {"8k x32": 6.0},
+              "coverage default again": {"8k x32": 6.0}}
+    bases = report.baselines(select)
+    assert bases == {"coverage": {"8k x32": 5.0}, "top22%": {"8k x32": 8.0}}
+    text = report.markdown(select, bases)
+    assert "| coverage warps=1 | 5.0 (+0%) |" in text
+    assert "| top22% warps=1 | 6.0 (-25%) |" in text

@@ -267,28 +267,3 @@ def test_rows_clamped_to_block_table_width():
     seq_lens[0] = 64 * 1000
     page_lists, page_counts = run_select(log_masses, seq_lens, gamma=1.0)
     assert page_counts.tolist() == [[8]]
-
-
-@pytest.fixture
-def shares_in_chunks(monkeypatch):
-    """SHARES_IN_CHUNKS_FROM (a tuning option) on every tier of these tests' tables (128 lanes
-    and up), in chunks of 64 pages: rows of one to five chunks, the last one partial."""
-    from moira.kernels import select as select_module
-
-    monkeypatch.setattr(select_module, "SHARES_IN_CHUNKS_FROM", 128)
-    monkeypatch.setattr(select_module, "SHARES_CHUNK", 64)
-
-
-@pytest.mark.parametrize("group", [1, 4, 7, 8])
-@pytest.mark.parametrize("spread, gamma", [(0.3, 0.9), (2.0, 0.98), (8.0, 0.999)])
-def test_shares_in_chunks_match_reference(shares_in_chunks, group, spread, gamma):
-    test_coverage_matches_reference(group, spread, gamma)
-
-
-def test_shares_in_chunks_in_every_mode(shares_in_chunks):
-    test_fixed_count_keeps_exactly_k(17)
-    test_fraction_mode_keeps_each_heads_share_of_every_row()
-    test_coverage_with_a_target_per_row(True)
-    test_gamma_one_keeps_every_page_even_underflowing_ones()
-    test_one_page_holding_the_mass_is_kept_alone()
-    test_short_rows_keep_every_page(dict(gamma=0.5))

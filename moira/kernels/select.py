@@ -31,8 +31,7 @@ Rows of at most ``dense_below_pages`` pages keep every page in every mode (short
 estimating and selecting would cost more than reading everything; Estimate skips them).
 
 Output: ``page_lists[b, h, :count]`` logical pages (sink, kept middle pages in increasing order,
-current page) and ``page_counts[b, h] = count``. Entries past the count are not written (with
-``SHARES_IN_CHUNKS_FROM`` they hold the row's shares, the list being Select's scratch).
+current page) and ``page_counts[b, h] = count``. Entries past the count are not written.
 """
 
 import triton
@@ -47,15 +46,6 @@ from . import launch
 # chain), since a larger tile spills on sm_90 (benchmarks/compile_check.py). 0: always head by
 # head (the form timed before session 7)
 SOFTMAX_TILE = 16384
-# rows on at least this many lanes (a power of two; 0: never) compute their shares in a loop
-# over SHARES_CHUNK pages at a time, two passes (each head's running maximum and sum, then
-# the shares), staged through the row's page list, which Select overwrites with the list at
-# the end, and then loaded whole. Why: ncu (session 26, 131k x 4, fixed count) saw 57% of
-# Select's stall samples waiting on instruction fetches: the [G, lanes] softmax tile is
-# straight-line code, 64 elements per thread at 2,048 lanes, that each SM runs once, cold.
-# The loop's body is one chunk's; the exps are computed twice. Off until timed
-SHARES_IN_CHUNKS_FROM = 0
-SHARES_CHUNK = 256
 
 
 def num_warps(block):
@@ -74,57 +64,18 @@ def num_warps(block):
 
 
 @triton.jit
-def _shares_in_chunks(row_masses, scratch, pages, in_row, pages_in_row, stride_lg,
-                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """The row's group-mean shares ``[BLOCK]`` (``pages``), computed ``CHUNK`` pages at a time:
-    each head's maximum and sum in one pass (the sum rescaled as the maximum grows), the
-    shares in a second, written to ``scratch`` (the row's page list, as float32 bits) and
-    loaded back whole."""
-    heads = tl.arange(0, GROUP_PAD)
-    real = heads < GROUP
-    columns = tl.arange(0, CHUNK)
-    peak = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    for start in range(0, pages_in_row, CHUNK):
-        ell = tl.load(row_masses + heads[:, None] * stride_lg + (start + columns)[None, :],
-                      mask=real[:, None] & (start + columns < pages_in_row)[None, :],
-                      other=float("-inf"))
-        ell = tl.where(real[:, None], ell, 0.0)  # padding heads: finite, dropped below
-        # every chunk holds a page of the row: each real head's maximum is finite from here
-        new_peak = tl.maximum(peak, tl.max(ell, axis=1))
-        total = total * tl.exp(peak - new_peak) + tl.sum(tl.exp(ell - new_peak[:, None]), axis=1)
-        peak = new_peak
-    weight = tl.where(real, 1.0 / total, 0.0) / GROUP  # per head: 1 / (G * its sum)
-    for start in range(0, pages_in_row, CHUNK):
-        in_chunk = start + columns < pages_in_row
-        ell = tl.load(row_masses + heads[:, None] * stride_lg + (start + columns)[None, :],
-                      mask=real[:, None] & in_chunk[None, :], other=float("-inf"))
-        ell = tl.where(real[:, None], ell, 0.0)
-        chunk_shares = tl.sum(tl.exp(ell - peak[:, None]) * weight[:, None], axis=0)
-        tl.store(scratch + start + columns, chunk_shares.to(tl.int32, bitcast=True),
-                 mask=in_chunk)
-    tl.debug_barrier()  # the block's own global stores, seen by all its threads
-    shares = tl.load(scratch + pages, mask=in_row, other=0).to(tl.float32, bitcast=True)
-    return tl.where(in_row, shares, 0.0)
-
-
-@triton.jit
 def _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
                 stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
                 GROUP: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr,
                 PASSES: tl.constexpr, FIXED_COUNT: tl.constexpr, FRACTIONS: tl.constexpr,
                 ROW_GAMMAS: tl.constexpr, GROUP_PAD: tl.constexpr,
-                SOFTMAX_TILE: tl.constexpr, CHUNKS_FROM: tl.constexpr, CHUNK: tl.constexpr):
+                SOFTMAX_TILE: tl.constexpr):
     """Select one row of 1 to ``BLOCK`` pages: its page list and count."""
     pages = tl.arange(0, BLOCK)
     in_row = pages < pages_in_row
     # group-mean attention share of every page
     row_masses = log_masses + row.to(tl.int64) * stride_lr
-    IN_CHUNKS: tl.constexpr = (CHUNKS_FROM > 0) and (BLOCK >= CHUNKS_FROM)
-    if IN_CHUNKS:  # SHARES_IN_CHUNKS_FROM
-        shares = _shares_in_chunks(row_masses, lists, pages, in_row, pages_in_row, stride_lg,
-                                   GROUP, GROUP_PAD, CHUNK)
-    elif GROUP_PAD * BLOCK <= SOFTMAX_TILE:
+    if GROUP_PAD * BLOCK <= SOFTMAX_TILE:
         # all G softmaxes in one [G, BLOCK] tile: their maxima and sums are two reductions
         # side by side, not 2 G in a chain
         heads = tl.arange(0, GROUP_PAD)
@@ -190,8 +141,6 @@ def _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_ro
 
     # compaction: sink, kept middle pages in order, current page
     kept = tl.sum(keep.to(tl.int32), axis=0)
-    if IN_CHUNKS:  # every thread has read its shares back from the list before it is written
-        tl.debug_barrier()
     tl.store(lists + tl.cumsum(keep.to(tl.int32), axis=0), pages, mask=keep)
     tl.store(lists, 0)
     tl.store(lists + kept + 1, last, mask=last > 0)
@@ -207,8 +156,7 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
                    BLOCK_4: tl.constexpr, BLOCK_8: tl.constexpr, WAYS: tl.constexpr,
                    PASSES: tl.constexpr, FIXED_COUNT: tl.constexpr, FRACTIONS: tl.constexpr,
                    ROW_GAMMAS: tl.constexpr, PAGE: tl.constexpr, GROUP_PAD: tl.constexpr,
-                   SOFTMAX_TILE: tl.constexpr, CHUNKS_FROM: tl.constexpr, CHUNK: tl.constexpr,
-                   PDL: tl.constexpr):
+                   SOFTMAX_TILE: tl.constexpr, PDL: tl.constexpr):
     # row_values: the row's keep fraction (FRACTIONS) or coverage target (ROW_GAMMAS)
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
@@ -235,22 +183,22 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
         _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
                     stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
                     GROUP, BLOCK_8, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS, GROUP_PAD,
-                    SOFTMAX_TILE, CHUNKS_FROM, CHUNK)
+                    SOFTMAX_TILE)
     elif pages_in_row <= BLOCK_4:
         _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
                     stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
                     GROUP, BLOCK_4, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS, GROUP_PAD,
-                    SOFTMAX_TILE, CHUNKS_FROM, CHUNK)
+                    SOFTMAX_TILE)
     elif pages_in_row <= BLOCK_2:
         _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
                     stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
                     GROUP, BLOCK_2, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS, GROUP_PAD,
-                    SOFTMAX_TILE, CHUNKS_FROM, CHUNK)
+                    SOFTMAX_TILE)
     else:
         _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_row,
                     stride_lr, stride_lg, stride_vb, stride_vh, gamma, top_k,
                     GROUP, BLOCK, WAYS, PASSES, FIXED_COUNT, FRACTIONS, ROW_GAMMAS, GROUP_PAD,
-                    SOFTMAX_TILE, CHUNKS_FROM, CHUNK)
+                    SOFTMAX_TILE)
 
 
 def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
@@ -282,7 +230,6 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
         FIXED_COUNT=top_k is not None or fractions, FRACTIONS=fractions,
         ROW_GAMMAS=gammas is not None and not fractions, PAGE=PAGE_SIZE,
         GROUP_PAD=triton.next_power_of_2(group), SOFTMAX_TILE=SOFTMAX_TILE,
-        CHUNKS_FROM=SHARES_IN_CHUNKS_FROM, CHUNK=SHARES_CHUNK, num_warps=num_warps(block),
-        **launch.options(programmatic_launch, "select"),
+        num_warps=num_warps(block), **launch.options(programmatic_launch, "select"),
     )
     return page_lists, page_counts
