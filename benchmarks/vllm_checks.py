@@ -6,6 +6,8 @@ Modes (Llama-3.1-8B geometry from ``benchmarks/models``, ``--layers`` to cut the
 
 - ``dense``: FA3 backend, greedy decoding of the same prompts at batch P and as two batches of
   P/2 (how much two dense runs differ by batch size alone: the bar for the next mode).
+  ``--backend FLASHINFER`` runs the same with vLLM's FlashInfer backend (name the file
+  ``dense_flashinfer.json``): how early another exact dense kernel parts from FA3.
 - ``moira``: Moira backend with ``check_dense`` on, so every step also runs dense FA3 on the
   same batch and counts where Moira differs (decode rows in bf16 ulps, other rows bitwise).
   ``--graph-mode NONE`` runs the same compiled model without CUDA graphs (eager steps);
@@ -120,7 +122,8 @@ def main():
     parser.add_argument("--batch", type=int, default=0, help="e2e: prompts")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--gamma", type=float, default=1.0)
-    parser.add_argument("--backend", default=None, help="override: FLASH_ATTN or CUSTOM")
+    parser.add_argument("--backend", default=None,
+                        help="override: FLASH_ATTN, FLASHINFER (dense mode) or CUSTOM")
     parser.add_argument("--graph-mode", default=None,
                         help="vLLM cudagraph_mode; default FULL_AND_PIECEWISE, or "
                              "FULL_DECODE_ONLY with --compile-mode 0 (vLLM turns a piecewise "

@@ -41,18 +41,22 @@ def gaps_at_first_difference(a, b):
     return gaps
 
 
-# the runs compared with dense FA3 at the same batch, each a perturbation of attention alone
+# the runs compared with dense FA3 at the same batch, each a perturbation of attention alone:
+# Moira at gamma 1, FA3 capped at one split, and FlashInfer's decode kernel (another exact
+# dense kernel: how early a kernel that is not FA3 parts from it without any selection)
 YARDSTICKS = {"moira_graph": "dense vs Moira gamma=1",
-              "dense_splits1": "dense vs dense with FA3 at one split"}
+              "dense_splits1": "dense vs dense with FA3 at one split",
+              "dense_flashinfer": "dense FA3 vs dense FlashInfer"}
 
 
 def first_difference_gap(runs):
     """Issue 4's yardstick on greedy tokens: the first differing step per prompt (a sequence
     that never differs counts as its length) of dense FA3 against Moira at gamma 1, and of
     dense against itself at another batch size; the mean of each and the 95% paired bootstrap
-    interval of (Moira pair - dense pair). Where a ``dense_splits1`` run is present (dense FA3
-    capped at one split, same batch: attention's rounding alone changed), the same for it,
-    and Moira's pair against it. None without the runs."""
+    interval of (Moira pair - dense pair). Where a ``dense_splits1`` run (dense FA3 capped at
+    one split, same batch: attention's rounding alone changed) or a ``dense_flashinfer`` run
+    (FlashInfer's kernel in FA3's place) is present, the same for it, and Moira's pair against
+    it (``moira_minus_<run>``). None without the runs."""
     from moira.evaluation.experiments import paired_bootstrap
 
     if not ("dense" in runs and "halves" in runs["dense"]
@@ -70,9 +74,9 @@ def first_difference_gap(runs):
         key = "moira" if name == "moira_graph" else name
         result[key] = sum(pair) / len(pair)
         result[f"{key}_minus_dense"] = paired_bootstrap(dense_pair, pair)
-    if len(pairs) == 2:
-        result["moira_minus_dense_splits1"] = paired_bootstrap(pairs["dense_splits1"],
-                                                              pairs["moira_graph"])
+    for name, pair in pairs.items():
+        if name != "moira_graph" and "moira_graph" in pairs:
+            result[f"moira_minus_{name}"] = paired_bootstrap(pair, pairs["moira_graph"])
     return result
 
 
@@ -105,6 +109,10 @@ def main():
               f"dense FA3 vs Moira gamma=1 ({moira_graphs})"),
              ("dense", "full", "dense_splits1", "full",
               "dense FA3 vs dense FA3 at one split (same batch: attention's rounding alone)"),
+             ("dense", "full", "dense_flashinfer", "full",
+              "dense FA3 vs dense FlashInfer (same batch: another exact kernel)"),
+             ("dense_flashinfer", "full", "dense_flashinfer", "halves",
+              f"dense FlashInfer batch {prompts} vs two batches of {prompts // 2}"),
              ("dense", "full", "dense_eager", "full",
               "dense FULL graphs vs dense eager (graph mode NONE): the control"),
              ("moira_graph", "full", "moira_eager", "full",
@@ -167,9 +175,10 @@ def main():
             if key in gap:
                 print(f"{label}: {gap[key]:.1f}; minus the dense pair "
                       f"{interval(gap[key + '_minus_dense'])} (95% paired bootstrap)")
-        if "moira_minus_dense_splits1" in gap:
-            print(f"Moira pair minus the one-split pair "
-                  f"{interval(gap['moira_minus_dense_splits1'])}")
+        for name in YARDSTICKS:
+            if f"moira_minus_{name}" in gap:
+                print(f"Moira pair minus the {YARDSTICKS[name]} pair "
+                      f"{interval(gap[f'moira_minus_{name}'])}")
     modes = {name: run.get("cudagraph_mode", "not recorded") for name, run in runs.items()}
     print("\nCUDA graph mode each engine ran: "
           + ", ".join(f"{name} {mode}" for name, mode in modes.items()))

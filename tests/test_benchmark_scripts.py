@@ -163,6 +163,17 @@ def test_first_difference_gap_pairs_prompts_and_counts_agreement_as_full_length(
     alone = compare.first_difference_gap(dict(dense=dict(full=dense, halves=halves),
                                               dense_splits1=dict(full=splits1)))
     assert "moira" not in alone and alone["dense_splits1"] == gap["dense_splits1"]
+    assert not any(key.startswith("moira_minus_dense_") for key in alone)
+    # FlashInfer's kernel as a third: its pair against FA3, and Moira's pair against it
+    flashinfer = run([1, 0, 3, 4], [5, 6, 7, 8], [0, 9, 9, 9])  # 1, none, 0
+    gap = compare.first_difference_gap(dict(dense=dict(full=dense, halves=halves),
+                                            moira_graph=dict(full=moira),
+                                            dense_splits1=dict(full=splits1),
+                                            dense_flashinfer=dict(full=flashinfer)))
+    assert gap["dense_flashinfer"] == pytest.approx((1 + 4 + 0) / 3)
+    assert gap["dense_flashinfer_minus_dense"]["mean"] == pytest.approx((5 - 7) / 3)
+    assert gap["moira_minus_dense_flashinfer"]["mean"] == pytest.approx((7 - 5) / 3)
+    assert gap["moira_minus_dense_splits1"]["mean"] == pytest.approx((7 - 8) / 3)
 
 
 def test_prompt_token_ids_are_random_ids_or_a_slice_of_the_text():
