@@ -90,7 +90,11 @@ def set_prompts(name, offset=0, limit=0, seed=0):
     return prompts[offset:]
 
 
-def run(url, model, prompts, concurrency, max_tokens):
+def run(url, model, prompts, concurrency, max_tokens, deadline_s=None):
+    """Send ``prompts`` from ``concurrency`` closed-loop workers. With ``deadline_s``, no
+    request is sent once that many seconds have passed (those in flight finish): the run
+    covers the first N prompts, N = ``requests``, and always ends with a result, where a
+    timeout around the client would lose the slice."""
     lengths = [len(prompt) for prompt in prompts]
     queue = list(range(len(prompts)))
     lock = threading.Lock()
@@ -99,7 +103,8 @@ def run(url, model, prompts, concurrency, max_tokens):
     def worker():
         while True:
             with lock:
-                if not queue:
+                if not queue or (deadline_s is not None
+                                 and time.perf_counter() - start > deadline_s):
                     return
                 index = queue.pop(0)
             try:
@@ -115,10 +120,11 @@ def run(url, model, prompts, concurrency, max_tokens):
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - start
+    records = records[:len(prompts) - len(queue)]  # the prompts sent: the first N, in order
     done = [r for r in records if r and r.get("ok")]
     tpots = [tpot_ms(r["first"], r["last"], r["tokens"]) for r in done
              if r["tokens"] > 1 and r["chunks"] > 1]
-    return dict(requests=len(prompts), completed=len(done), wall_s=round(wall, 1),
+    return dict(requests=len(records), completed=len(done), wall_s=round(wall, 1),
                 output_tokens_per_s=sum(r["tokens"] for r in done) / wall,
                 median_tpot_ms=statistics.median(tpots) if tpots else None,
                 median_ttft_s=statistics.median(r["first"] - r["start"] for r in done)
@@ -170,6 +176,10 @@ def main():
     parser.add_argument("--output-tokens", type=int, default=1024)
     parser.add_argument("--limit", type=int, default=0, help="only N prompts (0: all)")
     parser.add_argument("--offset", type=int, default=0, help="from the set's K-th prompt")
+    parser.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                        help="send no request after this many seconds of the timed run (the "
+                             "run then covers the slice's first N prompts; the next slice "
+                             "starts at --offset + N)")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "serve.json"))
     args = parser.parse_args()
@@ -183,9 +193,10 @@ def main():
     # one short untimed request first: whatever the server does at its first request (a
     # kernel built, a pool grown) stays out of the timed run
     stream_completion(args.url, model, prompts[0][:256], 8)
-    result = run(args.url, model, prompts, args.concurrency, args.output_tokens)
+    result = run(args.url, model, prompts, args.concurrency, args.output_tokens, args.deadline)
     result.update(label=args.label, set=args.set, concurrency=args.concurrency, offset=args.offset,
-                  output_tokens=args.output_tokens, command="python3 " + " ".join(sys.argv),
+                  output_tokens=args.output_tokens, deadline_s=args.deadline,
+                  command="python3 " + " ".join(sys.argv),
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), **host_versions())
     # serve_bench.sh starts the server in this environment: its MOIRA_* settings are the arm's
     # (for keys serve_bench.sh's --additional-config does not set: imposed_fraction and

@@ -12,7 +12,9 @@
 #   protocol, 256 prompts x 1,024 tokens per set A run, takes ~10 min per backend at
 #   concurrency 16 and far longer at 1: more than one device session holds; run it in slices,
 #   "--offset 64 --limit 64" etc., one server per slice, and keep each slice's JSON under its
-#   own name, e.g. serve-moira-A-16-o64.json: serve_report.py pools them)
+#   own name, e.g. serve-moira-A-16-o64.json: serve_report.py pools them). "--deadline 400"
+#   sends no request after 400 s, so a slice sized by time is still written; give the other
+#   arm that slice's --limit (its "requests")
 # Results: $OUT/serve-BACKEND-SET-CONCURRENCY.json; server log: $OUT/server-BACKEND.log
 set -euo pipefail
 backend=$1; shift

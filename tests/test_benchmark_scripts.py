@@ -983,6 +983,30 @@ def test_estimate_rotation_moves_the_exact_pages_and_copies_the_summaries():
         assert (rolled[:, [0, 5]] != rotation[i - 1][1][:, [0, 5]]).all()
 
 
+def test_serve_deadline_stops_sending_and_keeps_the_prompts_sent(monkeypatch):
+    serve = load("serve_bench")
+    clock = [0.0]
+    monkeypatch.setattr(serve.time, "perf_counter", lambda: clock[0])
+
+    def completion(url, model, prompt, max_tokens):
+        start = clock[0]
+        clock[0] += 10.0  # each request takes 10 s
+        return dict(start=start, first=start + 1.0, last=clock[0], tokens=max_tokens,
+                    chunks=max_tokens, ok=True)
+
+    monkeypatch.setattr(serve, "stream_completion", completion)
+    prompts = [[1] * n for n in (100, 200, 300, 400, 500)]
+    # at concurrency 1: sent at 0, 10, 20 s; not at 30 (past 25)
+    result = serve.run("http://x", "m", prompts, 1, 10, deadline_s=25.0)
+    assert (result["requests"], result["completed"], result["wall_s"]) == (3, 3, 30.0)
+    assert [r["prompt_tokens"] for r in result["per_request"]] == [100, 200, 300]
+    assert result["output_tokens_per_s"] == pytest.approx(30 / 30.0)
+    # without a deadline: every prompt
+    clock[0] = 0.0
+    result = serve.run("http://x", "m", prompts, 1, 10)
+    assert (result["requests"], result["completed"]) == (5, 5)
+
+
 def test_tpot_is_the_time_after_the_first_token_per_later_token():
     serve = load("serve_bench")
     # 257 tokens, the first at 1.0 s and the last at 2.28 s: 256 gaps of 5 ms
