@@ -12,6 +12,8 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
 - ``moira_eq4``, ``moira_t128``: ``moira`` with the short-row floor off (``step_programs=0``,
                      Eq. 4 alone) and at T = 128 instead of the default 256 (session 14's;
                      files of session 15 have ``moira_t256`` beside a default of 128).
+- ``moira_c<N>``     ``moira`` with Eq. (4)'s chunk floor C = N pages (``chunk_pages``; the
+                     default 24 was chosen at CV 0 only, session 1), e.g. ``moira_c12``.
 - ``fa3_varlen``     vLLM's FA3 (``vllm_flash_attn``, ``fa_version=3``), each (request, KV head)
                      row its own sequence over the HND cache viewed as ``[pages*Hkv, 64, 1, D]``;
                      scheduler metadata built beforehand on the GPU (``fa3_metadata``, timed
@@ -53,6 +55,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -187,16 +190,18 @@ class Shape:
         self.workspace_balanced = moira.DecodeWorkspace(
             batch, self.pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, device="cuda",
             config=moira.MoiraConfig(schedule="balanced"))
-        self.workspace_step = {}  # step_programs -> workspace, built when an arm asks
+        self.workspaces = {}  # an arm's config fields -> its workspace, built when asked
         self.out = torch.empty_like(self.query)
 
-    def step_workspace(self, programs):
-        """A workspace whose config has ``step_programs=programs`` (the moira_eq4/t128 arms)."""
-        if programs not in self.workspace_step:
-            self.workspace_step[programs] = moira.DecodeWorkspace(
+    def arm_workspace(self, arm):
+        """The workspace of one of Moira's configured arms (``config_fields``)."""
+        fields = config_fields(arm)
+        key = tuple(sorted(fields.items()))
+        if key not in self.workspaces:
+            self.workspaces[key] = moira.DecodeWorkspace(
                 self.batch, self.pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, device="cuda",
-                config=moira.MoiraConfig(step_programs=programs))
-        return self.workspace_step[programs]
+                config=moira.MoiraConfig(**fields))
+        return self.workspaces[key]
 
     def kv_bytes(self, counts):
         return int(counts.sum()) * PAGE_BYTES
@@ -313,6 +318,17 @@ ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_eq4", "moira_t128", "fa3_
         "pow2", "flashinfer", "flex"}
 
 
+def config_fields(arm):
+    """``MoiraConfig`` fields of an arm that runs ``moira`` under another configuration
+    (``moira_eq4``, ``moira_t128``, ``moira_c<N>``); None for any other arm."""
+    if arm == "moira_eq4":
+        return dict(step_programs=0)
+    if arm == "moira_t128":
+        return dict(step_programs=128)
+    chunk = re.fullmatch(r"moira_c([1-9][0-9]*)", arm)
+    return dict(chunk_pages=int(chunk.group(1))) if chunk else None
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default=",".join(SHAPES))
@@ -321,9 +337,11 @@ def main():
     parser.add_argument("--quick", action="store_true", help="CV 0 and 1.0 only, no real-like")
     args = parser.parse_args()
     arms = set(args.arms.split(","))
-    if arms - ARMS:  # a misspelt or retired arm would time nothing and say nothing
-        parser.error(f"unknown arms {', '.join(sorted(arms - ARMS))}; known: "
-                     f"{', '.join(sorted(ARMS))} (moira_t256 is moira_t128 since session 15)")
+    unknown = {arm for arm in arms - ARMS if config_fields(arm) is None}
+    if unknown:  # a misspelt or retired arm would time nothing and say nothing
+        parser.error(f"unknown arms {', '.join(sorted(unknown))}; known: "
+                     f"{', '.join(sorted(ARMS))}, moira_c<N> (moira_t256 is moira_t128 since "
+                     f"session 15)")
     out_path = os.path.join(os.environ.get("OUT", "."), "kernels.json")
 
     versions = dict(torch=torch.__version__, triton=triton.__version__)
@@ -442,11 +460,9 @@ def main():
                     timed(shape_name, "moira_balanced",
                           lambda: s.moira(lists, counts, s.workspace_balanced),
                           tag, bytes_read, **info)
-                for name, programs in (("moira_eq4", 0), ("moira_t128", 128)):
-                    if name in arms:
-                        timed(shape_name, name, lambda programs=programs: s.moira(
-                            lists, counts, s.step_workspace(programs)), tag, bytes_read,
-                              **info)
+                for name in sorted(arm for arm in arms if config_fields(arm)):
+                    timed(shape_name, name, lambda name=name: s.moira(
+                        lists, counts, s.arm_workspace(name)), tag, bytes_read, **info)
                 if "moira_hnd" in arms:
                     timed(shape_name, "moira_hnd", lambda: s.moira_hnd(lists, counts), tag,
                           bytes_read, **info)
@@ -482,7 +498,7 @@ def main():
                 if spread == "cv0.0" or (spread == "cv1.0" and len(layers) == 1):
                     check_outputs(report, shape_name, tag, s, fa, flashinfer,
                                   flex_compiled if "flex" in arms else None, BlockMask, lists,
-                                  counts)
+                                  counts, arms)
         for row in report["results"]:
             if row["shape"] == shape_name and row.get("tbps") and dense_us == dense_us:
                 row["rel_bw"] = round(row["tbps"] / tbps(dense_bytes, dense_us), 3)
@@ -498,7 +514,7 @@ CHECK_TOLERANCE = 2 ** -7
 
 
 def check_outputs(report, shape_name, tag, s, fa, flashinfer, flex_compiled, block_mask_cls,
-                  lists, counts):
+                  lists, counts, arms=()):
     """Every arm must compute the same attention: max |difference| to Moira's output, and
     ``agrees`` (at most ``CHECK_TOLERANCE``). ``pad`` and ``pow2`` are not checked: their
     padded lists hold other pages, so they compute other attention (they time the reads)."""
@@ -510,9 +526,10 @@ def check_outputs(report, shape_name, tag, s, fa, flashinfer, flex_compiled, blo
             return lambda: s.moira(lists, counts, workspace)().clone()
 
         outputs = {"moira_hnd": s.moira_hnd(lists, counts),
-                   "moira_balanced": moira_with(s.workspace_balanced),
-                   "moira_eq4": moira_with(s.step_workspace(0)),
-                   "moira_t128": moira_with(s.step_workspace(128))}
+                   "moira_balanced": moira_with(s.workspace_balanced)}
+        outputs.update({arm: moira_with(s.arm_workspace(arm))
+                        for arm in ["moira_eq4", "moira_t128"] + sorted(
+                            arm for arm in arms if config_fields(arm))})
         if fa is not None:
             outputs["fa3_varlen"] = s.fa3_varlen(fa, s.fa3_inputs(lists, counts), None)
         if flashinfer is not None:

@@ -112,6 +112,32 @@ def tables(report):
     return "\n".join(lines)
 
 
+def variant_table(report):
+    """Moira's configured arms (``moira_eq4``, ``moira_c12``, ...: Attend + Merge under another
+    ``MoiraConfig``) against ``moira`` on the same lists: µs and ratio per shape and spread;
+    "" when the run has none."""
+    table = collect(report)
+    variants = sorted({arm for spreads in table.values() for arms in spreads.values()
+                       for arm in arms if arm.startswith("moira_")
+                       and arm not in ("moira_all_pages", "moira_balanced", "moira_hnd")})
+    if not variants:
+        return ""
+    lines = ["| shape | spread | Moira | " + " | ".join(variants) + " |",
+             "|---|---|---|" + "---|" * len(variants)]
+    for shape, spreads in table.items():
+        for spread, arms in spreads.items():
+            base = arms.get("moira", {}).get("us")
+            if spread is None or base is None:
+                continue
+            cells = []
+            for arm in variants:
+                us = arms.get(arm, {}).get("us")
+                cells.append("—" if us is None else f"{us:.1f} ({us / base - 1:+.1%})")
+            lines.append(f"| {SHAPE_LABELS.get(shape, shape)} | {spread} | {base:.1f} | "
+                         + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(report, path):
     import matplotlib
 
@@ -156,6 +182,10 @@ def main():
     with open(args.result) as f:
         report = json.load(f)
     markdown = tables(report) + "\n\n" + output_checks(report)
+    variants = variant_table(report)
+    if variants:
+        markdown += "\n\nMoira's kernels under other configurations (Attend + Merge):\n\n" \
+            + variants
     png = os.path.splitext(args.result)[0] + ".png"
     plot(report, png)
     print(markdown)

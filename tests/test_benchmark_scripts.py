@@ -533,6 +533,14 @@ def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench.main()
     assert "unknown arms moira_t256" in capsys.readouterr().err
+    # Moira under another chunk floor is an arm by its name
+    assert bench.config_fields("moira_c12") == {"chunk_pages": 12}
+    assert bench.config_fields("moira_eq4") == {"step_programs": 0}
+    assert bench.config_fields("moira_c0") is None and bench.config_fields("moira") is None
+    monkeypatch.setattr("sys.argv", ["bench_kernels.py", "--arms", "moira,moira_c12,moira_cx"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "unknown arms moira_cx;" in capsys.readouterr().err
 
 
 def test_compile_check_rejects_memory_access_before_the_programmatic_wait():
@@ -1011,6 +1019,21 @@ def test_tpot_is_the_time_after_the_first_token_per_later_token():
     serve = load("serve_bench")
     # 257 tokens, the first at 1.0 s and the last at 2.28 s: 256 gaps of 5 ms
     assert serve.tpot_ms(1.0, 2.28, 257) == pytest.approx(5.0)
+
+
+def test_kernel_report_compares_moiras_configured_arms_with_moira():
+    report = load("kernel_report")
+    rows = [dict(shape="8k32", spread="cv0.0", arm="moira", us=60.0),
+            dict(shape="8k32", spread="cv0.0", arm="moira_c12", us=66.0),
+            dict(shape="8k32", spread="cv1.0", arm="moira", us=70.0),
+            dict(shape="8k32", spread="cv1.0", arm="moira_c12", us=63.0),
+            dict(shape="8k32", spread="cv1.0", arm="moira_hnd", us=50.0),
+            dict(shape="8k32", spread=None, arm="moira_all_pages", us=250.0)]
+    text = report.variant_table(dict(results=rows))
+    assert text.splitlines()[0] == "| shape | spread | Moira | moira_c12 |"
+    assert "| 8k x32 | cv0.0 | 60.0 | 66.0 (+10.0%) |" in text
+    assert "| 8k x32 | cv1.0 | 70.0 | 63.0 (-10.0%) |" in text
+    assert report.variant_table(dict(results=rows[:1])) == ""
 
 
 def test_kernel_report_states_every_output_check():
