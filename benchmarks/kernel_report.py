@@ -11,7 +11,7 @@ import os
 import statistics
 from collections import defaultdict
 
-from bench_kernels import CHECK_TOLERANCE
+from bench_kernels import CHECK_TOLERANCE, config_fields
 from readme_section import write_section
 
 ARMS = [("moira", "Moira"), ("fa3_varlen", "FA3 varlen"), ("pad", "pad"), ("pow2", "pow2"),
@@ -118,8 +118,7 @@ def variant_table(report):
     "" when the run has none."""
     table = collect(report)
     variants = sorted({arm for spreads in table.values() for arms in spreads.values()
-                       for arm in arms if arm.startswith("moira_")
-                       and arm not in ("moira_all_pages", "moira_balanced", "moira_hnd")})
+                       for arm in arms if config_fields(arm)})
     if not variants:
         return ""
     lines = ["| shape | spread | Moira | " + " | ".join(variants) + " |",
