@@ -46,7 +46,8 @@ Estimate also summarized it at every replay, a step that comes once in 64 per ro
 
 Every time is the median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``), except
 the host plan. The caches are >= 1 GB per shape and the selected pages (>= 235 MB) are scattered,
-far beyond the 60 MiB L2. Results go to ``$OUT/kernels.json`` after every shape.
+far beyond the 60 MiB L2. Results go to ``$OUT/kernels.json`` after every shape. Shapes: 8k32,
+32k16, 64k8, 131k4 by default; 16k32 when named.
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/bench_kernels.py [--shapes 8k32,32k16] [--quick]
 """
@@ -70,6 +71,9 @@ from moira.synthetic import spread_fractions
 
 KV_HEADS, GROUP, HEAD_DIM, PAGE = 8, 4, 128, 64
 SHAPES = {"8k32": (8192, 32), "32k16": (32768, 16), "64k8": (65536, 8), "131k4": (131072, 4)}
+# timed only when named in --shapes: 16k x 32 is the engines' shape between 8k x 32 and 32k x 16
+# whose rows (256 pages) Eq. (4)'s chunk floor cuts into a few chunks
+EXTRA_SHAPES = {"16k32": (16384, 32)}
 CVS = [0.0, 0.5, 1.0, 1.2]
 MEAN_FRACTION = 0.22
 REAL_LAYERS = 8  # real-like spread: per-layer means 9% .. 68% (geometric), CV 0.7 across rows
@@ -342,6 +346,10 @@ def main():
         parser.error(f"unknown arms {', '.join(sorted(unknown))}; known: "
                      f"{', '.join(sorted(ARMS))}, moira_c<N> (moira_t256 is moira_t128 since "
                      f"session 15)")
+    shapes = {**SHAPES, **EXTRA_SHAPES}
+    unknown_shapes = [name for name in args.shapes.split(",") if name not in shapes]
+    if unknown_shapes:  # before the imports and the JSON, not as a KeyError halfway through
+        parser.error(f"unknown shapes {', '.join(unknown_shapes)}; known: {', '.join(shapes)}")
     out_path = os.path.join(os.environ.get("OUT", "."), "kernels.json")
 
     versions = dict(torch=torch.__version__, triton=triton.__version__)
@@ -396,7 +404,7 @@ def main():
             return None
 
     for shape_name in args.shapes.split(","):
-        context, batch = SHAPES[shape_name]
+        context, batch = shapes[shape_name]
         s = Shape(context, batch)
         dense_bytes = s.rows * s.pages * PAGE_BYTES
         full_counts = torch.full((s.rows,), s.pages, dtype=torch.int32, device="cuda")

@@ -16,7 +16,8 @@ from readme_section import write_section
 
 ARMS = [("moira", "Moira"), ("fa3_varlen", "FA3 varlen"), ("pad", "pad"), ("pow2", "pow2"),
         ("flashinfer", "FlashInfer"), ("flex", "FlexAttention")]
-SHAPE_LABELS = {"8k32": "8k x32", "32k16": "32k x16", "64k8": "64k x8", "131k4": "131k x4"}
+SHAPE_LABELS = {"8k32": "8k x32", "16k32": "16k x32", "32k16": "32k x16", "64k8": "64k x8",
+                "131k4": "131k x4"}
 
 
 def collect(report):

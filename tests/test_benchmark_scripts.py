@@ -541,6 +541,12 @@ def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench.main()
     assert "unknown arms moira_cx;" in capsys.readouterr().err
+    # shapes: the default four, 16k x 32 when named, nothing else
+    monkeypatch.setattr("sys.argv", ["bench_kernels.py", "--shapes", "8k32,16k32,16k16"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "unknown shapes 16k16;" in capsys.readouterr().err
+    assert "16k32" not in bench.SHAPES and bench.EXTRA_SHAPES["16k32"] == (16384, 32)
 
 
 def test_compile_check_rejects_memory_access_before_the_programmatic_wait():
