@@ -8,6 +8,7 @@ file (benchmarks/RESULTS.md) between ``<!-- kernels:begin -->`` and ``<!-- kerne
 import argparse
 import json
 import os
+import re
 import statistics
 from collections import defaultdict
 
@@ -16,8 +17,12 @@ from readme_section import write_section
 
 ARMS = [("moira", "Moira"), ("fa3_varlen", "FA3 varlen"), ("pad", "pad"), ("pow2", "pow2"),
         ("flashinfer", "FlashInfer"), ("flex", "FlexAttention")]
-SHAPE_LABELS = {"8k32": "8k x32", "16k32": "16k x32", "32k16": "32k x16", "64k8": "64k x8",
-                "131k4": "131k x4"}
+
+
+def shape_label(name):
+    """bench_kernels' shape name as the tables print it: "8k32" -> "8k x32" (tune_kernels'
+    form); any other name as it is."""
+    return re.sub(r"^(\d+k)(\d+)$", r"\1 x\2", name)
 
 
 def collect(report):
@@ -92,7 +97,7 @@ def tables(report):
                 continue
             fraction = arms.get("moira", {}).get("fraction")
             lines.append(
-                f"| {SHAPE_LABELS.get(shape, shape)} | {spread} | "
+                f"| {shape_label(shape)} | {spread} | "
                 + (f"{fraction:.0%}" if fraction else "—") + " | "
                 + " | ".join(fmt(arms.get(arm)) for arm, _ in ARMS)
                 + f" | {fmt(arms.get('flashinfer_plan'))} | "
@@ -106,7 +111,7 @@ def tables(report):
         dense = [r["us"] for arm, r in refs.items()
                  if arm.startswith("dense_fa3") and r.get("us")]
         lines.append(
-            f"| {SHAPE_LABELS.get(shape, shape)} | {fmt(refs.get('estimate'))} | "
+            f"| {shape_label(shape)} | {fmt(refs.get('estimate'))} | "
             f"{fmt(refs.get('select_coverage'))} | {fmt(refs.get('select_top22'))} | "
             f"{fmt(refs.get('step_top22'))} | {fmt(refs.get('moira_all_pages'))} | "
             + (f"{min(dense):.1f}" if dense else "—") + " |")
@@ -133,7 +138,7 @@ def variant_table(report):
             for arm in variants:
                 us = arms.get(arm, {}).get("us")
                 cells.append("—" if us is None else f"{us:.1f} ({us / base - 1:+.1%})")
-            lines.append(f"| {SHAPE_LABELS.get(shape, shape)} | {spread} | {base:.1f} | "
+            lines.append(f"| {shape_label(shape)} | {spread} | {base:.1f} | "
                          + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -160,7 +165,7 @@ def plot(report, path):
                     ax.scatter([max(cvs) + 0.3], [real], marker="*", s=90, color=line.get_color())
         dense = [r["us"] for a, r in spreads[None].items()
                  if a.startswith("dense_fa3") and r.get("us")]
-        ax.set_title(SHAPE_LABELS.get(shape, shape))
+        ax.set_title(shape_label(shape))
         ax.set_xlabel("CV of row lengths (★ = real-like)")
         if dense:
             ax.axhline(min(dense), color="gray", linestyle="--", label="dense FA3 (all pages)")

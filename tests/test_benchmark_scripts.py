@@ -1040,6 +1040,9 @@ def test_kernel_report_compares_moiras_configured_arms_with_moira():
     assert "| 8k x32 | cv0.0 | 60.0 | 66.0 (+10.0%) |" in text
     assert "| 8k x32 | cv1.0 | 70.0 | 63.0 (-10.0%) |" in text
     assert report.variant_table(dict(results=rows[:1])) == ""
+    # shape names printed as tune_kernels prints them, the extra 16k32 too
+    assert [report.shape_label(name) for name in ("8k32", "16k32", "131k4", "x")] == \
+        ["8k x32", "16k x32", "131k x4", "x"]
 
 
 def test_kernel_report_states_every_output_check():

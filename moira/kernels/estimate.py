@@ -123,7 +123,7 @@ def _summary_tile(summaries, physical, middle, head, stride_sp, stride_sh, strid
 def _query_head(query_row, q_next, g: tl.constexpr, dims, scale, stride_qh, stride_qd,
                 GROUP: tl.constexpr, AHEAD: tl.constexpr):
     """(head ``g``'s query scaled, float32; the raw query to pass for head g + 1). With
-    ``AHEAD`` (``QUERY_AHEAD``) ``q_next`` holds head g's raw query, loaded during head g - 1
+    ``AHEAD`` (``QUERY_HEAD_AHEAD``) ``q_next`` holds head g's raw query, loaded during head g - 1
     (head 0's before the loop), and head g + 1's is loaded now; otherwise head g's loads now."""
     if AHEAD:
         q_g = q_next.to(tl.float32) * scale
