@@ -14,6 +14,9 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
                      files of session 15 have ``moira_t256`` beside a default of 128).
 - ``moira_c<N>``     ``moira`` with Eq. (4)'s chunk floor C = N pages (``chunk_pages``; the
                      default 24 was chosen at CV 0 only, session 1), e.g. ``moira_c12``.
+- ``moira_ahead<P><S>``  ``moira`` with each tile's page ids loaded a tile ahead
+                     (``attend.PAGE_IDS_AHEAD``), P pages per tile and S pipeline stages
+                     (``PAGES_PER_ITER``, ``NUM_STAGES``), e.g. ``moira_ahead13``.
 - ``fa3_varlen``     vLLM's FA3 (``vllm_flash_attn``, ``fa_version=3``), each (request, KV head)
                      row its own sequence over the HND cache viewed as ``[pages*Hkv, 64, 1, D]``;
                      scheduler metadata built beforehand on the GPU (``fa3_metadata``, timed
@@ -53,6 +56,7 @@ far beyond the 60 MiB L2. Results go to ``$OUT/kernels.json`` after every shape.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -67,6 +71,7 @@ import triton
 
 import moira
 from moira.decode import _launch_estimate, _launch_select
+from moira.kernels import attend as attend_module
 from moira.synthetic import spread_fractions
 
 KV_HEADS, GROUP, HEAD_DIM, PAGE = 8, 4, 128, 64
@@ -225,6 +230,17 @@ class Shape:
                                     self.seq_lens, lists3, counts2, scale=self.scale,
                                     workspace=workspace or self.workspace, out=self.out)
 
+    def moira_configured(self, arm, lists, counts):
+        """``moira`` as one of its configured arms runs it: that arm's workspace
+        (``config_fields``), launched under its Attend settings (``attend_settings``; read at
+        each launch, so also when a graph is captured)."""
+        run = self.moira(lists, counts, self.arm_workspace(arm))
+
+        def launch():
+            with patched(attend_module, **attend_settings(arm)):
+                return run()
+        return launch
+
     def moira_hnd(self, lists, counts):
         lists3, counts2 = lists.view(self.rows, 1, -1), counts.view(self.rows, 1)
         out = torch.empty_like(self.query_f)
@@ -324,13 +340,38 @@ ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_eq4", "moira_t128", "fa3_
 
 def config_fields(arm):
     """``MoiraConfig`` fields of an arm that runs ``moira`` under another configuration
-    (``moira_eq4``, ``moira_t128``, ``moira_c<N>``); None for any other arm."""
+    (``moira_eq4``, ``moira_t128``, ``moira_c<N>``; ``moira_ahead<P><S>``: the default
+    configuration, ``attend_settings``); None for any other arm."""
     if arm == "moira_eq4":
         return dict(step_programs=0)
     if arm == "moira_t128":
         return dict(step_programs=128)
+    if attend_settings(arm):
+        return {}
     chunk = re.fullmatch(r"moira_c([1-9][0-9]*)", arm)
     return dict(chunk_pages=int(chunk.group(1))) if chunk else None
+
+
+def attend_settings(arm):
+    """Attend's module constants under which a configured arm launches (``moira_ahead<P><S>``:
+    page ids a tile ahead, P pages per tile, S stages); {} for any other arm."""
+    ahead = re.fullmatch(r"moira_ahead([124])([1-9])", arm)
+    return (dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(ahead.group(1)),
+                 NUM_STAGES=int(ahead.group(2))) if ahead else {})
+
+
+@contextlib.contextmanager
+def patched(module, **settings):
+    """A kernel module's tuning constants changed for one measurement, restored afterwards
+    (also when the measurement fails)."""
+    saved = {name: getattr(module, name) for name in settings}
+    for name, value in settings.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def main():
@@ -344,7 +385,7 @@ def main():
     unknown = {arm for arm in arms - ARMS if config_fields(arm) is None}
     if unknown:  # a misspelt or retired arm would time nothing and say nothing
         parser.error(f"unknown arms {', '.join(sorted(unknown))}; known: "
-                     f"{', '.join(sorted(ARMS))}, moira_c<N> (moira_t256 is moira_t128 since "
+                     f"{', '.join(sorted(ARMS))}, moira_c<N>, moira_ahead<P><S> (moira_t256 is moira_t128 since "
                      f"session 15)")
     shapes = {**SHAPES, **EXTRA_SHAPES}
     unknown_shapes = [name for name in args.shapes.split(",") if name not in shapes]
@@ -419,6 +460,9 @@ def main():
                                       lambda: s.dense_fa3(fa, splits), bytes_read=dense_bytes)
         timed(shape_name, "moira_all_pages", lambda: s.moira(full_lists, full_counts),
               bytes_read=dense_bytes)
+        for name in sorted(arm for arm in arms if attend_settings(arm)):  # and Attend's options
+            timed(shape_name, f"{name}_all_pages", lambda name=name: s.moira_configured(
+                name, full_lists, full_counts), bytes_read=dense_bytes)
         dense_us = min([t for t in dense.values() if t] or [float("nan")])
 
         # --- Estimate, Select, whole step (fixed 22%), each row one token short of a full page:
@@ -468,9 +512,9 @@ def main():
                     timed(shape_name, "moira_balanced",
                           lambda: s.moira(lists, counts, s.workspace_balanced),
                           tag, bytes_read, **info)
-                for name in sorted(arm for arm in arms if config_fields(arm)):
-                    timed(shape_name, name, lambda name=name: s.moira(
-                        lists, counts, s.arm_workspace(name)), tag, bytes_read, **info)
+                for name in sorted(arm for arm in arms if config_fields(arm) is not None):
+                    timed(shape_name, name, lambda name=name: s.moira_configured(
+                        name, lists, counts), tag, bytes_read, **info)
                 if "moira_hnd" in arms:
                     timed(shape_name, "moira_hnd", lambda: s.moira_hnd(lists, counts), tag,
                           bytes_read, **info)
@@ -530,14 +574,12 @@ def check_outputs(report, shape_name, tag, s, fa, flashinfer, flex_compiled, blo
         s.moira(lists, counts)()
         reference = s.out.view(s.rows, GROUP, HEAD_DIM).float().clone()
 
-        def moira_with(workspace):  # the other configurations of Moira's own kernels
-            return lambda: s.moira(lists, counts, workspace)().clone()
-
         outputs = {"moira_hnd": s.moira_hnd(lists, counts),
-                   "moira_balanced": moira_with(s.workspace_balanced)}
-        outputs.update({arm: moira_with(s.arm_workspace(arm))
+                   "moira_balanced": lambda: s.moira(lists, counts, s.workspace_balanced)().clone()}
+        # the other configurations of Moira's own kernels
+        outputs.update({arm: lambda arm=arm: s.moira_configured(arm, lists, counts)().clone()
                         for arm in ["moira_eq4", "moira_t128"] + sorted(
-                            arm for arm in arms if config_fields(arm))})
+                            arm for arm in arms if config_fields(arm) is not None)})
         if fa is not None:
             outputs["fa3_varlen"] = s.fa3_varlen(fa, s.fa3_inputs(lists, counts), None)
         if flashinfer is not None:

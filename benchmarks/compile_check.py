@@ -126,7 +126,8 @@ def kernels(group, head_dim, block, pdl=False):
         (f"attend {tag}", attend._attend_kernel,
          dict(GROUP=group, GROUP_PAD=max(16, group_pad), HEAD_DIM=head_dim, PAGE=PAGE,
               PAGES_PER_TILE=attend.PAGES_PER_ITER, SUM_ROUNDED=attend.SUM_ROUNDED_WEIGHTS,
-              FA3_ORDER=attend.FA3_TILE_ORDER, EVEN_CHUNKS=attend.EVEN_CHUNKS, PDL=pdl),
+              FA3_ORDER=attend.FA3_TILE_ORDER, EVEN_CHUNKS=attend.EVEN_CHUNKS,
+              PAGES_AHEAD=attend.PAGE_IDS_AHEAD, PDL=pdl),
          attend.NUM_WARPS, attend.NUM_STAGES, attend.MAX_REGISTERS),
         (f"merge {tag}", merge._merge_kernel,
          dict(GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
@@ -172,6 +173,12 @@ def main():
         if name.startswith("attend") and build(f"{name} FA3 order", kernel, dict(
                 constexprs, FA3_ORDER=True, SUM_ROUNDED=False), warps, stages, maxnreg):
             spilled.append(f"{name} FA3 order")
+        if name.startswith("attend"):  # bench_kernels.py's moira_ahead<P><S> arms
+            for per_tile, stages in ((1, 3), (1, 4), (2, 3)):
+                label = f"{name} page ids ahead, {per_tile} pages per tile, {stages} stages"
+                if build(label, kernel, dict(constexprs, PAGES_AHEAD=True,
+                                             PAGES_PER_TILE=per_tile), warps, stages, maxnreg):
+                    spilled.append(label)
         if name.startswith("attend"):  # tune_kernels.py's register ceilings, as Estimate's
             for stages, registers in ((2, 128), (2, 96), (3, 128), (3, 96)):
                 build(f"{name} one page per tile, {stages} stages, max registers {registers}",

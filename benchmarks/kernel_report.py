@@ -120,25 +120,27 @@ def tables(report):
 
 def variant_table(report):
     """Moira's configured arms (``moira_eq4``, ``moira_c12``, ...: Attend + Merge under another
-    ``MoiraConfig``) against ``moira`` on the same lists: µs and ratio per shape and spread;
-    "" when the run has none."""
+    ``MoiraConfig`` or Attend's options) against ``moira`` on the same lists: µs and ratio per
+    shape and spread, and on all pages where timed; "" when the run has none."""
     table = collect(report)
     variants = sorted({arm for spreads in table.values() for arms in spreads.values()
-                       for arm in arms if config_fields(arm)})
+                       for arm in arms if config_fields(arm) is not None})
     if not variants:
         return ""
     lines = ["| shape | spread | Moira | " + " | ".join(variants) + " |",
              "|---|---|---|" + "---|" * len(variants)]
     for shape, spreads in table.items():
         for spread, arms in spreads.items():
-            base = arms.get("moira", {}).get("us")
-            if spread is None or base is None:
+            # the row without a spread: every page of every row (``<arm>_all_pages``)
+            suffix = "_all_pages" if spread is None else ""
+            base = arms.get("moira" + suffix, {}).get("us")
+            if base is None:
                 continue
             cells = []
             for arm in variants:
-                us = arms.get(arm, {}).get("us")
+                us = arms.get(arm + suffix, {}).get("us")
                 cells.append("—" if us is None else f"{us:.1f} ({us / base - 1:+.1%})")
-            lines.append(f"| {shape_label(shape)} | {spread} | {base:.1f} | "
+            lines.append(f"| {shape_label(shape)} | {spread or 'all pages'} | {base:.1f} | "
                          + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -11,7 +11,6 @@ kernel modules' tuning constants. Prints a table; writes JSON to $OUT/tune.json.
 """
 
 import argparse
-import contextlib
 import itertools
 import json
 import math
@@ -28,7 +27,7 @@ from moira.kernels import estimate as estimate_module
 from moira.kernels import select as select_module
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import estimate_bytes, estimate_rotation  # noqa: E402
+from bench_kernels import estimate_bytes, estimate_rotation, patched  # noqa: E402
 
 KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
 SHAPES = [(8192, 32), (32768, 16), (65536, 8), (131072, 4)]
@@ -47,20 +46,6 @@ def bench(fn):
     # still being written here would be read half-made
     torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
-
-
-@contextlib.contextmanager
-def patched(module, **settings):
-    """A kernel module's tuning constants changed for one measurement, restored afterwards
-    (also when the measurement fails)."""
-    saved = {name: getattr(module, name) for name in settings}
-    for name, value in settings.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
 
 
 def step_inputs(context, batch):

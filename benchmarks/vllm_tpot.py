@@ -88,12 +88,13 @@ def cached_prompts(llm, rng, context, batch):
 # the kernels' tuning constants an engine of this script may be given (--kernel-setting)
 KERNEL_SETTINGS = {"estimate": ("QUERY_HEAD_AHEAD", "TARGET_PROGRAMS", "PAGES_PER_PROGRAM",
                                 "NUM_WARPS", "MAX_REGISTERS"),
-                   "attend": ("PAGES_PER_ITER", "NUM_STAGES", "NUM_WARPS", "MAX_REGISTERS")}
+                   "attend": ("PAGE_IDS_AHEAD", "PAGES_PER_ITER", "NUM_STAGES", "NUM_WARPS",
+                              "MAX_REGISTERS")}
 
 
 def parse_kernel_settings(parser, items):
-    """``["module.NAME=INT", ...]`` -> ``{"module.NAME": int}`` (QUERY_HEAD_AHEAD as a bool), or
-    a usage error."""
+    """``["module.NAME=INT", ...]`` -> ``{"module.NAME": int}`` (the ``*_AHEAD`` options as
+    bools), or a usage error."""
     settings = {}
     for item in items:
         key, _, value = item.partition("=")

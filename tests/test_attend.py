@@ -201,6 +201,17 @@ def test_several_pages_per_tile(monkeypatch, pages_per_iter):
     check_attend(*mixed_rows(), SMALL_SPLIT)
 
 
+@pytest.mark.parametrize("pages_per_iter, group, head_dim", [(1, 4, 128), (1, 1, 64), (1, 7, 64),
+                                                             (2, 8, 128), (4, 4, 64)])
+def test_page_ids_loaded_a_tile_ahead(monkeypatch, pages_per_iter, group, head_dim):
+    """PAGE_IDS_AHEAD (a tuning option): each tile's page ids come from the loop's previous
+    iteration, and the lookahead past a chunk's last tile reads nothing; chunks of one tile
+    and of several, partial last pages, empty and full rows, G = 1 / 4 / 7 / 8."""
+    monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
+    monkeypatch.setattr(attend_module, "PAGE_IDS_AHEAD", True)
+    check_attend(*mixed_rows(group=group, head_dim=head_dim), SMALL_SPLIT)
+
+
 @pytest.mark.parametrize("pages_per_iter, registers", [(1, 128), (1, 96)])
 def test_register_ceiling(monkeypatch, pages_per_iter, registers):
     """MAX_REGISTERS (a tuning option): builds under a register ceiling (96 spills 8 bytes on
@@ -277,11 +288,12 @@ def test_pages_past_seq_len_are_masked():
     assert (out.float().cpu() - dense).abs().max() < 2e-2
 
 
-@pytest.mark.parametrize("pages_per_iter", [1, 2])
-def test_list_entries_outside_the_table_read_nothing(monkeypatch, pages_per_iter):
+@pytest.mark.parametrize("pages_per_iter, ahead", [(1, False), (2, False), (1, True), (2, True)])
+def test_list_entries_outside_the_table_read_nothing(monkeypatch, pages_per_iter, ahead):
     # -1 (the reference's padding) and entries past the table's width, inside the count: they
     # must not read another request's page (row 1's -1 would be row 0's last column)
     monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
+    monkeypatch.setattr(attend_module, "PAGE_IDS_AHEAD", ahead)
     keys, values = make_cache(12, 1, 64)
     table, _ = make_table([64 * 3, 64 * 3], 12, extra_columns=0)
     table = table[:, :2]  # narrower than the rows: seq_len reaches past the table

@@ -537,6 +537,18 @@ def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
     assert bench.config_fields("moira_c12") == {"chunk_pages": 12}
     assert bench.config_fields("moira_eq4") == {"step_programs": 0}
     assert bench.config_fields("moira_c0") is None and bench.config_fields("moira") is None
+    # Attend's page ids a tile ahead: the default configuration under other module constants
+    assert bench.config_fields("moira_ahead13") == {}
+    assert bench.attend_settings("moira_ahead13") == dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=1,
+                                                          NUM_STAGES=3)
+    assert bench.attend_settings("moira_c12") == {} and bench.config_fields("moira_ahead3") is None
+    from moira.kernels import attend as attend_module
+    default = (attend_module.PAGE_IDS_AHEAD, attend_module.NUM_STAGES)
+    with pytest.raises(RuntimeError), bench.patched(attend_module,
+                                                    **bench.attend_settings("moira_ahead24")):
+        assert (attend_module.PAGE_IDS_AHEAD, attend_module.NUM_STAGES) == (True, 4)
+        raise RuntimeError  # a failed measurement still restores the module
+    assert (attend_module.PAGE_IDS_AHEAD, attend_module.NUM_STAGES) == default
     monkeypatch.setattr("sys.argv", ["bench_kernels.py", "--arms", "moira,moira_c12,moira_cx"])
     with pytest.raises(SystemExit):
         bench.main()
@@ -1040,6 +1052,13 @@ def test_kernel_report_compares_moiras_configured_arms_with_moira():
     assert "| 8k x32 | cv0.0 | 60.0 | 66.0 (+10.0%) |" in text
     assert "| 8k x32 | cv1.0 | 70.0 | 63.0 (-10.0%) |" in text
     assert report.variant_table(dict(results=rows[:1])) == ""
+    # an arm under Attend's options, also timed on every page (``<arm>_all_pages``)
+    rows += [dict(shape="8k32", spread="cv0.0", arm="moira_ahead13", us=54.0),
+             dict(shape="8k32", spread=None, arm="moira_ahead13_all_pages", us=225.0)]
+    lines = report.variant_table(dict(results=rows)).splitlines()
+    assert lines[0] == "| shape | spread | Moira | moira_ahead13 | moira_c12 |"
+    assert "| 8k x32 | cv0.0 | 60.0 | 54.0 (-10.0%) | 66.0 (+10.0%) |" in lines
+    assert "| 8k x32 | all pages | 250.0 | 225.0 (-10.0%) | — |" in lines
     # shape names printed as tune_kernels prints them, the extra 16k32 too
     assert [report.shape_label(name) for name in ("8k32", "16k32", "131k4", "x")] == \
         ["8k x32", "16k x32", "131k x4", "x"]
@@ -1108,6 +1127,8 @@ def test_vllm_tpot_kernel_settings_are_checked():
     assert tpot.parse_kernel_settings(parser, ["estimate.QUERY_HEAD_AHEAD=0",
                                                "attend.MAX_REGISTERS=96"]) \
         == {"estimate.QUERY_HEAD_AHEAD": False, "attend.MAX_REGISTERS": 96}
+    assert tpot.parse_kernel_settings(parser, ["attend.PAGE_IDS_AHEAD=1"]) \
+        == {"attend.PAGE_IDS_AHEAD": True}
     for bad in ("estimate.TILE_STAGES=2", "estimate.NEXT_TILE_AHEAD=1",
                 "select.SHARES_IN_CHUNKS_FROM=1024", "estimate.MAX_REGISTERS=many",
                 "MAX_REGISTERS=96",

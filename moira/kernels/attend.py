@@ -62,6 +62,14 @@ FA3_TILE_ORDER = False
 # on the H200 (session 9, tune_kernels.py --kinds step, 22% of every row) 7% slower at 8k x 32
 # (72.2 against 67.4 us) and equal at 32k-131k (within 0.3%): off, Eq. (4) as is
 EVEN_CHUNKS = False
+# each tile's page ids (list entry -> block table) loaded one tile ahead and carried by the
+# loop. Why: Triton's pipeliner gives K and V one shared-memory buffer each when their
+# addresses come from loads in the same iteration (the default, at any NUM_STAGES: one tile
+# in flight per program, and none while it computes); with the ids carried, NUM_STAGES 3
+# gives two buffers (one page per tile: 72 KB, 150 registers, 3 blocks per SM) and 4 three
+# (105 KB, 2 blocks per SM), so the next tile loads while this one is computed (sm_90 builds,
+# compile_check.py). Untimed (bench_kernels.py's moira_ahead<P><S> arms): off
+PAGE_IDS_AHEAD = False
 
 
 @triton.jit
@@ -93,19 +101,15 @@ def short_row_pages(chunk_floor, step_rows, step_programs):
 
 
 @triton.jit
-def attend_tile(q, key_cache, value_cache, row_pages, row_table, seq_len, head, i, last,
-                running_max, running_sum, acc, tile_page, offset, dims,
-                stride_kp, stride_kt, stride_kh, stride_kd,
-                stride_vp, stride_vt, stride_vh, stride_vd, max_pages, qk_scale_log2,
-                PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr, SUM_ROUNDED: tl.constexpr,
-                FA3_ORDER: tl.constexpr):
-    """One tile of listed pages ``[i, i + PAGES_PER_TILE)`` (those before ``last``) folded into
-    the online softmax: ``(running_max, running_sum, acc)``. The running max is in the log2
-    domain, or with ``FA3_ORDER`` in raw scores, the scale folded into the exponent."""
+def tile_pages(row_pages, row_table, seq_len, i, last, tile_page, offset, max_pages,
+               PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr):
+    """Physical page of every token of the tile of listed pages ``[i, i + PAGES_PER_TILE)``
+    (those before ``last``) and whether the token is read: ``(page int64, valid)``."""
     # an entry outside the block table's [0, max_pages) reads nothing (a caller's bad list
     # must not read another request's page)
     if PAGES_PER_TILE == 1:  # one page: its list entry and physical id are scalars
-        logical = tl.load(row_pages + i)
+        listed = i < last  # PAGE_IDS_AHEAD looks one tile past a chunk: not past the list
+        logical = tl.load(row_pages + i, mask=listed, other=-1)
         in_table = (logical >= 0) & (logical < max_pages)
         valid = in_table & (logical * PAGE + offset < seq_len)  # and the current page's tail
         page = tl.load(row_table + logical, mask=in_table, other=0).to(tl.int64)
@@ -116,6 +120,18 @@ def attend_tile(q, key_cache, value_cache, row_pages, row_table, seq_len, head, 
         in_table = listed & (logical >= 0) & (logical < max_pages)
         valid = in_table & (logical * PAGE + offset < seq_len)
         page = tl.load(row_table + logical, mask=in_table, other=0).to(tl.int64)
+    return page, valid
+
+
+@triton.jit
+def attend_tile(q, key_cache, value_cache, page, valid, head,
+                running_max, running_sum, acc, offset, dims,
+                stride_kp, stride_kt, stride_kh, stride_kd,
+                stride_vp, stride_vt, stride_vh, stride_vd, qk_scale_log2,
+                SUM_ROUNDED: tl.constexpr, FA3_ORDER: tl.constexpr):
+    """One tile of tokens (physical ``page`` and ``valid`` per token, ``tile_pages``) folded
+    into the online softmax: ``(running_max, running_sum, acc)``. The running max is in the
+    log2 domain, or with ``FA3_ORDER`` in raw scores, the scale folded into the exponent."""
     key_rows = page * stride_kp + offset * stride_kt
     value_rows = page * stride_vp + offset * stride_vt
     keys = tl.load(key_cache + head * stride_kh + key_rows[:, None]
@@ -153,7 +169,8 @@ def attend_segment(query, key_cache, value_cache, block_table, seq_lens, page_li
                    stride_bt, stride_pb, stride_ph, max_pages, qk_scale_log2,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
-                   SUM_ROUNDED: tl.constexpr, FA3_ORDER: tl.constexpr):
+                   SUM_ROUNDED: tl.constexpr, FA3_ORDER: tl.constexpr,
+                   PAGES_AHEAD: tl.constexpr = False):
     """Attention of the G query heads of row (b, head) over its listed pages ``[first, last)``:
     ``(output [GROUP_PAD, D] float32, lse [GROUP_PAD])``; zeros and lse = -inf without keys.
     Tiles run first to last, or with ``FA3_ORDER`` last to first (``FA3_TILE_ORDER``)."""
@@ -174,21 +191,34 @@ def attend_segment(query, key_cache, value_cache, block_table, seq_lens, page_li
     if FA3_ORDER:
         last_tile = first + (tl.cdiv(last - first, PAGES_PER_TILE) - 1) * PAGES_PER_TILE
         for t in range(0, tl.cdiv(last - first, PAGES_PER_TILE)):
+            page, valid = tile_pages(row_pages, row_table, seq_len, last_tile - t * PAGES_PER_TILE,
+                                     last, tile_page, offset, max_pages, PAGE, PAGES_PER_TILE)
             running_max, running_sum, acc = attend_tile(
-                q, key_cache, value_cache, row_pages, row_table, seq_len, head,
-                last_tile - t * PAGES_PER_TILE, last, running_max, running_sum, acc,
-                tile_page, offset, dims, stride_kp, stride_kt, stride_kh, stride_kd,
-                stride_vp, stride_vt, stride_vh, stride_vd, max_pages, qk_scale_log2,
-                PAGE, PAGES_PER_TILE, SUM_ROUNDED, FA3_ORDER)
+                q, key_cache, value_cache, page, valid, head, running_max, running_sum, acc,
+                offset, dims, stride_kp, stride_kt, stride_kh, stride_kd,
+                stride_vp, stride_vt, stride_vh, stride_vd, qk_scale_log2, SUM_ROUNDED, FA3_ORDER)
         running_max = running_max * qk_scale_log2  # to the log2 domain, as below
+    elif PAGES_AHEAD:  # the next tile's page ids loaded a tile ahead, carried by the loop
+        page, valid = tile_pages(row_pages, row_table, seq_len, first, last, tile_page, offset,
+                                 max_pages, PAGE, PAGES_PER_TILE)
+        for i in range(first, last, PAGES_PER_TILE):
+            next_page, next_valid = tile_pages(row_pages, row_table, seq_len, i + PAGES_PER_TILE,
+                                               last, tile_page, offset, max_pages, PAGE,
+                                               PAGES_PER_TILE)
+            running_max, running_sum, acc = attend_tile(
+                q, key_cache, value_cache, page, valid, head, running_max, running_sum, acc,
+                offset, dims, stride_kp, stride_kt, stride_kh, stride_kd,
+                stride_vp, stride_vt, stride_vh, stride_vd, qk_scale_log2, SUM_ROUNDED, FA3_ORDER)
+            page = next_page
+            valid = next_valid
     else:
         for i in range(first, last, PAGES_PER_TILE):
+            page, valid = tile_pages(row_pages, row_table, seq_len, i, last, tile_page, offset,
+                                     max_pages, PAGE, PAGES_PER_TILE)
             running_max, running_sum, acc = attend_tile(
-                q, key_cache, value_cache, row_pages, row_table, seq_len, head, i, last,
-                running_max, running_sum, acc, tile_page, offset, dims,
-                stride_kp, stride_kt, stride_kh, stride_kd,
-                stride_vp, stride_vt, stride_vh, stride_vd, max_pages, qk_scale_log2,
-                PAGE, PAGES_PER_TILE, SUM_ROUNDED, FA3_ORDER)
+                q, key_cache, value_cache, page, valid, head, running_max, running_sum, acc,
+                offset, dims, stride_kp, stride_kt, stride_kh, stride_kd,
+                stride_vp, stride_vt, stride_vh, stride_vd, qk_scale_log2, SUM_ROUNDED, FA3_ORDER)
 
     empty = running_sum == 0.0
     running_sum = tl.where(empty, 1.0, running_sum)
@@ -209,7 +239,8 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
                    step_rows, step_programs, short_pages,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr, SUM_ROUNDED: tl.constexpr,
-                   FA3_ORDER: tl.constexpr, EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr):
+                   FA3_ORDER: tl.constexpr, EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr,
+                   PAGES_AHEAD: tl.constexpr = False):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     chunk_id = tl.program_id(1)
@@ -227,7 +258,7 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
         tl.minimum(start + chunk, count), stride_qb, stride_qh, stride_qd,
         stride_kp, stride_kt, stride_kh, stride_kd, stride_vp, stride_vt, stride_vh, stride_vd,
         stride_bt, stride_pb, stride_ph, max_pages, qk_scale_log2,
-        GROUP, GROUP_PAD, HEAD_DIM, PAGE, PAGES_PER_TILE, SUM_ROUNDED, FA3_ORDER)
+        GROUP, GROUP_PAD, HEAD_DIM, PAGE, PAGES_PER_TILE, SUM_ROUNDED, FA3_ORDER, PAGES_AHEAD)
     groups = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
     heads = head * GROUP + groups
@@ -261,7 +292,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         short_row_pages(chunk_floor, step_rows, step_programs),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE=PAGE_SIZE, PAGES_PER_TILE=PAGES_PER_ITER, SUM_ROUNDED=SUM_ROUNDED_WEIGHTS,
-        FA3_ORDER=FA3_TILE_ORDER, EVEN_CHUNKS=EVEN_CHUNKS,
+        FA3_ORDER=FA3_TILE_ORDER, EVEN_CHUNKS=EVEN_CHUNKS, PAGES_AHEAD=PAGE_IDS_AHEAD,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS,
         **launch.options(programmatic_launch, "attend"),
     )
