@@ -14,9 +14,10 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
                      files of session 15 have ``moira_t256`` beside a default of 128).
 - ``moira_c<N>``     ``moira`` with Eq. (4)'s chunk floor C = N pages (``chunk_pages``; the
                      default 24 was chosen at CV 0 only, session 1), e.g. ``moira_c12``.
-- ``moira_ahead<P><S>``  ``moira`` with each tile's page ids loaded a tile ahead
-                     (``attend.PAGE_IDS_AHEAD``), P pages per tile and S pipeline stages
-                     (``PAGES_PER_ITER``, ``NUM_STAGES``), e.g. ``moira_ahead13``.
+- ``moira_ahead<P><S>[w<W>]``  ``moira`` with each tile's page ids loaded a tile ahead
+                     (``attend.PAGE_IDS_AHEAD``), P pages per tile, S pipeline stages and
+                     W warps (``PAGES_PER_ITER``, ``NUM_STAGES``, ``NUM_WARPS``; default 4),
+                     e.g. ``moira_ahead13``, ``moira_ahead13w8``.
 - ``fa3_varlen``     vLLM's FA3 (``vllm_flash_attn``, ``fa_version=3``), each (request, KV head)
                      row its own sequence over the HND cache viewed as ``[pages*Hkv, 64, 1, D]``;
                      scheduler metadata built beforehand on the GPU (``fa3_metadata``, timed
@@ -353,11 +354,15 @@ def config_fields(arm):
 
 
 def attend_settings(arm):
-    """Attend's module constants under which a configured arm launches (``moira_ahead<P><S>``:
-    page ids a tile ahead, P pages per tile, S stages); {} for any other arm."""
-    ahead = re.fullmatch(r"moira_ahead([124])([1-9])", arm)
-    return (dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(ahead.group(1)),
-                 NUM_STAGES=int(ahead.group(2))) if ahead else {})
+    """Attend's module constants under which a configured arm launches
+    (``moira_ahead<P><S>[w<W>]``: page ids a tile ahead, P pages per tile, S stages, W warps);
+    {} for any other arm."""
+    ahead = re.fullmatch(r"moira_ahead([124])([1-9])(?:w([48]))?", arm)
+    if not ahead:
+        return {}
+    settings = dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(ahead.group(1)),
+                    NUM_STAGES=int(ahead.group(2)))
+    return settings | ({"NUM_WARPS": int(ahead.group(3))} if ahead.group(3) else {})
 
 
 @contextlib.contextmanager
@@ -385,7 +390,7 @@ def main():
     unknown = {arm for arm in arms - ARMS if config_fields(arm) is None}
     if unknown:  # a misspelt or retired arm would time nothing and say nothing
         parser.error(f"unknown arms {', '.join(sorted(unknown))}; known: "
-                     f"{', '.join(sorted(ARMS))}, moira_c<N>, moira_ahead<P><S> (moira_t256 is moira_t128 since "
+                     f"{', '.join(sorted(ARMS))}, moira_c<N>, moira_ahead<P><S>[w<W>] (moira_t256 is moira_t128 since "
                      f"session 15)")
     shapes = {**SHAPES, **EXTRA_SHAPES}
     unknown_shapes = [name for name in args.shapes.split(",") if name not in shapes]

@@ -201,13 +201,18 @@ def test_several_pages_per_tile(monkeypatch, pages_per_iter):
     check_attend(*mixed_rows(), SMALL_SPLIT)
 
 
-@pytest.mark.parametrize("pages_per_iter, group, head_dim", [(1, 4, 128), (1, 1, 64), (1, 7, 64),
-                                                             (2, 8, 128), (4, 4, 64)])
-def test_page_ids_loaded_a_tile_ahead(monkeypatch, pages_per_iter, group, head_dim):
+@pytest.mark.parametrize("pages_per_iter, stages, warps, group, head_dim",
+                         [(1, 3, 4, 4, 128), (1, 3, 8, 4, 128), (1, 4, 4, 1, 64),
+                          (1, 3, 4, 7, 64), (2, 3, 4, 8, 128), (4, 2, 4, 4, 64)])
+def test_page_ids_loaded_a_tile_ahead(monkeypatch, pages_per_iter, stages, warps, group,
+                                      head_dim):
     """PAGE_IDS_AHEAD (a tuning option): each tile's page ids come from the loop's previous
     iteration, and the lookahead past a chunk's last tile reads nothing; chunks of one tile
-    and of several, partial last pages, empty and full rows, G = 1 / 4 / 7 / 8."""
+    and of several, partial last pages, empty and full rows, G = 1 / 4 / 7 / 8; the stages and
+    warps of bench_kernels.py's arms (the GPU builds differ by them, the interpreter not)."""
     monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
+    monkeypatch.setattr(attend_module, "NUM_STAGES", stages)
+    monkeypatch.setattr(attend_module, "NUM_WARPS", warps)
     monkeypatch.setattr(attend_module, "PAGE_IDS_AHEAD", True)
     check_attend(*mixed_rows(group=group, head_dim=head_dim), SMALL_SPLIT)
 

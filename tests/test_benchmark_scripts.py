@@ -541,7 +541,10 @@ def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
     assert bench.config_fields("moira_ahead13") == {}
     assert bench.attend_settings("moira_ahead13") == dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=1,
                                                           NUM_STAGES=3)
+    assert bench.attend_settings("moira_ahead13w8") == dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=1,
+                                                            NUM_STAGES=3, NUM_WARPS=8)
     assert bench.attend_settings("moira_c12") == {} and bench.config_fields("moira_ahead3") is None
+    assert bench.config_fields("moira_ahead13w5") is None
     from moira.kernels import attend as attend_module
     default = (attend_module.PAGE_IDS_AHEAD, attend_module.NUM_STAGES)
     with pytest.raises(RuntimeError), bench.patched(attend_module,
