@@ -390,8 +390,8 @@ def main():
     unknown = {arm for arm in arms - ARMS if config_fields(arm) is None}
     if unknown:  # a misspelt or retired arm would time nothing and say nothing
         parser.error(f"unknown arms {', '.join(sorted(unknown))}; known: "
-                     f"{', '.join(sorted(ARMS))}, moira_c<N>, moira_ahead<P><S>[w<W>] (moira_t256 is moira_t128 since "
-                     f"session 15)")
+                     f"{', '.join(sorted(ARMS))}, moira_c<N>, moira_ahead<P><S>[w<W>] "
+                     f"(moira_t256 is moira_t128 since session 15)")
     shapes = {**SHAPES, **EXTRA_SHAPES}
     unknown_shapes = [name for name in args.shapes.split(",") if name not in shapes]
     if unknown_shapes:  # before the imports and the JSON, not as a KeyError halfway through
