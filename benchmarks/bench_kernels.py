@@ -465,9 +465,18 @@ def main():
                                       lambda: s.dense_fa3(fa, splits), bytes_read=dense_bytes)
         timed(shape_name, "moira_all_pages", lambda: s.moira(full_lists, full_counts),
               bytes_read=dense_bytes)
-        for name in sorted(arm for arm in arms if attend_settings(arm)):  # and Attend's options
+        ahead_arms = sorted(arm for arm in arms if attend_settings(arm))  # Attend's options
+        for name in ahead_arms:
             timed(shape_name, f"{name}_all_pages", lambda name=name: s.moira_configured(
                 name, full_lists, full_counts), bytes_read=dense_bytes)
+        if ahead_arms:  # rows as long as their lists: each chunk's lookahead ends the list
+            s.moira(full_lists, full_counts)()
+            reference = s.out.view(s.rows, GROUP, HEAD_DIM).float().clone()
+            for name in ahead_arms:
+                record_check(report, shape_name, "all pages", name,
+                             lambda name=name: s.moira_configured(name, full_lists,
+                                                                  full_counts)().clone(),
+                             reference)
         dense_us = min([t for t in dense.values() if t] or [float("nan")])
 
         # --- Estimate, Select, whole step (fixed 22%), each row one token short of a full page:
@@ -570,6 +579,22 @@ def main():
 CHECK_TOLERANCE = 2 ** -7
 
 
+def record_check(report, shape_name, tag, arm, fn, reference):
+    """One arm's output (``fn()``, any shape of ``reference``'s elements) against Moira's
+    ``reference`` ``[rows, G, D]`` float32: a ``report["checks"]`` entry, and a line."""
+    try:
+        result = fn().reshape(reference.shape).float()
+        diff = (result - reference).abs().max().item()
+        agrees = diff <= CHECK_TOLERANCE
+        report["checks"].append(dict(shape=shape_name, spread=tag, arm=arm,
+                                     max_abs_diff_to_moira=diff, agrees=agrees))
+        print(f"check {shape_name} {tag} {arm}: max |diff| to moira {diff:.2e}"
+              + ("" if agrees else f" > {CHECK_TOLERANCE:.1e}: OUTPUTS DIFFER"))
+    except Exception as error:  # noqa: BLE001 -- one failing arm must not lose the rest
+        report["checks"].append(dict(shape=shape_name, spread=tag, arm=arm,
+                                     error=f"{type(error).__name__}: {error}"[:300]))
+
+
 def check_outputs(report, shape_name, tag, s, fa, flashinfer, flex_compiled, block_mask_cls,
                   lists, counts, arms=()):
     """Every arm must compute the same attention: max |difference| to Moira's output, and
@@ -580,7 +605,8 @@ def check_outputs(report, shape_name, tag, s, fa, flashinfer, flex_compiled, blo
         reference = s.out.view(s.rows, GROUP, HEAD_DIM).float().clone()
 
         outputs = {"moira_hnd": s.moira_hnd(lists, counts),
-                   "moira_balanced": lambda: s.moira(lists, counts, s.workspace_balanced)().clone()}
+                   "moira_balanced": lambda: s.moira(lists, counts,
+                                                     s.workspace_balanced)().clone()}
         # the other configurations of Moira's own kernels
         outputs.update({arm: lambda arm=arm: s.moira_configured(arm, lists, counts)().clone()
                         for arm in ["moira_eq4", "moira_t128"] + sorted(
@@ -592,17 +618,7 @@ def check_outputs(report, shape_name, tag, s, fa, flashinfer, flex_compiled, blo
         if flex_compiled is not None:
             outputs["flex"] = s.flex(flex_compiled, block_mask_cls, lists, counts)
         for arm, fn in outputs.items():
-            try:
-                result = fn().reshape(s.rows, GROUP, HEAD_DIM).float()
-                diff = (result - reference).abs().max().item()
-                agrees = diff <= CHECK_TOLERANCE
-                report["checks"].append(dict(shape=shape_name, spread=tag, arm=arm,
-                                             max_abs_diff_to_moira=diff, agrees=agrees))
-                print(f"check {shape_name} {tag} {arm}: max |diff| to moira {diff:.2e}"
-                      + ("" if agrees else f" > {CHECK_TOLERANCE:.1e}: OUTPUTS DIFFER"))
-            except Exception as error:  # noqa: BLE001
-                report["checks"].append(dict(shape=shape_name, spread=tag, arm=arm,
-                                             error=f"{type(error).__name__}: {error}"[:300]))
+            record_check(report, shape_name, tag, arm, fn, reference)
     except Exception as error:  # noqa: BLE001
         traceback.print_exc()
         report["checks"].append(dict(shape=shape_name, spread=tag, error=str(error)[:300]))

@@ -92,7 +92,7 @@ import moira
 from moira.integrations.vllm.settings import MoiraSettings, full_read_pages
 from moira.kernels import launch
 from moira.synthetic import layer_head_fractions
-from tune_kernels import patched
+from bench_kernels import patched
 
 KV_HEADS, GROUP, HEAD_DIM, PAGE, LAYERS = 8, 4, 128, 64, 32
 HIDDEN, GATE_UP = 4096, 2 * 14336  # Llama-3.1-8B's MLP input and gate/up widths (--gemm)

@@ -174,12 +174,13 @@ def main():
                 constexprs, FA3_ORDER=True, SUM_ROUNDED=False), warps, stages, maxnreg):
             spilled.append(f"{name} FA3 order")
         if name.startswith("attend"):  # bench_kernels.py's moira_ahead<P><S> arms
-            for per_tile, stages, ahead_warps in ((1, 3, 4), (1, 3, 8), (1, 4, 4), (2, 3, 4)):
-                label = (f"{name} page ids ahead, {per_tile} pages per tile, {stages} stages, "
-                         f"{ahead_warps} warps")
+            for per_tile, ahead_stages, ahead_warps in ((1, 3, 4), (1, 3, 8), (1, 4, 4),
+                                                        (2, 3, 4)):
+                label = (f"{name} page ids ahead, {per_tile} pages per tile, {ahead_stages} "
+                         f"stages, {ahead_warps} warps")
                 if build(label, kernel, dict(constexprs, PAGES_AHEAD=True,
-                                             PAGES_PER_TILE=per_tile), ahead_warps, stages,
-                         maxnreg):
+                                             PAGES_PER_TILE=per_tile), ahead_warps,
+                         ahead_stages, maxnreg):
                     spilled.append(label)
         if name.startswith("attend"):  # tune_kernels.py's register ceilings, as Estimate's
             for stages, registers in ((2, 128), (2, 96), (3, 128), (3, 96)):

@@ -140,6 +140,8 @@ def variant_table(report):
             for arm in variants:
                 us = arms.get(arm + suffix, {}).get("us")
                 cells.append("—" if us is None else f"{us:.1f} ({us / base - 1:+.1%})")
+            if set(cells) == {"—"}:  # e.g. all pages, timed only for Attend's options
+                continue
             lines.append(f"| {shape_label(shape)} | {spread or 'all pages'} | {base:.1f} | "
                          + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -7,6 +7,7 @@ import moira
 from moira import MoiraConfig
 from moira import reference as ref
 from moira.kernels import attend as attend_module
+from moira.kernels import launch
 
 
 def random_lists(seq_lens, num_kv_heads, width, fraction=0.5, shuffle=False):
@@ -201,20 +202,36 @@ def test_several_pages_per_tile(monkeypatch, pages_per_iter):
     check_attend(*mixed_rows(), SMALL_SPLIT)
 
 
-@pytest.mark.parametrize("pages_per_iter, stages, warps, group, head_dim",
-                         [(1, 3, 4, 4, 128), (1, 3, 8, 4, 128), (1, 4, 4, 1, 64),
-                          (1, 3, 4, 7, 64), (2, 3, 4, 8, 128), (4, 2, 4, 4, 64)])
-def test_page_ids_loaded_a_tile_ahead(monkeypatch, pages_per_iter, stages, warps, group,
-                                      head_dim):
+@pytest.mark.parametrize("schedule, pages_per_iter, stages, warps, group, head_dim",
+                         [("rows", 1, 3, 4, 4, 128), ("rows", 1, 3, 8, 4, 128),
+                          ("rows", 1, 4, 4, 1, 64), ("rows", 1, 3, 4, 7, 64),
+                          ("rows", 2, 3, 4, 8, 128), ("rows", 4, 2, 4, 4, 64),
+                          ("balanced", 1, 3, 4, 4, 64)])
+def test_page_ids_loaded_a_tile_ahead(monkeypatch, schedule, pages_per_iter, stages, warps,
+                                      group, head_dim):
     """PAGE_IDS_AHEAD (a tuning option): each tile's page ids come from the loop's previous
-    iteration, and the lookahead past a chunk's last tile reads nothing; chunks of one tile
-    and of several, partial last pages, empty and full rows, G = 1 / 4 / 7 / 8; the stages and
-    warps of bench_kernels.py's arms (the GPU builds differ by them, the interpreter not)."""
+    iteration, and the lookahead past a chunk's last tile reads nothing; chunks of one to
+    eight tiles, partial last pages, empty and full rows, G = 1 / 4 / 7 / 8, both schedules;
+    the stages and warps of bench_kernels.py's arms (the GPU builds differ by them, the
+    interpreter not). The launch must have taken the option."""
     monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
     monkeypatch.setattr(attend_module, "NUM_STAGES", stages)
     monkeypatch.setattr(attend_module, "NUM_WARPS", warps)
     monkeypatch.setattr(attend_module, "PAGE_IDS_AHEAD", True)
-    check_attend(*mixed_rows(group=group, head_dim=head_dim), SMALL_SPLIT)
+    launched = []
+    on = launch.on
+
+    def recording_on(kernel, grid):
+        run = on(kernel, grid)
+        return lambda *args, **options: launched.append(options) or run(*args, **options)
+
+    monkeypatch.setattr(launch, "on", recording_on)
+    # chunks of up to 8 pages (the floor not scaled down for this small step): several tiles
+    # per chunk at every tile size here
+    config = SMALL_SPLIT.replace(chunk_pages=8, floor_rows=1, step_programs=0,
+                                 schedule=schedule)
+    check_attend(*mixed_rows(group=group, head_dim=head_dim), config)
+    assert any(options.get("PAGES_AHEAD") is True for options in launched)
 
 
 @pytest.mark.parametrize("pages_per_iter, registers", [(1, 128), (1, 96)])

@@ -984,6 +984,23 @@ def test_step_profile_call_stats_give_the_spread_of_a_kernels_calls():
     assert vllm_step_profile.call_stats([3.0])["median_us"] == 3.0
 
 
+def test_output_checks_record_agreement_difference_and_errors():
+    bench = load("bench_kernels")
+    report = dict(checks=[])
+    reference = torch.zeros(2, 4, 8)
+    bench.record_check(report, "8k32", "all pages", "near", lambda: torch.full((8, 8), 2 ** -8),
+                       reference)
+    bench.record_check(report, "8k32", "all pages", "far", lambda: torch.ones(64), reference)
+
+    def failing():
+        raise RuntimeError("no kernel")
+    bench.record_check(report, "8k32", "all pages", "broken", failing, reference)
+    near, far, broken = report["checks"]
+    assert near["agrees"] and near["max_abs_diff_to_moira"] == 2 ** -8
+    assert not far["agrees"] and far["max_abs_diff_to_moira"] == 1.0
+    assert broken["error"] == "RuntimeError: no kernel" and "agrees" not in broken
+
+
 def test_bytes_and_rates_of_the_kernel_bench():
     bench = load("bench_kernels")
     tune = load("tune_kernels")
@@ -1062,6 +1079,7 @@ def test_kernel_report_compares_moiras_configured_arms_with_moira():
     assert lines[0] == "| shape | spread | Moira | moira_ahead13 | moira_c12 |"
     assert "| 8k x32 | cv0.0 | 60.0 | 54.0 (-10.0%) | 66.0 (+10.0%) |" in lines
     assert "| 8k x32 | all pages | 250.0 | 225.0 (-10.0%) | — |" in lines
+    assert "all pages" not in report.variant_table(dict(results=rows[:-2]))
     # shape names printed as tune_kernels prints them, the extra 16k32 too
     assert [report.shape_label(name) for name in ("8k32", "16k32", "131k4", "x")] == \
         ["8k x32", "16k x32", "131k x4", "x"]

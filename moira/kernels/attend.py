@@ -68,7 +68,8 @@ EVEN_CHUNKS = False
 # in flight per program, and none while it computes); with the ids carried, NUM_STAGES 3
 # gives two buffers (one page per tile: 72 KB, 150 registers, 3 blocks per SM) and 4 three
 # (105 KB, 2 blocks per SM), so the next tile loads while this one is computed (sm_90 builds,
-# compile_check.py). Untimed (bench_kernels.py's moira_ahead<P><S> arms): off
+# compile_check.py). Both schedules (rows, balanced); FA3_TILE_ORDER's loop, a numerics
+# experiment, ignores it. Untimed (bench_kernels.py's moira_ahead<P><S> arms): off
 PAGE_IDS_AHEAD = False
 
 

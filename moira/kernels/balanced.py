@@ -61,7 +61,8 @@ def _attend_balanced_kernel(query, key_cache, value_cache, block_table, seq_lens
                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                             HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                             PAGES_PER_TILE: tl.constexpr, ROWS_PAD: tl.constexpr,
-                            SUM_ROUNDED: tl.constexpr, FA3_ORDER: tl.constexpr):
+                            SUM_ROUNDED: tl.constexpr, FA3_ORDER: tl.constexpr,
+                            PAGES_AHEAD: tl.constexpr):
     p = tl.program_id(0).to(tl.int64)
     rows, counts, ends, total, programs = global_plan(
         page_counts, stride_cb, stride_ch, num_kv_heads, num_rows, min_pages, num_programs,
@@ -89,7 +90,7 @@ def _attend_balanced_kernel(query, key_cache, value_cache, block_table, seq_lens
                 stride_qb, stride_qh, stride_qd, stride_kp, stride_kt, stride_kh, stride_kd,
                 stride_vp, stride_vt, stride_vh, stride_vd, stride_bt, stride_pb, stride_ph,
                 max_pages, qk_scale_log2, GROUP, GROUP_PAD, HEAD_DIM, PAGE, PAGES_PER_TILE,
-                SUM_ROUNDED, FA3_ORDER)
+                SUM_ROUNDED, FA3_ORDER, PAGES_AHEAD)
             if (position == row_start) & (segment_end == row_end):  # the whole row
                 tl.store(out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
                          + dims[None, :] * stride_od, result.to(out.dtype.element_ty),
@@ -159,7 +160,7 @@ def attend_balanced(query, key_cache, value_cache, block_table, seq_lens, page_l
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE=PAGE_SIZE, PAGES_PER_TILE=attend_module.PAGES_PER_ITER, ROWS_PAD=_rows_pad(rows),
         SUM_ROUNDED=attend_module.SUM_ROUNDED_WEIGHTS, FA3_ORDER=attend_module.FA3_TILE_ORDER,
-        num_warps=attend_module.NUM_WARPS, num_stages=attend_module.NUM_STAGES,
+        PAGES_AHEAD=attend_module.PAGE_IDS_AHEAD, num_warps=attend_module.NUM_WARPS, num_stages=attend_module.NUM_STAGES,
     )
     return out
 
