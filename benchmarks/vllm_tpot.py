@@ -106,6 +106,15 @@ def parse_kernel_settings(parser, items):
     return settings
 
 
+def apply_kernel_settings(settings):
+    """Set ``parse_kernel_settings``' result on the kernel modules (read at each launch)."""
+    import importlib
+
+    for key, value in settings.items():
+        module, name = key.split(".")
+        setattr(importlib.import_module(f"moira.kernels.{module}"), name, value)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", choices=["dense", "moira"], required=True)
@@ -164,12 +173,7 @@ def main():
     from moira.integrations.vllm.settings import SPLIT_SETTINGS, MoiraSettings
 
     plugin.register()
-    if kernel_settings:
-        import importlib
-
-        for key, value in kernel_settings.items():
-            module, name = key.split(".")
-            setattr(importlib.import_module(f"moira.kernels.{module}"), name, value)
+    apply_kernel_settings(kernel_settings)
     shapes = [(name, *SHAPES[name]) for name in args.shapes.split(",")]
     knots = paper_knots(args.model, args.gamma)
     extra = {}

@@ -1140,10 +1140,17 @@ def test_tpot_pairs_table_gives_an_engine_with_kernel_settings_its_own_column(tm
     assert lines[2].endswith("| **2.50×** | 2.64× | 2.50× / 3.50× | **3.00×** |")
 
 
-def test_vllm_tpot_kernel_settings_are_checked():
+def test_vllm_tpot_kernel_settings_are_checked(monkeypatch):
     import argparse
 
+    from moira.kernels import attend as attend_module
+
     tpot = load("vllm_tpot")
+    # applied to the kernel modules (restored after the test by monkeypatch)
+    monkeypatch.setattr(attend_module, "PAGE_IDS_AHEAD", attend_module.PAGE_IDS_AHEAD)
+    monkeypatch.setattr(attend_module, "NUM_STAGES", attend_module.NUM_STAGES)
+    tpot.apply_kernel_settings({"attend.PAGE_IDS_AHEAD": True, "attend.NUM_STAGES": 3})
+    assert attend_module.PAGE_IDS_AHEAD is True and attend_module.NUM_STAGES == 3
     parser = argparse.ArgumentParser()
     assert tpot.parse_kernel_settings(parser, ["estimate.QUERY_HEAD_AHEAD=0",
                                                "attend.MAX_REGISTERS=96"]) \
