@@ -81,6 +81,49 @@ def arm_name(run):
     return ARMS.get(run["label"], run["label"]) + (f" ({setting})" if setting else "")
 
 
+def per_request_changes(folder, below_tokens=20480, from_offset=0):
+    """Moira's TPOT against dense FA3's, request by request (the same prompts in the same
+    order in each slice), from the slices of ``folder`` whose offset is at least
+    ``from_offset``: ``{(set, concurrency): {"read in full": [%...], "selected": [%...]}}``,
+    a prompt read in full when it and its output fit ``below_tokens`` (the plugin's default
+    ``dense_below_tokens`` at batch 1). Arms with other MOIRA_* settings are left out."""
+    slices = {}
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("serve-") and name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                run = json.load(f)
+            if "per_request" in run and not run.get("moira_environment") \
+                    and run.get("offset", 0) >= from_offset:
+                key = (run["set"], run["concurrency"], run.get("offset", 0))
+                slices.setdefault(key, {})[run["label"]] = run
+    changes = {}
+    for (name, concurrency, _), arms in sorted(slices.items()):
+        if "dense" not in arms or "moira" not in arms:
+            continue
+        split = changes.setdefault((name, concurrency), {"read in full": [], "selected": []})
+        for dense, moira in zip(arms["dense"]["per_request"], arms["moira"]["per_request"]):
+            assert dense["prompt_tokens"] == moira["prompt_tokens"], "slices of other prompts"
+            if dense["tpot_ms"] and moira["tpot_ms"]:
+                kind = ("read in full" if dense["prompt_tokens"] + arms["dense"]["output_tokens"]
+                        <= below_tokens else "selected")
+                split[kind].append(100 * (moira["tpot_ms"] / dense["tpot_ms"] - 1))
+    return changes
+
+
+def per_request_lines(changes):
+    """One line per workload and kind: requests, mean TPOT change, range, and how many are
+    more than 2% slower than dense (issue 5's bound at batch 1)."""
+    lines = []
+    for (name, concurrency), split in changes.items():
+        for kind, values in split.items():
+            if values:
+                lines.append(f"set {name}, concurrency {concurrency}, {kind}: {len(values)} "
+                             f"requests, Moira's TPOT {statistics.mean(values):+.2f}% on average "
+                             f"({min(values):+.1f} to {max(values):+.1f}%), "
+                             f"{sum(value > 2 for value in values)} over +2%")
+    return lines
+
+
 def table(runs):
     """Rows grouped by workload (set, concurrency, prompts, output tokens), dense FA3 first."""
     def workload(run):
@@ -135,10 +178,15 @@ def main():
     parser.add_argument("folder")
     parser.add_argument("--readme")
     parser.add_argument("--section", default="serve", help="the generated section to replace")
+    parser.add_argument("--from-offset", type=int, default=0,
+                        help="per-request lines: only the slices from this prompt on")
     args = parser.parse_args()
     runs = load(args.folder)
     text = table(runs)
     print(text)
+    for line in per_request_lines(per_request_changes(args.folder,
+                                                      from_offset=args.from_offset)):
+        print(line)
     folder = os.path.abspath(args.folder)  # "." names the folder itself, not ".png"
     plot(runs, folder + ".png")
     if args.readme:

@@ -438,6 +438,38 @@ def test_serve_report_puts_dense_first_and_compares_each_arm_on_its_own_workload
         ("Moira (MOIRA_EXACT_PREFILL=0)", "**+20.0%**")]
 
 
+def test_serve_report_splits_per_request_changes_at_the_full_read_bound(tmp_path):
+    import json
+
+    report = load("serve_report")
+
+    def record(tokens, tpot):
+        return dict(prompt_tokens=tokens, ok=True, tokens=1024, ttft_s=0.1, tpot_ms=tpot)
+
+    base = dict(set="A", concurrency=1, output_tokens=1024, wall_s=10.0, completed=2)
+    # slice 0: a prompt read in full (4,000 + 1,024 <= 20,480) 3% slower, one of 30,000 8% faster
+    for label, tpots in (("dense", (5.0, 6.0)), ("moira", (5.15, 5.52))):
+        run = dict(base, label=label, offset=0, requests=2,
+                   per_request=[record(4000, tpots[0]), record(30000, tpots[1])])
+        (tmp_path / f"serve-{label}-A-1-o0.json").write_text(json.dumps(run))
+    # slice 2: 19,456 + 1,024 = 20,480 is still read in full, 1% slower
+    for label, tpot in (("dense", 5.0), ("moira", 5.05)):
+        run = dict(base, label=label, offset=2, requests=1, per_request=[record(19456, tpot)])
+        (tmp_path / f"serve-{label}-A-1-o2.json").write_text(json.dumps(run))
+    # another arm's settings are not Moira's default: left out
+    run = dict(base, label="moira", offset=0, requests=2, moira_environment={"MOIRA_X": "1"},
+               per_request=[record(4000, 50.0), record(30000, 50.0)])
+    (tmp_path / "serve-moira-A-1-o0-x.json").write_text(json.dumps(run))
+    changes = report.per_request_changes(str(tmp_path))
+    full, selected = changes[("A", 1)]["read in full"], changes[("A", 1)]["selected"]
+    assert full == pytest.approx([3.0, 1.0]) and selected == pytest.approx([-8.0])
+    assert report.per_request_changes(str(tmp_path), from_offset=2)[("A", 1)] == {
+        "read in full": pytest.approx([1.0]), "selected": []}
+    lines = report.per_request_lines(changes)
+    assert lines[0] == ("set A, concurrency 1, read in full: 2 requests, Moira's TPOT +2.00% on "
+                        "average (+1.0 to +3.0%), 1 over +2%")
+
+
 def test_tpot_report_gives_a_programmatic_launch_run_its_own_single_request_column(tmp_path):
     import json
 
