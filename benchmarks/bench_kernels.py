@@ -17,7 +17,8 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
 - ``moira_ahead<P><S>[w<W>]``  ``moira`` with each tile's page ids loaded a tile ahead
                      (``attend.PAGE_IDS_AHEAD``), P pages per tile, S pipeline stages and
                      W warps (``PAGES_PER_ITER``, ``NUM_STAGES``, ``NUM_WARPS``; default 4),
-                     e.g. ``moira_ahead13``, ``moira_ahead13w8``.
+                     e.g. ``moira_ahead13``, ``moira_ahead13w8``; with a chunk floor too,
+                     ``moira_c<N>_ahead<P><S>[w<W>]``, e.g. ``moira_c32_ahead13``.
 - ``fa3_varlen``     vLLM's FA3 (``vllm_flash_attn``, ``fa_version=3``), each (request, KV head)
                      row its own sequence over the HND cache viewed as ``[pages*Hkv, 64, 1, D]``;
                      scheduler metadata built beforehand on the GPU (``fa3_metadata``, timed
@@ -339,30 +340,36 @@ ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_eq4", "moira_t128", "fa3_
         "pow2", "flashinfer", "flex"}
 
 
+# the configured arms of ``moira``: a chunk floor, Attend's page ids a tile ahead, or both
+CONFIGURED_ARM = re.compile(r"moira(?:_c([1-9][0-9]*))?(?:_ahead([124])([1-9])(?:w([48]))?)?")
+
+
 def config_fields(arm):
     """``MoiraConfig`` fields of an arm that runs ``moira`` under another configuration
     (``moira_eq4``, ``moira_t128``, ``moira_c<N>``; ``moira_ahead<P><S>``: the default
-    configuration, ``attend_settings``); None for any other arm."""
+    configuration, ``attend_settings``; ``moira_c<N>_ahead<P><S>``: both); None for any
+    other arm."""
     if arm == "moira_eq4":
         return dict(step_programs=0)
     if arm == "moira_t128":
         return dict(step_programs=128)
-    if attend_settings(arm):
-        return {}
-    chunk = re.fullmatch(r"moira_c([1-9][0-9]*)", arm)
-    return dict(chunk_pages=int(chunk.group(1))) if chunk else None
+    configured = CONFIGURED_ARM.fullmatch(arm)
+    if not configured or arm == "moira":
+        return None
+    chunk = configured.group(1)
+    return dict(chunk_pages=int(chunk)) if chunk else {}
 
 
 def attend_settings(arm):
     """Attend's module constants under which a configured arm launches
-    (``moira_ahead<P><S>[w<W>]``: page ids a tile ahead, P pages per tile, S stages, W warps);
-    {} for any other arm."""
-    ahead = re.fullmatch(r"moira_ahead([124])([1-9])(?:w([48]))?", arm)
-    if not ahead:
+    (``[_c<N>]_ahead<P><S>[w<W>]``: page ids a tile ahead, P pages per tile, S stages, W
+    warps); {} for any other arm."""
+    configured = CONFIGURED_ARM.fullmatch(arm)
+    if not configured or not configured.group(2):
         return {}
-    settings = dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(ahead.group(1)),
-                    NUM_STAGES=int(ahead.group(2)))
-    return settings | ({"NUM_WARPS": int(ahead.group(3))} if ahead.group(3) else {})
+    _, pages, stages, warps = configured.groups()
+    settings = dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(pages), NUM_STAGES=int(stages))
+    return settings | ({"NUM_WARPS": int(warps)} if warps else {})
 
 
 @contextlib.contextmanager
@@ -390,7 +397,7 @@ def main():
     unknown = {arm for arm in arms - ARMS if config_fields(arm) is None}
     if unknown:  # a misspelt or retired arm would time nothing and say nothing
         parser.error(f"unknown arms {', '.join(sorted(unknown))}; known: "
-                     f"{', '.join(sorted(ARMS))}, moira_c<N>, moira_ahead<P><S>[w<W>] "
+                     f"{', '.join(sorted(ARMS))}, moira_c<N>, moira[_c<N>]_ahead<P><S>[w<W>] "
                      f"(moira_t256 is moira_t128 since session 15)")
     shapes = {**SHAPES, **EXTRA_SHAPES}
     unknown_shapes = [name for name in args.shapes.split(",") if name not in shapes]

@@ -577,6 +577,11 @@ def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
                                                             NUM_STAGES=3, NUM_WARPS=8)
     assert bench.attend_settings("moira_c12") == {} and bench.config_fields("moira_ahead3") is None
     assert bench.config_fields("moira_ahead13w5") is None
+    # both: the floor in the workspace's configuration, the page ids in Attend's constants
+    assert bench.config_fields("moira_c32_ahead14") == {"chunk_pages": 32}
+    assert bench.attend_settings("moira_c32_ahead14") == dict(PAGE_IDS_AHEAD=True,
+                                                              PAGES_PER_ITER=1, NUM_STAGES=4)
+    assert bench.config_fields("moira_ahead13_c32") is None
     from moira.kernels import attend as attend_module
     default = (attend_module.PAGE_IDS_AHEAD, attend_module.NUM_STAGES)
     with pytest.raises(RuntimeError), bench.patched(attend_module,
