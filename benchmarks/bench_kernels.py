@@ -19,6 +19,9 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
                      W warps (``PAGES_PER_ITER``, ``NUM_STAGES``, ``NUM_WARPS``; default 4),
                      e.g. ``moira_ahead13``, ``moira_ahead13w8``; with a chunk floor too,
                      ``moira_c<N>_ahead<P><S>[w<W>]``, e.g. ``moira_c32_ahead13``.
+- ``moira_w<W>``     ``moira`` with each row's chunks planned from its share of W programs
+                     (``MoiraConfig.wave_programs``; 396 = one wave on the H200), also
+                     after a floor and before a lookahead: ``moira_c32_w396_ahead14``.
 - ``fa3_varlen``     vLLM's FA3 (``vllm_flash_attn``, ``fa_version=3``), each (request, KV head)
                      row its own sequence over the HND cache viewed as ``[pages*Hkv, 64, 1, D]``;
                      scheduler metadata built beforehand on the GPU (``fa3_metadata``, timed
@@ -340,15 +343,17 @@ ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_eq4", "moira_t128", "fa3_
         "pow2", "flashinfer", "flex"}
 
 
-# the configured arms of ``moira``: a chunk floor, Attend's page ids a tile ahead, or both
-CONFIGURED_ARM = re.compile(r"moira(?:_c([1-9][0-9]*))?(?:_ahead([124])([1-9])(?:w([48]))?)?")
+# the configured arms of ``moira``: a chunk floor, wave programs, Attend's page ids a tile
+# ahead, or several of them
+CONFIGURED_ARM = re.compile(r"moira(?:_c([1-9][0-9]*))?(?:_w([1-9][0-9]*))?"
+                            r"(?:_ahead([124])([1-9])(?:w([48]))?)?")
 
 
 def config_fields(arm):
     """``MoiraConfig`` fields of an arm that runs ``moira`` under another configuration
-    (``moira_eq4``, ``moira_t128``, ``moira_c<N>``; ``moira_ahead<P><S>``: the default
-    configuration, ``attend_settings``; ``moira_c<N>_ahead<P><S>``: both); None for any
-    other arm."""
+    (``moira_eq4``, ``moira_t128``, ``moira_c<N>``, ``moira_w<W>``; ``moira_ahead<P><S>``:
+    the default configuration, ``attend_settings``; ``moira_c<N>_w<W>_ahead<P><S>``: all
+    three); None for any other arm."""
     if arm == "moira_eq4":
         return dict(step_programs=0)
     if arm == "moira_t128":
@@ -356,8 +361,9 @@ def config_fields(arm):
     configured = CONFIGURED_ARM.fullmatch(arm)
     if not configured or arm == "moira":
         return None
-    chunk = configured.group(1)
-    return dict(chunk_pages=int(chunk)) if chunk else {}
+    chunk, wave = configured.group(1), configured.group(2)
+    return ({"chunk_pages": int(chunk)} if chunk else {}) | (
+        {"wave_programs": int(wave)} if wave else {})
 
 
 def attend_settings(arm):
@@ -365,9 +371,9 @@ def attend_settings(arm):
     (``[_c<N>]_ahead<P><S>[w<W>]``: page ids a tile ahead, P pages per tile, S stages, W
     warps); {} for any other arm."""
     configured = CONFIGURED_ARM.fullmatch(arm)
-    if not configured or not configured.group(2):
+    if not configured or not configured.group(3):
         return {}
-    _, pages, stages, warps = configured.groups()
+    pages, stages, warps = configured.groups()[2:]
     settings = dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(pages), NUM_STAGES=int(stages))
     return settings | ({"NUM_WARPS": int(warps)} if warps else {})
 
@@ -397,8 +403,9 @@ def main():
     unknown = {arm for arm in arms - ARMS if config_fields(arm) is None}
     if unknown:  # a misspelt or retired arm would time nothing and say nothing
         parser.error(f"unknown arms {', '.join(sorted(unknown))}; known: "
-                     f"{', '.join(sorted(ARMS))}, moira_c<N>, moira[_c<N>]_ahead<P><S>[w<W>] "
-                     f"(moira_t256 is moira_t128 since session 15)")
+                     f"{', '.join(sorted(ARMS))}, moira_c<N>, moira_w<W>, "
+                     f"moira[_c<N>][_w<W>]_ahead<P><S>[w<W>] (moira_t256 is moira_t128 since "
+                     f"session 15)")
     shapes = {**SHAPES, **EXTRA_SHAPES}
     unknown_shapes = [name for name in args.shapes.split(",") if name not in shapes]
     if unknown_shapes:  # before the imports and the JSON, not as a KeyError halfway through

@@ -22,6 +22,8 @@
 #     "nofcw": the new tokens' K/V written by vLLM's own kernel, as before session 23,
 #       -nofcw.json (session 23's arm "fcw", the write in Estimate's launch, is the default
 #       since: the "moira" engine)
+#   "w396": each row's chunks planned from its share of 396 programs (wave_programs, one
+#     wave of Attend on the H200; session 30), -w396.json
 #   "kern": kernel tuning constants as KERNEL_SETTINGS says (e.g. "estimate.MAX_REGISTERS=96
 #     attend.PAGES_PER_ITER=1"), -kern.json
 #   TPOT_ARGS: more vllm_tpot.py options for every engine, e.g. "--max-model-len 131072" (the
@@ -60,6 +62,8 @@ for pair in $(seq "$pairs"); do
             name=$model-moira-g098-nj16 ;;
       nofcw) args="--backend moira --no-fused-cache-write"
              name=$model-moira-g098-nofcw ;;
+      w396) args="--backend moira --wave-programs 396"
+            name=$model-moira-g098-w396 ;;
       # a candidate of the kernels' tuning constants, e.g. KERNEL_SETTINGS=
       # "estimate.MAX_REGISTERS=96" (vllm_tpot.py --kernel-setting)
       kern) args="--backend moira"
@@ -67,7 +71,7 @@ for pair in $(seq "$pairs"); do
               args="$args --kernel-setting $setting"
             done
             name=$model-moira-g098-kern ;;
-      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin, n1024, jnocap, nj16, nofcw, kern)"; exit 1 ;;
+      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin, n1024, jnocap, nj16, nofcw, w396, kern)"; exit 1 ;;
     esac
     python3 benchmarks/vllm_tpot.py --model "$model" --shapes "$shapes" $args ${TPOT_ARGS:-} \
       --repeats 1 --out "$out/pair$pair/$name.json" 2>&1 | grep "tpot_ms\|Error\|Traceback" \

@@ -91,6 +91,8 @@ def load(folders):
                 variant = "+".join(filter(None, [variant, f"Jmax={run['max_chunks_per_row']}"]))
             if run.get("step_programs") is not None:  # the short-row floor (0: Eq. 4 alone)
                 variant = "+".join(filter(None, [variant, f"T={run['step_programs']}"]))
+            if run.get("wave_programs"):  # rows planned from their share of W programs
+                variant = "+".join(filter(None, [variant, f"W={run['wave_programs']}"]))
             if run.get("kernel_settings"):  # kernels' tuning constants (session 25)
                 variant = "+".join(filter(None, [variant, "kern"]))
             if run.get("launched_programs"):  # Attend's grid (session 19's arm, removed)
@@ -298,6 +300,7 @@ def short_pair_cells(pair_runs):
             ("T=0", "Moira, Attend's split by Eq. 4 alone (step_programs 0: before session 14)"),
             ("T=128", "Moira, the short-row floor at T = 128 programs (session 14's default)"),
             ("T=256", "Moira, the short-row floor at T = 256 programs (the default since session 15)"),
+            ("W=396", "Moira, each row's chunks from its share of 396 programs (wave_programs)"),
             ("fsel", "rows of ≤ N tokens read in full, Estimate + Select in one launch"),
             ("fmerge", "rows of ≤ N tokens read in full, Merge in Attend's launch"),
             ("fsel+fmerge", "rows of ≤ N tokens read in full, both in one launch"),

@@ -1,5 +1,7 @@
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers import (DEVICE, SMALL_SPLIT, assert_attention_close, make_cache, make_query,
                      make_table, poisoned)
 
@@ -8,6 +10,7 @@ from moira import MoiraConfig
 from moira import reference as ref
 from moira.kernels import attend as attend_module
 from moira.kernels import launch
+from moira.kernels.attend import step_pages
 
 
 def random_lists(seq_lens, num_kv_heads, width, fraction=0.5, shuffle=False):
@@ -143,6 +146,52 @@ def kernel_chunks(query, keys, values, table, seq_lens, page_lists, page_counts,
     assert not written[rows * chunks_per_row * group:].any(), "partials past rows * J"
     written = written[:rows * chunks_per_row * group]
     return written.view(rows, chunks_per_row, group).all(-1).sum(-1).tolist()
+
+
+def test_wave_programs_plans_each_row_from_its_share_of_the_step():
+    """``wave_programs`` W = 12 over 4 rows (C = 2, N_J = 16): a row of n listed pages runs in
+    min(J, max(1, floor(n * 12 / N))) chunks, N the step's listed pages, instead of Eq. (4)'s
+    ceil(n / 2); Attend and Merge agree with the reference, and the kernel's own chunk
+    counts are the reference's. The lengths put the plan on edges: 12 pages give exactly 4
+    chunks at N = 36 (3 if N were one more), 11 pages 3.67 (4 if any row were left out)."""
+    config = MoiraConfig(chunk_pages=2, floor_rows=1, min_chunks_per_row=16, min_programs=1,
+                         step_programs=0, wave_programs=12)
+    num_kv_heads, group, head_dim = 2, 4, 64
+    keys, values = make_cache(60, num_kv_heads, head_dim)
+    table, seq_lens = make_table([64 * 13 + 5, 64 * 20], 60, extra_columns=4)
+    query = make_query(2, num_kv_heads * group, head_dim)
+    page_lists = torch.full((2, num_kv_heads, table.shape[1]), -1, dtype=torch.int32)
+    lengths = [[12, 11], [10, 3]]
+    for b in range(2):
+        for h in range(num_kv_heads):
+            page_lists[b, h, :lengths[b][h]] = torch.randperm(
+                ref.num_pages(int(seq_lens[b]), table.shape[1]))[:lengths[b][h]].to(torch.int32)
+    page_counts = torch.tensor(lengths, dtype=torch.int32)
+    page_lists, page_counts = page_lists.to(DEVICE), page_counts.to(DEVICE)
+    counts = page_counts.cpu().flatten()
+    chunks_per_row, chunk, chunks = ref.work_split(counts, 4, config, max_pages=table.shape[1])
+    assert chunk.tolist() == [3, 4, 4, 3] and chunks.tolist() == [4, 3, 3, 1]
+    eq4 = ref.work_split(counts, 4, config.replace(wave_programs=0), max_pages=table.shape[1])
+    assert eq4[2].tolist() == [6, 6, 5, 2]
+    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
+    assert kernel_chunks(query, keys, values, table, seq_lens, page_lists, page_counts, config,
+                         chunks_per_row) == [4, 3, 3, 0]
+
+
+@triton.jit
+def _step_pages_probe(page_counts, out, num_rows, num_kv_heads, stride_cb, stride_ch,
+                      BLOCK: tl.constexpr):
+    tl.store(out, step_pages(page_counts, num_rows, num_kv_heads, stride_cb, stride_ch, BLOCK))
+
+
+@pytest.mark.parametrize("block", [4, 16, 1024])
+def test_step_pages_sums_every_row_once(block):
+    """``step_pages`` (W's N) over 5 requests x 3 KV heads held in a transposed view (strides
+    1 and 5), in blocks of 4 (four passes, the last masked), 16 (one, masked) and 1,024."""
+    counts = torch.randint(0, 1000, (3, 5), dtype=torch.int32).to(DEVICE).t()
+    out = torch.full((1,), -1, dtype=torch.int32, device=DEVICE)
+    _step_pages_probe[(1,)](counts, out, 15, 3, *counts.stride(), BLOCK=block)
+    assert int(out) == int(counts.sum())
 
 
 def test_a_row_of_exactly_short_row_pages_gets_the_finer_floor():

@@ -582,6 +582,12 @@ def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
     assert bench.attend_settings("moira_c32_ahead14") == dict(PAGE_IDS_AHEAD=True,
                                                               PAGES_PER_ITER=1, NUM_STAGES=4)
     assert bench.config_fields("moira_ahead13_c32") is None
+    # each row's share of W programs (MoiraConfig.wave_programs), alone or with the others
+    assert bench.config_fields("moira_w396") == {"wave_programs": 396}
+    assert bench.config_fields("moira_c32_w396_ahead14") == {"chunk_pages": 32,
+                                                             "wave_programs": 396}
+    assert bench.attend_settings("moira_c32_w396_ahead14")["NUM_STAGES"] == 4
+    assert bench.attend_settings("moira_w396") == {}
     from moira.kernels import attend as attend_module
     default = (attend_module.PAGE_IDS_AHEAD, attend_module.NUM_STAGES)
     with pytest.raises(RuntimeError), bench.patched(attend_module,
