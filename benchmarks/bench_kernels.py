@@ -14,11 +14,11 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
                      files of session 15 have ``moira_t256`` beside a default of 128).
 - ``moira_c<N>``     ``moira`` with Eq. (4)'s chunk floor C = N pages (``chunk_pages``; the
                      default 24 was chosen at CV 0 only, session 1), e.g. ``moira_c12``.
-- ``moira_ahead<P><S>[w<W>]``  ``moira`` with each tile's page ids loaded a tile ahead
+- ``moira_ahead<P><S>[w<warps>]``  ``moira`` with each tile's page ids loaded a tile ahead
                      (``attend.PAGE_IDS_AHEAD``), P pages per tile, S pipeline stages and
-                     W warps (``PAGES_PER_ITER``, ``NUM_STAGES``, ``NUM_WARPS``; default 4),
+                     that many warps (``PAGES_PER_ITER``, ``NUM_STAGES``, ``NUM_WARPS``; 4),
                      e.g. ``moira_ahead13``, ``moira_ahead13w8``; with a chunk floor too,
-                     ``moira_c<N>_ahead<P><S>[w<W>]``, e.g. ``moira_c32_ahead13``.
+                     ``moira_c<N>_ahead<P><S>[w<warps>]``, e.g. ``moira_c32_ahead13``.
 - ``moira_w<W>``     ``moira`` with each row's chunks planned from its share of W programs
                      (``MoiraConfig.wave_programs``; 396 = one wave on the H200), also
                      after a floor and before a lookahead: ``moira_c32_w396_ahead14``.
@@ -368,8 +368,8 @@ def config_fields(arm):
 
 def attend_settings(arm):
     """Attend's module constants under which a configured arm launches
-    (``[_c<N>]_ahead<P><S>[w<W>]``: page ids a tile ahead, P pages per tile, S stages, W
-    warps); {} for any other arm."""
+    (``[_c<N>][_w<W>]_ahead<P><S>[w<warps>]``: page ids a tile ahead, P pages per tile, S
+    stages, that many warps); {} for any other arm."""
     configured = CONFIGURED_ARM.fullmatch(arm)
     if not configured or not configured.group(3):
         return {}
@@ -404,8 +404,8 @@ def main():
     if unknown:  # a misspelt or retired arm would time nothing and say nothing
         parser.error(f"unknown arms {', '.join(sorted(unknown))}; known: "
                      f"{', '.join(sorted(ARMS))}, moira_c<N>, moira_w<W>, "
-                     f"moira[_c<N>][_w<W>]_ahead<P><S>[w<W>] (moira_t256 is moira_t128 since "
-                     f"session 15)")
+                     f"moira[_c<N>][_w<W>]_ahead<P><S>[w<warps>] (moira_t256 is moira_t128 "
+                     f"since session 15)")
     shapes = {**SHAPES, **EXTRA_SHAPES}
     unknown_shapes = [name for name in args.shapes.split(",") if name not in shapes]
     if unknown_shapes:  # before the imports and the JSON, not as a KeyError halfway through

@@ -91,7 +91,7 @@ def load(folders):
                 variant = "+".join(filter(None, [variant, f"Jmax={run['max_chunks_per_row']}"]))
             if run.get("step_programs") is not None:  # the short-row floor (0: Eq. 4 alone)
                 variant = "+".join(filter(None, [variant, f"T={run['step_programs']}"]))
-            if run.get("wave_programs"):  # rows planned from their share of W programs
+            if run.get("wave_programs") is not None:  # rows planned from their share of W
                 variant = "+".join(filter(None, [variant, f"W={run['wave_programs']}"]))
             if run.get("kernel_settings"):  # kernels' tuning constants (session 25)
                 variant = "+".join(filter(None, [variant, "kern"]))

@@ -21,9 +21,6 @@ BISECTION_BITS = 24
 MAX_PAGES_PER_SEQ = 32768
 """Longest row Select keeps on chip (2M tokens)."""
 
-MAX_WAVE_PROGRAMS = 2**31 // MAX_PAGES_PER_SEQ - 1
-"""Largest ``MoiraConfig.wave_programs``: the kernels plan n * W in int32."""
-
 SUPPORTED_HEAD_DIMS = (64, 128)
 """Head dims the kernels are built and tested for."""
 
@@ -73,14 +70,16 @@ class MoiraConfig:
         session 15 (128 before; benchmarks/RESULTS.md, "Short requests")
     wave_programs:
         W: a row's chunks are planned from its share of the step's listed pages N (the sum
-        over the step's rows, read by every Attend and Merge program): Eq. (4)'s J in
+        over the step's rows, which Attend's and Merge's programs compute): Eq. (4)'s J in
         ceil(n / J) becomes m = min(J, max(1, floor(n * W / N))), so the step has at most
         about W programs of about N / W pages each (the floors above still bound a chunk from
         below). Why: Eq. (4) plans each row blind to the others, and a step's programs then
         fill a whole number of waves only by chance (on the H200 at 131k x 4, 608 programs on
         396 slots, 1.54 waves; 480 programs, 1.21 waves, ran 18% longer; benchmarks/NOTES.md,
         session 30). W = the GPU's resident programs (132 SMs x 3 on the H200: 396) aims at
-        one wave. 0 (the default, untimed): off, Eq. (4).
+        one wave. 0 (the default, untimed): off, Eq. (4). A row's split then depends on the
+        other rows' lengths: a captured graph's padded rows must list no page (vLLM's padded
+        requests have length 0) for an eager step to split as its replay does.
     min_chunks_per_row:
         N_J, the fewest programs Attend launches per row.
     max_chunks_per_row:
@@ -148,10 +147,9 @@ class MoiraConfig:
                              f"short rows in int32), got {self.step_programs!r} * "
                              f"{self.chunk_pages!r}; lower step_programs")
         if (isinstance(self.wave_programs, bool) or not isinstance(self.wave_programs, int)
-                or not 0 <= self.wave_programs <= MAX_WAVE_PROGRAMS):
-            raise ValueError(f"wave_programs must be an int in [0, {MAX_WAVE_PROGRAMS}] (0 turns "
-                             f"it off; 396 is one wave of Attend on the H200), got "
-                             f"{self.wave_programs!r}")
+                or not 0 <= self.wave_programs < 2**31):
+            raise ValueError(f"wave_programs must be an int in [0, 2**31) (0 turns it off; 396 "
+                             f"is one wave of Attend on the H200), got {self.wave_programs!r}")
         if self.wave_programs and self.schedule != "rows":
             raise ValueError("wave_programs plans the 'rows' schedule's chunks; use "
                              "schedule='rows' or wave_programs=0")

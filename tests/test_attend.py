@@ -10,7 +10,7 @@ from moira import MoiraConfig
 from moira import reference as ref
 from moira.kernels import attend as attend_module
 from moira.kernels import launch
-from moira.kernels.attend import step_pages
+from moira.kernels.attend import plan_row, step_pages
 
 
 def random_lists(seq_lens, num_kv_heads, width, fraction=0.5, shuffle=False):
@@ -176,6 +176,103 @@ def test_wave_programs_plans_each_row_from_its_share_of_the_step():
     check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
     assert kernel_chunks(query, keys, values, table, seq_lens, page_lists, page_counts, config,
                          chunks_per_row) == [4, 3, 3, 0]
+
+
+@triton.jit
+def _plan_probe(page_counts, chunk_out, chunks_out, merge_chunks_out, stride_cb, stride_ch,
+                chunk_floor, chunks_per_row, step_rows, step_programs, short_pages, num_rows,
+                num_kv_heads, wave_programs, EVEN: tl.constexpr, WAVE: tl.constexpr):
+    row = tl.program_id(0)
+    b, head = row // num_kv_heads, row % num_kv_heads
+    args = (page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per_row, step_rows,
+            step_programs, short_pages, num_rows, num_kv_heads, wave_programs)
+    _, chunk, chunks = plan_row(*args, 0, EVEN, WAVE)  # the full plan (Attend's program 0)
+    tl.store(chunk_out + row, chunk)
+    tl.store(chunks_out + row, chunks)
+    tl.store(merge_chunks_out + row, plan_row(*args, 1, EVEN, WAVE)[2])  # Merge's
+
+
+def test_plan_row_is_the_reference_split_for_random_steps():
+    """``plan_row`` (Attend's and Merge's plan) against ``reference.work_split`` on random
+    steps: W from 1 to 2**31 - 1 (so J and the floors bind too), empty rows and all-empty
+    steps, a planned batch larger than the launched one, page counts in a transposed view,
+    both chunk rules. Merge's call, which skips the sum N where a row cannot have two chunks,
+    must agree on every row it merges (m > 1) and see m = 1 on every other."""
+    generator = torch.Generator().manual_seed(30)
+
+    def pick(*options):
+        return options[int(torch.randint(len(options), (1,), generator=generator))]
+
+    for case in range(48):
+        num_kv_heads, batch = pick(1, 2, 8), pick(1, 3, 9)
+        rows, planned_rows = batch * num_kv_heads, batch * num_kv_heads * pick(1, 2)
+        width = pick(8, 64, 2048, 32768)
+        counts = torch.randint(0, width + 1, (batch, num_kv_heads), generator=generator)
+        if case % 4 == 1:
+            counts.zero_()
+        elif case % 4 == 2:
+            counts = torch.where(torch.rand(batch, num_kv_heads, generator=generator) < 0.5, 0,
+                                 counts % 9)
+        counts = counts.int().t().contiguous().t() if case % 2 else counts.int()
+        config = MoiraConfig(chunk_pages=pick(1, 3, 24), floor_rows=pick(1, 32),
+                             step_programs=pick(0, 8, 256),
+                             wave_programs=pick(1, 12, 396, 2**31 - 1),
+                             min_chunks_per_row=pick(1, 32), min_programs=pick(1, 4096),
+                             max_chunks_per_row=pick(32, 4096))
+        floor = config.chunk_floor(planned_rows)
+        chunks_per_row = config.chunks_per_row(planned_rows, width)
+        short = attend_module.short_row_pages(floor, planned_rows, config.step_programs)
+        for even in (False, True):
+            out = [torch.full((rows,), -1, dtype=torch.int32, device=DEVICE) for _ in range(3)]
+            counts_dev = counts.to(DEVICE)
+            _plan_probe[(rows,)](counts_dev, *out, *counts_dev.stride(), floor, chunks_per_row,
+                                 planned_rows, config.step_programs, short, rows, num_kv_heads,
+                                 config.wave_programs, EVEN=even, WAVE=True)
+            chunk, chunks, merge_chunks = (t.cpu() for t in out)
+            _, ref_chunk, ref_chunks = ref.work_split(counts.flatten(), planned_rows, config,
+                                                      max_pages=width, even=even)
+            assert torch.equal(chunk, ref_chunk.int()), (case, even)
+            assert torch.equal(chunks, ref_chunks.int()), (case, even)
+            assert (chunks <= chunks_per_row).all()
+            assert torch.equal(torch.where(chunks > 1, chunks, 1), merge_chunks), (case, even)
+
+
+def test_wave_programs_sums_only_the_launched_rows():
+    """Attend launched for 1 request of a step planned for 3 (``step_rows``), its page counts
+    a view of a larger buffer whose other rows hold 1,000 pages each: N is the launched rows'
+    sum (a kernel that summed the planned rows would read them), so the kernel's chunks are
+    the reference's over the launched rows."""
+    from moira.kernels.attend import attend as launch_attend
+    from moira.kernels.merge import merge as launch_merge
+
+    config = MoiraConfig(chunk_pages=2, floor_rows=1, min_chunks_per_row=16, min_programs=1,
+                         step_programs=0, wave_programs=12)
+    num_kv_heads, group, head_dim = 2, 4, 64
+    keys, values = make_cache(40, num_kv_heads, head_dim)
+    table, seq_lens = make_table([64 * 13 + 5], 40, extra_columns=4)
+    query = make_query(1, num_kv_heads * group, head_dim)
+    page_lists, page_counts = random_lists(seq_lens.cpu(), num_kv_heads, table.shape[1],
+                                           fraction=0.8)
+    buffer = torch.full((3, num_kv_heads), 1000, dtype=torch.int32, device=DEVICE)
+    buffer[:1] = page_counts
+    rows, planned_rows = num_kv_heads, 3 * num_kv_heads
+    chunks_per_row = config.chunks_per_row(planned_rows, table.shape[1])
+    partial_out = torch.zeros(rows * chunks_per_row * group * head_dim, device=DEVICE)
+    partial_lse = torch.full((rows * chunks_per_row * group,), float("nan"), device=DEVICE)
+    out = poisoned(*query.shape, dtype=query.dtype)
+    split = dict(chunk_floor=config.chunk_floor(planned_rows), chunks_per_row=chunks_per_row,
+                 step_rows=planned_rows, wave_programs=config.wave_programs)
+    launch_attend(query, keys, values, table, seq_lens, page_lists, buffer[:1],
+                  scale=head_dim ** -0.5, out=out, partial_out=partial_out,
+                  partial_lse=partial_lse, **split)
+    launch_merge(buffer[:1], partial_out, partial_lse, out, num_kv_heads=num_kv_heads, **split)
+    _, _, chunks = ref.work_split(page_counts.cpu().flatten(), planned_rows, config,
+                                  max_pages=table.shape[1])
+    assert (chunks > 1).any()
+    written = ~torch.isnan(partial_lse.cpu()).view(rows, chunks_per_row, group).all(-1)
+    assert written.sum(-1).tolist() == [m if m > 1 else 0 for m in chunks.tolist()]
+    args = [t.cpu() for t in (query, keys, values, table, seq_lens, page_lists, page_counts)]
+    assert_attention_close(out, ref.attend(*args), ref.attend(*args, dtype=query.dtype))
 
 
 @triton.jit

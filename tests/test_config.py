@@ -54,7 +54,7 @@ def test_chunk_floor_shrinks_for_small_batches():
     ("step_programs", True), ("max_chunks_per_row", 0), ("max_chunks_per_row", 31),
     ("step_programs", 89478486),  # * 24 pages = 2**31 + 16: the int32 floor would overflow
     ("wave_programs", -1), ("wave_programs", True), ("wave_programs", 396.0),
-    ("wave_programs", 65536),  # * 32,768 pages = 2**31: the int32 plan would overflow
+    ("wave_programs", 2**31),  # a kernel argument: int32
 ])
 def test_bad_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -66,7 +66,7 @@ def test_the_largest_step_programs_for_the_chunk_floor_is_accepted():
 
 
 def test_the_largest_wave_programs_is_accepted():
-    assert MoiraConfig(wave_programs=65535).wave_programs == 65535  # * 32,768 < 2**31
+    assert MoiraConfig(wave_programs=2**31 - 1).wave_programs == 2**31 - 1  # n * W in int64
     with pytest.raises(ValueError, match="wave_programs plans the 'rows' schedule"):
         MoiraConfig(wave_programs=396, schedule="balanced")
 

@@ -82,37 +82,41 @@ PAGE_IDS_AHEAD = False
 @triton.jit
 def step_pages(page_counts, num_rows, num_kv_heads, stride_cb, stride_ch,
                BLOCK: tl.constexpr = 1024):
-    """N: the listed pages of all ``num_rows`` rows (requests x KV heads) of the launch."""
-    total = 0
+    """N: the listed pages of all ``num_rows`` rows (requests x KV heads) of the launch, int64."""
+    total = tl.zeros([], dtype=tl.int64)
     for start in range(0, num_rows, BLOCK):
         rows = start + tl.arange(0, BLOCK)
         total += tl.sum(tl.load(page_counts + (rows // num_kv_heads) * stride_cb
                                 + (rows % num_kv_heads) * stride_ch,
-                                mask=rows < num_rows, other=0))
+                                mask=rows < num_rows, other=0).to(tl.int64))
     return total
 
 
 @triton.jit
 def plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per_row,
              step_rows, step_programs, short_pages, num_rows, num_kv_heads, wave_programs,
-             EVEN: tl.constexpr, WAVE: tl.constexpr):
+             needed_chunks, EVEN: tl.constexpr, WAVE: tl.constexpr):
     """(list length n, pages per chunk c, chunks m) of a row: Eq. (4) with the short-row floor
     (``step_programs`` over ``step_rows``, the planned step's rows; rows of at most
     ``short_pages`` pages, ``short_row_pages``: -1 when off), J replaced by the row's share of
     ``wave_programs`` W with ``WAVE`` (W > 0; of the listed pages of the ``num_rows`` rows
     launched; a constexpr, so that the default build carries none of it), its
     chunks made equal with ``EVEN`` (``EVEN_CHUNKS``), shared with Merge
-    (``reference.work_split``)."""
+    (``reference.work_split``). A caller that acts only on a row of more than
+    ``needed_chunks`` chunks (Attend's program j: j; Merge: 1) gets Eq. (4)'s plan without
+    the sum over the step when the row cannot have that many (m <= ceil(n / floor)): its m
+    is then no larger either, so the caller does the same."""
     count = tl.load(page_counts + b * stride_cb + head * stride_ch)
     floor = chunk_floor
     if count <= short_pages:  # only where the floor binds: n * rows <= (C - 1) * T, so
         # cdiv's n * rows + T - 1 <= C * T - 1 fits int32 (MoiraConfig: C * T < 2**31)
         floor = tl.maximum(2, tl.cdiv(count * step_rows, step_programs))
     chunks = chunks_per_row
-    if WAVE:  # n * W < 2**31: n <= MAX_PAGES_PER_SEQ, W <= MAX_WAVE_PROGRAMS
-        total = tl.maximum(step_pages(page_counts, num_rows, num_kv_heads, stride_cb,
-                                      stride_ch), 1)
-        chunks = tl.minimum(chunks_per_row, tl.maximum(1, count * wave_programs // total))
+    if WAVE:
+        if needed_chunks < tl.cdiv(count, floor):  # so n > 0, and N >= n
+            total = step_pages(page_counts, num_rows, num_kv_heads, stride_cb, stride_ch)
+            share = count.to(tl.int64) * wave_programs // total
+            chunks = tl.minimum(chunks_per_row, tl.maximum(1, share)).to(tl.int32)
     chunk = tl.maximum(floor, tl.cdiv(count, chunks))
     if EVEN:
         chunk = tl.maximum(tl.cdiv(count, tl.maximum(tl.cdiv(count, chunk), 1)), 1)
@@ -278,7 +282,7 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
     count, chunk, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
                                         chunk_floor, chunks_per_row, step_rows,
                                         step_programs, short_pages, num_rows, num_kv_heads,
-                                        wave_programs, EVEN_CHUNKS, WAVE)
+                                        wave_programs, chunk_id, EVEN_CHUNKS, WAVE)
     if chunk_id >= num_chunks:
         return
 
@@ -310,7 +314,6 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     ``step_rows``: the rows the split is planned for (a captured graph's padded batch);
     ``wave_programs``: ``MoiraConfig.wave_programs`` (0: off)."""
     assert step_rows > 0 or not step_programs, "step_programs needs the planned step_rows"
-    assert block_table.shape[1] * wave_programs < 2**31, "n * W is planned in int32: lower W"
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -37,7 +37,7 @@ def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_sta
     head = row % num_kv_heads
     count, _, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
                                     chunk_floor, chunks_per_row, step_rows, step_programs,
-                                    short_pages, num_rows, num_kv_heads, wave_programs,
+                                    short_pages, num_rows, num_kv_heads, wave_programs, 1,
                                     EVEN_CHUNKS, WAVE)
     if HAS_STATS:
         if g == 0:
