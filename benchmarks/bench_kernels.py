@@ -9,6 +9,10 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
 - ``moira_balanced`` the same lists with ``MoiraConfig(schedule="balanced")``: all rows'
                      pages split evenly over P programs (``moira/kernels/balanced.py``).
 - ``moira_hnd``      the same on the head-major layout the folded peers need.
+- ``moira_packed``, ``moira_packed_hnd``: ``moira`` on vLLM 0.26's own cache tensors, K and V
+                     packed in one ``[..., 2 D]`` tensor: token-major (``[pages, 64, Hkv, 2 D]``,
+                     vLLM's default NHD) and head-major (``[pages, Hkv, 64, 2 D]``,
+                     ``VLLM_KV_CACHE_LAYOUT=HND``: a page-head's K and V in one 32 KiB run).
 - ``moira_eq4``, ``moira_t128``: ``moira`` with the short-row floor off (``step_programs=0``,
                      Eq. 4 alone) and at T = 128 instead of the default 256 (session 14's;
                      files of session 15 have ``moira_t256`` beside a default of 128).
@@ -199,6 +203,7 @@ class Shape:
         self.seq_lens_f = self.seq_lens.repeat_interleave(KV_HEADS)
         self.workspace = moira.DecodeWorkspace(batch, self.pages, KV_HEADS * GROUP, KV_HEADS,
                                                HEAD_DIM, device="cuda")
+        self.packed = {}  # moira_packed's caches, made on first use
         self.workspace_f = moira.DecodeWorkspace(self.rows, self.pages, GROUP, 1, HEAD_DIM,
                                                  device="cuda")
         self.workspace_balanced = moira.DecodeWorkspace(
@@ -252,6 +257,23 @@ class Shape:
         return lambda: moira.attend(self.query_f, self.key_f, self.value_f, self.table_f,
                                     self.seq_lens_f, lists3, counts2, scale=self.scale,
                                     workspace=self.workspace_f, out=out)
+
+    def moira_packed(self, lists, counts, head_major):
+        """``moira`` on a packed K|V copy of the cache (``moira_packed[_hnd]``), made on first
+        use: one more copy of K and V on the GPU."""
+        name = "packed_hnd" if head_major else "packed"
+        if name not in self.packed:
+            if head_major:  # [pages, Hkv, 64, 2D], viewed as [pages, 64, Hkv, 2D]
+                kv = torch.cat([self.key_hnd, self.value_hnd], -1).transpose(1, 2)
+            else:
+                kv = torch.cat([self.key_nhd, self.value_nhd], -1)
+            self.packed[name] = (kv[..., :HEAD_DIM], kv[..., HEAD_DIM:],
+                                 torch.empty_like(self.query))
+        keys, values, out = self.packed[name]
+        lists3 = lists.view(self.batch, KV_HEADS, -1)
+        counts2 = counts.view(self.batch, KV_HEADS)
+        return lambda: moira.attend(self.query, keys, values, self.table, self.seq_lens, lists3,
+                                    counts2, scale=self.scale, workspace=self.workspace, out=out)
 
     def fa3_inputs(self, lists, counts):
         seqused = (counts * PAGE).int()
@@ -339,7 +361,8 @@ def host_time_us(fn, repeats=30):
     return statistics.median(times)
 
 
-ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_eq4", "moira_t128", "fa3_varlen", "pad",
+ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_packed", "moira_packed_hnd",
+        "moira_eq4", "moira_t128", "fa3_varlen", "pad",
         "pow2", "flashinfer", "flex"}
 
 
@@ -546,6 +569,10 @@ def main():
                 if "moira_hnd" in arms:
                     timed(shape_name, "moira_hnd", lambda: s.moira_hnd(lists, counts), tag,
                           bytes_read, **info)
+                for name, head_major in (("moira_packed", False), ("moira_packed_hnd", True)):
+                    if name in arms:
+                        timed(shape_name, name, lambda head_major=head_major: s.moira_packed(
+                            lists, counts, head_major), tag, bytes_read, **info)
                 if "pad" in arms:
                     timed(shape_name, "pad", lambda: s.moira(L["pad_lists"], L["pad_counts"]),
                           tag, bytes_read, read=s.kv_bytes(L["pad_counts"]), **info)
@@ -621,6 +648,9 @@ def check_outputs(report, shape_name, tag, s, fa, flashinfer, flex_compiled, blo
         outputs = {"moira_hnd": s.moira_hnd(lists, counts),
                    "moira_balanced": lambda: s.moira(lists, counts,
                                                      s.workspace_balanced)().clone()}
+        outputs.update({name: s.moira_packed(lists, counts, head_major)
+                        for name, head_major in (("moira_packed", False),
+                                                 ("moira_packed_hnd", True)) if name in arms})
         # the other configurations of Moira's own kernels
         outputs.update({arm: lambda arm=arm: s.moira_configured(arm, lists, counts)().clone()
                         for arm in ["moira_eq4", "moira_t128"] + sorted(

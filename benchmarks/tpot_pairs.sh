@@ -24,6 +24,8 @@
 #       since: the "moira" engine)
 #   "w396": each row's chunks planned from its share of 396 programs (wave_programs, one
 #     wave of Attend on the H200; session 30), -w396.json
+#   "hnd": Moira on vLLM's head-major cache (VLLM_KV_CACHE_LAYOUT=HND: each page-head's K|V
+#     rows in one 32 KiB run, against the default's 256-byte rows 4 KiB apart), -hnd.json
 #   "kern": kernel tuning constants as KERNEL_SETTINGS says (e.g. "estimate.MAX_REGISTERS=96
 #     attend.PAGES_PER_ITER=1"), -kern.json
 #   TPOT_ARGS: more vllm_tpot.py options for every engine, e.g. "--max-model-len 131072" (the
@@ -39,6 +41,7 @@ out=${OUT:-.}
 for pair in $(seq "$pairs"); do
   mkdir -p "$out/pair$pair"
   for arm in ${ARMS:-dense moira}; do
+    layout=""  # VLLM_KV_CACHE_LAYOUT for this engine (empty: left unset, vLLM's NHD)
     case $arm in
       dense) args="--backend dense"; name=$model-dense ;;
       moira) args="--backend moira"; name=$model-moira-g098 ;;
@@ -64,6 +67,8 @@ for pair in $(seq "$pairs"); do
              name=$model-moira-g098-nofcw ;;
       w396) args="--backend moira --wave-programs 396"
             name=$model-moira-g098-w396 ;;
+      hnd) args="--backend moira"; layout=HND
+           name=$model-moira-g098-hnd ;;
       # a candidate of the kernels' tuning constants, e.g. KERNEL_SETTINGS=
       # "estimate.MAX_REGISTERS=96" (vllm_tpot.py --kernel-setting)
       kern) args="--backend moira"
@@ -71,9 +76,10 @@ for pair in $(seq "$pairs"); do
               args="$args --kernel-setting $setting"
             done
             name=$model-moira-g098-kern ;;
-      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin, n1024, jnocap, nj16, nofcw, w396, kern)"; exit 1 ;;
+      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin, n1024, jnocap, nj16, nofcw, w396, hnd, kern)"; exit 1 ;;
     esac
-    python3 benchmarks/vllm_tpot.py --model "$model" --shapes "$shapes" $args ${TPOT_ARGS:-} \
+    env ${layout:+VLLM_KV_CACHE_LAYOUT=$layout} python3 benchmarks/vllm_tpot.py --model "$model" \
+      --shapes "$shapes" $args ${TPOT_ARGS:-} \
       --repeats 1 --out "$out/pair$pair/$name.json" 2>&1 | grep "tpot_ms\|Error\|Traceback" \
       | cut -c1-120 || true
   done

@@ -251,6 +251,8 @@ def main():
                            min_programs=settings.min_programs if settings else None,
                            step_programs=settings.step_programs if settings else None,
                            wave_programs=settings.wave_programs if settings else None,
+                           # vLLM's cache layout when set (HND: a page-head's K|V contiguous)
+                           kv_cache_layout=os.environ.get("VLLM_KV_CACHE_LAYOUT") or None,
                            min_chunks_per_row=settings.min_chunks_per_row if settings else None,
                            max_chunks_per_row=settings.max_chunks_per_row if settings else None,
                            # what Attend ran with, set or default (None: the setting unset)

@@ -16,7 +16,10 @@ def make_cache(num_pages, num_kv_heads, head_dim, dtype=torch.bfloat16, layout="
     """Random K and V caches ``[num_pages, 64, num_kv_heads, head_dim]``.
 
     layout: "contiguous"; "packed" (views of one ``[..., 2 * head_dim]`` tensor, vLLM's NHD
-    K|V); "hnd" (permuted views of ``[num_pages, num_kv_heads, 64, head_dim]``)."""
+    K|V); "hnd" (permuted views of ``[num_pages, num_kv_heads, 64, head_dim]``);
+    "packed_hnd" (vLLM's HND cache, ``VLLM_KV_CACHE_LAYOUT=HND``: permuted views of one
+    ``[num_pages, num_kv_heads, 64, 2 * head_dim]`` tensor, a page-head's K|V rows
+    interleaved)."""
     shape = (num_pages, PAGE_SIZE, num_kv_heads, head_dim)
     if layout == "contiguous":
         return (torch.randn(shape, device=DEVICE).to(dtype),
@@ -24,6 +27,10 @@ def make_cache(num_pages, num_kv_heads, head_dim, dtype=torch.bfloat16, layout="
     if layout == "packed":
         kv = torch.randn(num_pages, PAGE_SIZE, num_kv_heads, 2 * head_dim, device=DEVICE)
         kv = kv.to(dtype)
+        return kv[..., :head_dim], kv[..., head_dim:]
+    if layout == "packed_hnd":
+        kv = torch.randn(num_pages, num_kv_heads, PAGE_SIZE, 2 * head_dim, device=DEVICE)
+        kv = kv.to(dtype).transpose(1, 2)
         return kv[..., :head_dim], kv[..., head_dim:]
     if layout == "hnd":
         k, v = (torch.randn(num_pages, num_kv_heads, PAGE_SIZE, head_dim, device=DEVICE)

@@ -327,6 +327,19 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
         "4096: the split before session 20): speedup per pair | mean |")
     assert text.splitlines()[2].endswith(
         "| 2.08× / – | **2.08×** | 2.00× / – | **2.00×** |")
+    # session 30's arms w396 (wave_programs) and hnd (VLLM_KV_CACHE_LAYOUT=HND) in the second
+    # pair: a column each, apart from the default engine's
+    for name, extra, tpot in (("w.json", dict(wave_programs=396), 6.0),
+                              ("h.json", dict(kv_cache_layout="HND"), 7.0)):
+        run = dict(backend="moira", model="llama-3.1-8b", gamma=0.98, **extra,
+                   results=[dict(shape="130k4", tpot_ms=tpot, imposed_read_fraction=0.15)])
+        (tmp_path / "pair2" / name).write_text(json.dumps(run))
+    header, _, row = pairs_text().splitlines()[:3]
+    assert header.endswith("Moira, each row's chunks from its share of 396 programs "
+                           "(wave_programs): speedup per pair | mean | Moira on vLLM's "
+                           "head-major cache (VLLM_KV_CACHE_LAYOUT=HND): speedup per pair | "
+                           "mean |")
+    assert row.endswith("| – / 3.50× | **3.50×** | – / 3.00× | **3.00×** |")
 
 
 def test_tpot_pairs_table_keeps_pairs_of_dense_and_moira_at_gamma_0_99_alone(tmp_path):

@@ -97,7 +97,7 @@ def test_edge_rows_match_reference_in_every_mode(group, mode):
     assert (out[-1] == 0).all()  # the padded row, written (the output was poisoned)
 
 
-@pytest.mark.parametrize("layout", ["packed", "hnd"])
+@pytest.mark.parametrize("layout", ["packed", "hnd", "packed_hnd"])
 def test_gamma_one_is_dense(layout):
     num_kv_heads, group, head_dim = 2, 4, 128
     keys, values = make_cache(80, num_kv_heads, head_dim, layout=layout)
@@ -142,7 +142,8 @@ def test_the_step_summarizes_the_page_its_token_filled(head_dim):
 
 
 @pytest.mark.parametrize("group, head_dim, layout", [(1, 64, "contiguous"), (4, 128, "packed"),
-                                                     (7, 128, "hnd"), (8, 64, "contiguous")])
+                                                     (7, 128, "hnd"), (8, 64, "contiguous"),
+                                                     (4, 64, "packed_hnd")])
 def test_the_step_writes_its_new_tokens_first(group, head_dim, layout):
     """With new_keys / new_values / slot_mapping, Estimate's launch writes the tokens before
     any kernel reads them: caches, summaries, lists and outputs equal, bit for bit, those of

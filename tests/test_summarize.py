@@ -11,7 +11,7 @@ def _untouched(summaries, pages):
     return torch.isnan(summaries[pages].float()).all()
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "packed", "hnd"])
+@pytest.mark.parametrize("layout", ["contiguous", "packed", "hnd", "packed_hnd"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("summary_dtype", [torch.float32, torch.bfloat16])
 def test_summarize_matches_reference(layout, head_dim, summary_dtype):
