@@ -12,7 +12,8 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
 - ``moira_packed``, ``moira_packed_hnd``: ``moira`` on vLLM 0.26's own cache tensors, K and V
                      packed in one ``[..., 2 D]`` tensor: token-major (``[pages, 64, Hkv, 2 D]``,
                      vLLM's default NHD) and head-major (``[pages, Hkv, 64, 2 D]``,
-                     ``VLLM_KV_CACHE_LAYOUT=HND``: a page-head's K and V in one 32 KiB run).
+                     ``VLLM_KV_CACHE_LAYOUT=HND``: a page-head's K and V in one 32 KiB run);
+                     before the options below too, e.g. ``moira_packed_hnd_w396``.
 - ``moira_eq4``, ``moira_t128``: ``moira`` with the short-row floor off (``step_programs=0``,
                      Eq. 4 alone) and at T = 128 instead of the default 256 (session 14's;
                      files of session 15 have ``moira_t256`` beside a default of 128).
@@ -233,18 +234,23 @@ class Shape:
 
     # ---- arms: each returns a no-argument callable writing its output ------------------------
 
-    def moira(self, lists, counts, workspace=None):
+    def moira(self, lists, counts, workspace=None, caches=None):
+        """``caches``: (keys, values, out) other than the default's (``packed_caches``)."""
+        keys, values, out = caches or (self.key_nhd, self.value_nhd, self.out)
         lists3 = lists.view(self.batch, KV_HEADS, -1)
         counts2 = counts.view(self.batch, KV_HEADS)
-        return lambda: moira.attend(self.query, self.key_nhd, self.value_nhd, self.table,
-                                    self.seq_lens, lists3, counts2, scale=self.scale,
-                                    workspace=workspace or self.workspace, out=self.out)
+        return lambda: moira.attend(self.query, keys, values, self.table, self.seq_lens, lists3,
+                                    counts2, scale=self.scale,
+                                    workspace=workspace or self.workspace, out=out)
 
     def moira_configured(self, arm, lists, counts):
-        """``moira`` as one of its configured arms runs it: that arm's workspace
-        (``config_fields``), launched under its Attend settings (``attend_settings``; read at
-        each launch, so also when a graph is captured)."""
-        run = self.moira(lists, counts, self.arm_workspace(arm))
+        """``moira`` as one of its configured arms runs it: on that arm's caches
+        (``cache_layout``), with its workspace (``config_fields``), launched under its Attend
+        settings (``attend_settings``; read at each launch, so also when a graph is
+        captured)."""
+        layout = cache_layout(arm)
+        run = self.moira(lists, counts, self.arm_workspace(arm),
+                         self.packed_caches(layout) if layout else None)
 
         def launch():
             with patched(attend_module, **attend_settings(arm)):
@@ -258,22 +264,17 @@ class Shape:
                                     self.seq_lens_f, lists3, counts2, scale=self.scale,
                                     workspace=self.workspace_f, out=out)
 
-    def moira_packed(self, lists, counts, head_major):
-        """``moira`` on a packed K|V copy of the cache (``moira_packed[_hnd]``), made on first
-        use: one more copy of K and V on the GPU."""
-        name = "packed_hnd" if head_major else "packed"
-        if name not in self.packed:
-            if head_major:  # [pages, Hkv, 64, 2D], viewed as [pages, 64, Hkv, 2D]
+    def packed_caches(self, layout):
+        """(keys, values, out) on a packed K|V copy of the cache (``cache_layout``: "packed" or
+        "packed_hnd"), made on first use: one more copy of K and V on the GPU."""
+        if layout not in self.packed:
+            if layout == "packed_hnd":  # [pages, Hkv, 64, 2D], viewed as [pages, 64, Hkv, 2D]
                 kv = torch.cat([self.key_hnd, self.value_hnd], -1).transpose(1, 2)
             else:
                 kv = torch.cat([self.key_nhd, self.value_nhd], -1)
-            self.packed[name] = (kv[..., :HEAD_DIM], kv[..., HEAD_DIM:],
-                                 torch.empty_like(self.query))
-        keys, values, out = self.packed[name]
-        lists3 = lists.view(self.batch, KV_HEADS, -1)
-        counts2 = counts.view(self.batch, KV_HEADS)
-        return lambda: moira.attend(self.query, keys, values, self.table, self.seq_lens, lists3,
-                                    counts2, scale=self.scale, workspace=self.workspace, out=out)
+            self.packed[layout] = (kv[..., :HEAD_DIM], kv[..., HEAD_DIM:],
+                                   torch.empty_like(self.query))
+        return self.packed[layout]
 
     def fa3_inputs(self, lists, counts):
         seqused = (counts * PAGE).int()
@@ -361,22 +362,28 @@ def host_time_us(fn, repeats=30):
     return statistics.median(times)
 
 
-ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_packed", "moira_packed_hnd",
-        "moira_eq4", "moira_t128", "fa3_varlen", "pad",
+ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_eq4", "moira_t128", "fa3_varlen", "pad",
         "pow2", "flashinfer", "flex"}
 
 
-# the configured arms of ``moira``: a chunk floor, wave programs, Attend's page ids a tile
-# ahead, or several of them
-CONFIGURED_ARM = re.compile(r"moira(?:_c([1-9][0-9]*))?(?:_w([1-9][0-9]*))?"
+# the configured arms of ``moira``: vLLM's packed caches, a chunk floor, wave programs,
+# Attend's page ids a tile ahead, or several of them
+CONFIGURED_ARM = re.compile(r"moira(_packed(?:_hnd)?)?(?:_c([1-9][0-9]*))?(?:_w([1-9][0-9]*))?"
                             r"(?:_ahead([124])([1-9])(?:w([48]))?)?")
+
+
+def cache_layout(arm):
+    """"packed" or "packed_hnd" for an arm on vLLM's packed K|V caches, else None."""
+    configured = CONFIGURED_ARM.fullmatch(arm)
+    return configured.group(1)[1:] if configured and configured.group(1) else None
 
 
 def config_fields(arm):
     """``MoiraConfig`` fields of an arm that runs ``moira`` under another configuration
     (``moira_eq4``, ``moira_t128``, ``moira_c<N>``, ``moira_w<W>``; ``moira_ahead<P><S>``:
-    the default configuration, ``attend_settings``; ``moira_c<N>_w<W>_ahead<P><S>``: all
-    three); None for any other arm."""
+    the default configuration, ``attend_settings``; ``moira_packed[_hnd]``: the default on
+    other caches, ``cache_layout``; ``moira_packed_hnd_c<N>_w<W>_ahead<P><S>``: all four);
+    None for any other arm."""
     if arm == "moira_eq4":
         return dict(step_programs=0)
     if arm == "moira_t128":
@@ -384,7 +391,7 @@ def config_fields(arm):
     configured = CONFIGURED_ARM.fullmatch(arm)
     if not configured or arm == "moira":
         return None
-    chunk, wave = configured.group(1), configured.group(2)
+    chunk, wave = configured.group(2), configured.group(3)
     return ({"chunk_pages": int(chunk)} if chunk else {}) | (
         {"wave_programs": int(wave)} if wave else {})
 
@@ -394,9 +401,9 @@ def attend_settings(arm):
     (``[_c<N>][_w<W>]_ahead<P><S>[w<warps>]``: page ids a tile ahead, P pages per tile, S
     stages, that many warps); {} for any other arm."""
     configured = CONFIGURED_ARM.fullmatch(arm)
-    if not configured or not configured.group(3):
+    if not configured or not configured.group(4):
         return {}
-    pages, stages, warps = configured.groups()[2:]
+    pages, stages, warps = configured.groups()[3:]
     settings = dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(pages), NUM_STAGES=int(stages))
     return settings | ({"NUM_WARPS": int(warps)} if warps else {})
 
@@ -426,9 +433,9 @@ def main():
     unknown = {arm for arm in arms - ARMS if config_fields(arm) is None}
     if unknown:  # a misspelt or retired arm would time nothing and say nothing
         parser.error(f"unknown arms {', '.join(sorted(unknown))}; known: "
-                     f"{', '.join(sorted(ARMS))}, moira_c<N>, moira_w<W>, "
-                     f"moira[_c<N>][_w<W>]_ahead<P><S>[w<warps>] (moira_t256 is moira_t128 "
-                     f"since session 15)")
+                     f"{', '.join(sorted(ARMS))}, moira_c<N>, moira_w<W>, moira_packed[_hnd], "
+                     f"moira[_packed[_hnd]][_c<N>][_w<W>][_ahead<P><S>[w<warps>]] (moira_t256 "
+                     f"is moira_t128 since session 15)")
     shapes = {**SHAPES, **EXTRA_SHAPES}
     unknown_shapes = [name for name in args.shapes.split(",") if name not in shapes]
     if unknown_shapes:  # before the imports and the JSON, not as a KeyError halfway through
@@ -569,10 +576,6 @@ def main():
                 if "moira_hnd" in arms:
                     timed(shape_name, "moira_hnd", lambda: s.moira_hnd(lists, counts), tag,
                           bytes_read, **info)
-                for name, head_major in (("moira_packed", False), ("moira_packed_hnd", True)):
-                    if name in arms:
-                        timed(shape_name, name, lambda head_major=head_major: s.moira_packed(
-                            lists, counts, head_major), tag, bytes_read, **info)
                 if "pad" in arms:
                     timed(shape_name, "pad", lambda: s.moira(L["pad_lists"], L["pad_counts"]),
                           tag, bytes_read, read=s.kv_bytes(L["pad_counts"]), **info)
@@ -648,9 +651,6 @@ def check_outputs(report, shape_name, tag, s, fa, flashinfer, flex_compiled, blo
         outputs = {"moira_hnd": s.moira_hnd(lists, counts),
                    "moira_balanced": lambda: s.moira(lists, counts,
                                                      s.workspace_balanced)().clone()}
-        outputs.update({name: s.moira_packed(lists, counts, head_major)
-                        for name, head_major in (("moira_packed", False),
-                                                 ("moira_packed_hnd", True)) if name in arms})
         # the other configurations of Moira's own kernels
         outputs.update({arm: lambda arm=arm: s.moira_configured(arm, lists, counts)().clone()
                         for arm in ["moira_eq4", "moira_t128"] + sorted(

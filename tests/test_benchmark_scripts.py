@@ -601,6 +601,13 @@ def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
                                                              "wave_programs": 396}
     assert bench.attend_settings("moira_c32_w396_ahead14")["NUM_STAGES"] == 4
     assert bench.attend_settings("moira_w396") == {}
+    # on vLLM's packed K|V caches, alone or before the options
+    assert bench.config_fields("moira_packed") == {} and bench.cache_layout("moira_packed") \
+        == "packed"
+    assert bench.config_fields("moira_packed_hnd_w396") == {"wave_programs": 396}
+    assert bench.cache_layout("moira_packed_hnd_w396") == "packed_hnd"
+    assert bench.cache_layout("moira_w396") is None and bench.cache_layout("flashinfer") is None
+    assert bench.config_fields("moira_hnd_packed") is None
     from moira.kernels import attend as attend_module
     default = (attend_module.PAGE_IDS_AHEAD, attend_module.NUM_STAGES)
     with pytest.raises(RuntimeError), bench.patched(attend_module,
