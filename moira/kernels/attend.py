@@ -260,7 +260,9 @@ def attend_segment(query, key_cache, value_cache, block_table, seq_lens, page_li
     return acc / running_sum[:, None], lse
 
 
-@triton.jit
+# num_rows (the launched rows) and W unspecialized: a step of other rows than its planned
+# step_rows (an eager mixed step) must not build another variant in a running engine
+@triton.jit(do_not_specialize=["num_rows", "wave_programs"])
 def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
                    out, partial_out, partial_lse,
                    stride_qb, stride_qh, stride_qd,

@@ -21,7 +21,9 @@ from .attend import plan_row, short_row_pages
 from .combine import add_page_stats, merged
 
 
-@triton.jit
+# num_rows (the launched rows) and W unspecialized: a step of other rows than its planned
+# step_rows (an eager mixed step) must not build another variant in a running engine
+@triton.jit(do_not_specialize=["num_rows", "wave_programs"])
 def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_stats,
                   stride_cb, stride_ch, stride_ob, stride_oh, stride_od,
                   num_kv_heads, max_pages, chunk_floor, chunks_per_row, step_rows,
