@@ -13,7 +13,7 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
                      packed in one ``[..., 2 D]`` tensor: token-major (``[pages, 64, Hkv, 2 D]``,
                      vLLM's default NHD) and head-major (``[pages, Hkv, 64, 2 D]``,
                      ``VLLM_KV_CACHE_LAYOUT=HND``: a page-head's K and V in one 32 KiB run);
-                     before the options below too, e.g. ``moira_packed_hnd_w396``.
+                     before the options below too, e.g. ``moira_packed_hnd_c32``.
 - ``moira_eq4``, ``moira_t128``: ``moira`` with the short-row floor off (``step_programs=0``,
                      Eq. 4 alone) and at T = 128 instead of the default 256 (session 14's;
                      files of session 15 have ``moira_t256`` beside a default of 128).
@@ -24,9 +24,6 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
                      that many warps (``PAGES_PER_ITER``, ``NUM_STAGES``, ``NUM_WARPS``; 4),
                      e.g. ``moira_ahead13``, ``moira_ahead13w8``; with a chunk floor too,
                      ``moira_c<N>_ahead<P><S>[w<warps>]``, e.g. ``moira_c32_ahead13``.
-- ``moira_w<W>``     ``moira`` with each row's chunks planned from its share of W programs
-                     (``MoiraConfig.wave_programs``; 396 = one wave on the H200), also
-                     after a floor and before a lookahead: ``moira_c32_w396_ahead14``.
 - ``fa3_varlen``     vLLM's FA3 (``vllm_flash_attn``, ``fa_version=3``), each (request, KV head)
                      row its own sequence over the HND cache viewed as ``[pages*Hkv, 64, 1, D]``;
                      scheduler metadata built beforehand on the GPU (``fa3_metadata``, timed
@@ -366,9 +363,9 @@ ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_eq4", "moira_t128", "fa3_
         "pow2", "flashinfer", "flex"}
 
 
-# the configured arms of ``moira``: vLLM's packed caches, a chunk floor, wave programs,
-# Attend's page ids a tile ahead, or several of them
-CONFIGURED_ARM = re.compile(r"moira(_packed(?:_hnd)?)?(?:_c([1-9][0-9]*))?(?:_w([1-9][0-9]*))?"
+# the configured arms of ``moira``: vLLM's packed caches, a chunk floor, Attend's page ids a
+# tile ahead, or several of them
+CONFIGURED_ARM = re.compile(r"moira(_packed(?:_hnd)?)?(?:_c([1-9][0-9]*))?"
                             r"(?:_ahead([124])([1-9])(?:w([48]))?)?")
 
 
@@ -380,10 +377,10 @@ def cache_layout(arm):
 
 def config_fields(arm):
     """``MoiraConfig`` fields of an arm that runs ``moira`` under another configuration
-    (``moira_eq4``, ``moira_t128``, ``moira_c<N>``, ``moira_w<W>``; ``moira_ahead<P><S>``:
-    the default configuration, ``attend_settings``; ``moira_packed[_hnd]``: the default on
-    other caches, ``cache_layout``; ``moira_packed_hnd_c<N>_w<W>_ahead<P><S>``: all four);
-    None for any other arm."""
+    (``moira_eq4``, ``moira_t128``, ``moira_c<N>``; ``moira_ahead<P><S>``: the default
+    configuration, ``attend_settings``; ``moira_packed[_hnd]``: the default on other caches,
+    ``cache_layout``; ``moira_packed_hnd_c<N>_ahead<P><S>``: all three); None for any other
+    arm."""
     if arm == "moira_eq4":
         return dict(step_programs=0)
     if arm == "moira_t128":
@@ -391,19 +388,18 @@ def config_fields(arm):
     configured = CONFIGURED_ARM.fullmatch(arm)
     if not configured or arm == "moira":
         return None
-    chunk, wave = configured.group(2), configured.group(3)
-    return ({"chunk_pages": int(chunk)} if chunk else {}) | (
-        {"wave_programs": int(wave)} if wave else {})
+    chunk = configured.group(2)
+    return dict(chunk_pages=int(chunk)) if chunk else {}
 
 
 def attend_settings(arm):
     """Attend's module constants under which a configured arm launches
-    (``[_c<N>][_w<W>]_ahead<P><S>[w<warps>]``: page ids a tile ahead, P pages per tile, S
-    stages, that many warps); {} for any other arm."""
+    (``[_c<N>]_ahead<P><S>[w<warps>]``: page ids a tile ahead, P pages per tile, S stages,
+    that many warps); {} for any other arm."""
     configured = CONFIGURED_ARM.fullmatch(arm)
-    if not configured or not configured.group(4):
+    if not configured or not configured.group(3):
         return {}
-    pages, stages, warps = configured.groups()[3:]
+    pages, stages, warps = configured.groups()[2:]
     settings = dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(pages), NUM_STAGES=int(stages))
     return settings | ({"NUM_WARPS": int(warps)} if warps else {})
 
@@ -433,9 +429,9 @@ def main():
     unknown = {arm for arm in arms - ARMS if config_fields(arm) is None}
     if unknown:  # a misspelt or retired arm would time nothing and say nothing
         parser.error(f"unknown arms {', '.join(sorted(unknown))}; known: "
-                     f"{', '.join(sorted(ARMS))}, moira_c<N>, moira_w<W>, moira_packed[_hnd], "
-                     f"moira[_packed[_hnd]][_c<N>][_w<W>][_ahead<P><S>[w<warps>]] (moira_t256 "
-                     f"is moira_t128 since session 15)")
+                     f"{', '.join(sorted(ARMS))}, moira_c<N>, moira_packed[_hnd], "
+                     f"moira[_packed[_hnd]][_c<N>][_ahead<P><S>[w<warps>]] (moira_t256 is "
+                     f"moira_t128 since session 15)")
     shapes = {**SHAPES, **EXTRA_SHAPES}
     unknown_shapes = [name for name in args.shapes.split(",") if name not in shapes]
     if unknown_shapes:  # before the imports and the JSON, not as a KeyError halfway through

@@ -127,12 +127,11 @@ def kernels(group, head_dim, block, pdl=False):
          dict(GROUP=group, GROUP_PAD=max(16, group_pad), HEAD_DIM=head_dim, PAGE=PAGE,
               PAGES_PER_TILE=attend.PAGES_PER_ITER, SUM_ROUNDED=attend.SUM_ROUNDED_WEIGHTS,
               FA3_ORDER=attend.FA3_TILE_ORDER, EVEN_CHUNKS=attend.EVEN_CHUNKS,
-              PAGES_AHEAD=attend.PAGE_IDS_AHEAD, WAVE=False, PDL=pdl),
+              PAGES_AHEAD=attend.PAGE_IDS_AHEAD, PDL=pdl),
          attend.NUM_WARPS, attend.NUM_STAGES, attend.MAX_REGISTERS),
         (f"merge {tag}", merge._merge_kernel,
          dict(GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
-              HAS_STATS=True, PAGE=PAGE, EVEN_CHUNKS=attend.EVEN_CHUNKS, WAVE=False, PDL=pdl),
-         4, 3, None),
+              HAS_STATS=True, PAGE=PAGE, EVEN_CHUNKS=attend.EVEN_CHUNKS, PDL=pdl), 4, 3, None),
     ]
     if pdl:
         return decode_step
@@ -174,11 +173,6 @@ def main():
         if name.startswith("attend") and build(f"{name} FA3 order", kernel, dict(
                 constexprs, FA3_ORDER=True, SUM_ROUNDED=False), warps, stages, maxnreg):
             spilled.append(f"{name} FA3 order")
-        # MoiraConfig.wave_programs > 0: every program sums the step's listed pages first
-        if name.startswith(("attend", "merge")) and build(f"{name} wave programs", kernel,
-                                                          dict(constexprs, WAVE=True), warps,
-                                                          stages, maxnreg):
-            spilled.append(f"{name} wave programs")
         if name.startswith("attend"):  # bench_kernels.py's moira_ahead<P><S> arms
             for per_tile, ahead_stages, ahead_warps in ((1, 3, 4), (1, 3, 8), (1, 4, 4),
                                                         (2, 3, 4)):

@@ -22,8 +22,6 @@
 #     "nofcw": the new tokens' K/V written by vLLM's own kernel, as before session 23,
 #       -nofcw.json (session 23's arm "fcw", the write in Estimate's launch, is the default
 #       since: the "moira" engine)
-#   "w396": each row's chunks planned from its share of 396 programs (wave_programs, one
-#     wave of Attend on the H200; session 30), -w396.json
 #   "hnd": Moira on vLLM's head-major cache (VLLM_KV_CACHE_LAYOUT=HND: each page-head's K|V
 #     rows in one 32 KiB run, against the default's 256-byte rows 4 KiB apart), -hnd.json
 #   "kern": kernel tuning constants as KERNEL_SETTINGS says (e.g. "estimate.MAX_REGISTERS=96
@@ -65,8 +63,6 @@ for pair in $(seq "$pairs"); do
             name=$model-moira-g098-nj16 ;;
       nofcw) args="--backend moira --no-fused-cache-write"
              name=$model-moira-g098-nofcw ;;
-      w396) args="--backend moira --wave-programs 396"
-            name=$model-moira-g098-w396 ;;
       hnd) args="--backend moira"; layout=HND
            name=$model-moira-g098-hnd ;;
       # a candidate of the kernels' tuning constants, e.g. KERNEL_SETTINGS=
@@ -76,7 +72,7 @@ for pair in $(seq "$pairs"); do
               args="$args --kernel-setting $setting"
             done
             name=$model-moira-g098-kern ;;
-      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin, n1024, jnocap, nj16, nofcw, w396, hnd, kern)"; exit 1 ;;
+      *) echo "unknown arm $arm (dense, moira, g099, pdl, split, eq4, t128, jmin, n1024, jnocap, nj16, nofcw, hnd, kern)"; exit 1 ;;
     esac
     env ${layout:+VLLM_KV_CACHE_LAYOUT=$layout} python3 benchmarks/vllm_tpot.py --model "$model" \
       --shapes "$shapes" $args ${TPOT_ARGS:-} \

@@ -56,8 +56,6 @@ PAIR_VARIANT_LABELS = {"fsel": "the same, Estimate + Select in one launch",
                        "split": "Moira, Attend's split set (floor_rows, min_programs, "
                                 "min_chunks_per_row: in its JSON)",
                        "Jmax=4096": JNOCAP_LABEL,
-                       "W=396": "Moira, each row's chunks from its share of 396 programs "
-                                "(wave_programs)",
                        "HND": "Moira on vLLM's head-major cache (VLLM_KV_CACHE_LAYOUT=HND)",
                        "kern": "Moira, kernel tuning constants set (kernel_settings: in its "
                                "JSON)"}
@@ -94,8 +92,6 @@ def load(folders):
                 variant = "+".join(filter(None, [variant, f"Jmax={run['max_chunks_per_row']}"]))
             if run.get("step_programs") is not None:  # the short-row floor (0: Eq. 4 alone)
                 variant = "+".join(filter(None, [variant, f"T={run['step_programs']}"]))
-            if run.get("wave_programs") is not None:  # rows planned from their share of W
-                variant = "+".join(filter(None, [variant, f"W={run['wave_programs']}"]))
             if run.get("kv_cache_layout"):  # VLLM_KV_CACHE_LAYOUT (session 30's arm hnd)
                 variant = "+".join(filter(None, [variant, run["kv_cache_layout"]]))
             if run.get("kernel_settings"):  # kernels' tuning constants (session 25)
@@ -305,7 +301,6 @@ def short_pair_cells(pair_runs):
             ("T=0", "Moira, Attend's split by Eq. 4 alone (step_programs 0: before session 14)"),
             ("T=128", "Moira, the short-row floor at T = 128 programs (session 14's default)"),
             ("T=256", "Moira, the short-row floor at T = 256 programs (the default since session 15)"),
-            ("W=396", PAIR_VARIANT_LABELS["W=396"]),
             ("HND", PAIR_VARIANT_LABELS["HND"]),
             ("fsel", "rows of ≤ N tokens read in full, Estimate + Select in one launch"),
             ("fmerge", "rows of ≤ N tokens read in full, Merge in Attend's launch"),

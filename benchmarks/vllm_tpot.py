@@ -150,9 +150,6 @@ def main():
     parser.add_argument("--step-programs", type=int, default=None,
                         help="moira: Attend's split, MoiraConfig.step_programs (default: its "
                              "own; 0: Eq. 4's floor C alone)")
-    parser.add_argument("--wave-programs", type=int, default=None,
-                        help="moira: Attend's split, MoiraConfig.wave_programs (default: its "
-                             "own, 0: off; 396: one wave on the H200)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="the engine's max_model_len (default: the longest shape + the "
                              "tokens + 64; 131072 sizes the block table as serve_bench.sh's "
@@ -250,7 +247,6 @@ def main():
                            floor_rows=settings.floor_rows if settings else None,
                            min_programs=settings.min_programs if settings else None,
                            step_programs=settings.step_programs if settings else None,
-                           wave_programs=settings.wave_programs if settings else None,
                            # vLLM's cache layout when set (HND: a page-head's K|V contiguous)
                            kv_cache_layout=os.environ.get("VLLM_KV_CACHE_LAYOUT") or None,
                            min_chunks_per_row=settings.min_chunks_per_row if settings else None,

@@ -68,18 +68,6 @@ class MoiraConfig:
         SM at the default) rather than one or two chunks of C pages per row. Steps of T rows
         or more are split as by C alone. 0 turns it off (Eq. 4's floor C alone). 256 since
         session 15 (128 before; benchmarks/RESULTS.md, "Short requests")
-    wave_programs:
-        W: a row's chunks are planned from its share of the step's listed pages N (the sum
-        over the step's rows, which Attend's and Merge's programs compute): Eq. (4)'s J in
-        ceil(n / J) becomes m = min(J, max(1, floor(n * W / N))), so the step has at most
-        about W programs of about N / W pages each (the floors above still bound a chunk from
-        below). Why: Eq. (4) plans each row blind to the others, and a step's programs then
-        fill a whole number of waves only by chance (on the H200 at 131k x 4, 608 programs on
-        396 slots, 1.54 waves; 480 programs, 1.21 waves, ran 18% longer; benchmarks/NOTES.md,
-        session 30). W = the GPU's resident programs (132 SMs x 3 on the H200: 396) aims at
-        one wave. 0 (the default, untimed): off, Eq. (4). A row's split then depends on the
-        other rows' lengths: a captured graph's padded rows must list no page (vLLM's padded
-        requests have length 0) for an eager step to split as its replay does.
     min_chunks_per_row:
         N_J, the fewest programs Attend launches per row.
     max_chunks_per_row:
@@ -107,7 +95,6 @@ class MoiraConfig:
     programmatic_launch: bool = False
     dense_below_pages: int = 0
     step_programs: int = 256
-    wave_programs: int = 0
     min_chunks_per_row: int = 32
     min_programs: int = 4096
     max_chunks_per_row: int = 128
@@ -146,13 +133,6 @@ class MoiraConfig:
             raise ValueError(f"step_programs * chunk_pages must be below 2**31 (the kernels plan "
                              f"short rows in int32), got {self.step_programs!r} * "
                              f"{self.chunk_pages!r}; lower step_programs")
-        if (isinstance(self.wave_programs, bool) or not isinstance(self.wave_programs, int)
-                or not 0 <= self.wave_programs < 2**31):
-            raise ValueError(f"wave_programs must be an int in [0, 2**31) (0 turns it off; 396 "
-                             f"is one wave of Attend on the H200), got {self.wave_programs!r}")
-        if self.wave_programs and self.schedule != "rows":
-            raise ValueError("wave_programs plans the 'rows' schedule's chunks; use "
-                             "schedule='rows' or wave_programs=0")
         if (isinstance(self.dense_below_pages, bool) or not isinstance(self.dense_below_pages, int)
                 or self.dense_below_pages < 0):
             raise ValueError(f"dense_below_pages must be an int >= 0 (0 turns it off), got "

@@ -359,8 +359,7 @@ def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page
         rows = (planned_batch or query.shape[0]) * num_kv_heads
         split = dict(chunk_floor=config.chunk_floor(rows),
                      chunks_per_row=config.chunks_per_row(rows, block_table.shape[1]),
-                     step_rows=rows, step_programs=config.step_programs,
-                     wave_programs=config.wave_programs)
+                     step_rows=rows, step_programs=config.step_programs)
         attend_kernel, merge_kernel = _launch_attend, _launch_merge
         split["programmatic_launch"] = config.programmatic_launch
     attend_kernel(*inputs, scale=scale, out=out, partial_out=partials[0],

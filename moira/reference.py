@@ -307,10 +307,8 @@ def work_split(page_counts, num_rows, config=MoiraConfig(), max_pages=None, even
     ``even`` (Attend's ``EVEN_CHUNKS``), the m chunks are made equal: c' = ceil(n / m), and m'
     = ceil(n / c') <= m chunks (as many programs, none longer). Program 0 always runs (it
     writes the output of an empty row). With ``config.step_programs`` T, C of a row of n
-    pages is min(C, max(2, ceil(n * num_rows / T))). With ``config.wave_programs`` W, J in
-    ceil(n / J) becomes m = min(J, max(1, floor(n * W / N))), N the sum of ``page_counts``
-    (the rows launched). Returns ``(J, chunk_pages, num_chunks)``, the last two shaped like
-    ``page_counts``.
+    pages is min(C, max(2, ceil(n * num_rows / T))). Returns ``(J, chunk_pages,
+    num_chunks)``, the last two shaped like ``page_counts``.
     """
     chunks_per_row = config.chunks_per_row(num_rows, max_pages)
     counts = page_counts.long()
@@ -318,11 +316,7 @@ def work_split(page_counts, num_rows, config=MoiraConfig(), max_pages=None, even
     if config.step_programs:  # a short row of a small step: about T programs in all
         floor = torch.minimum(floor, torch.clamp(-(-counts * num_rows // config.step_programs),
                                                  min=2))
-    chunks = torch.full_like(counts, chunks_per_row)
-    if config.wave_programs:  # each row's share of the step's W programs
-        step_pages = max(int(counts.sum()), 1)
-        chunks = torch.clamp(counts * config.wave_programs // step_pages, 1, chunks_per_row)
-    chunk_pages = torch.maximum(-(-counts // chunks), floor)
+    chunk_pages = torch.maximum(-(-counts // chunks_per_row), floor)
     if even:
         chunks = torch.clamp(-(-counts // chunk_pages), min=1)
         chunk_pages = torch.clamp(-(-counts // chunks), min=1)

@@ -10,7 +10,7 @@ from moira import MoiraConfig
 from moira import reference as ref
 from moira.kernels import attend as attend_module
 from moira.kernels import launch
-from moira.kernels.attend import plan_row, step_pages
+from moira.kernels.attend import plan_row
 
 
 def random_lists(seq_lens, num_kv_heads, width, fraction=0.5, shuffle=False):
@@ -156,56 +156,22 @@ def kernel_chunks(query, keys, values, table, seq_lens, page_lists, page_counts,
     return written.view(rows, chunks_per_row, group).all(-1).sum(-1).tolist()
 
 
-def test_wave_programs_plans_each_row_from_its_share_of_the_step():
-    """``wave_programs`` W = 12 over 4 rows (C = 2, N_J = 16): a row of n listed pages runs in
-    min(J, max(1, floor(n * 12 / N))) chunks, N the step's listed pages, instead of Eq. (4)'s
-    ceil(n / 2); Attend and Merge agree with the reference, and the kernel's own chunk
-    counts are the reference's. The lengths put the plan on edges: 12 pages give exactly 4
-    chunks at N = 36 (3 if N were one more), 11 pages 3.67 (4 if any row were left out)."""
-    config = MoiraConfig(chunk_pages=2, floor_rows=1, min_chunks_per_row=16, min_programs=1,
-                         step_programs=0, wave_programs=12)
-    num_kv_heads, group, head_dim = 2, 4, 64
-    keys, values = make_cache(60, num_kv_heads, head_dim)
-    table, seq_lens = make_table([64 * 13 + 5, 64 * 20], 60, extra_columns=4)
-    query = make_query(2, num_kv_heads * group, head_dim)
-    page_lists = torch.full((2, num_kv_heads, table.shape[1]), -1, dtype=torch.int32)
-    lengths = [[12, 11], [10, 3]]
-    for b in range(2):
-        for h in range(num_kv_heads):
-            page_lists[b, h, :lengths[b][h]] = torch.randperm(
-                ref.num_pages(int(seq_lens[b]), table.shape[1]))[:lengths[b][h]].to(torch.int32)
-    page_counts = torch.tensor(lengths, dtype=torch.int32)
-    page_lists, page_counts = page_lists.to(DEVICE), page_counts.to(DEVICE)
-    counts = page_counts.cpu().flatten()
-    chunks_per_row, chunk, chunks = ref.work_split(counts, 4, config, max_pages=table.shape[1])
-    assert chunk.tolist() == [3, 4, 4, 3] and chunks.tolist() == [4, 3, 3, 1]
-    eq4 = ref.work_split(counts, 4, config.replace(wave_programs=0), max_pages=table.shape[1])
-    assert eq4[2].tolist() == [6, 6, 5, 2]
-    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
-    assert kernel_chunks(query, keys, values, table, seq_lens, page_lists, page_counts, config,
-                         chunks_per_row) == [4, 3, 3, 0]
-
-
 @triton.jit
-def _plan_probe(page_counts, chunk_out, chunks_out, merge_chunks_out, stride_cb, stride_ch,
-                chunk_floor, chunks_per_row, step_rows, step_programs, short_pages, num_rows,
-                num_kv_heads, wave_programs, EVEN: tl.constexpr, WAVE: tl.constexpr):
+def _plan_probe(page_counts, chunk_out, chunks_out, stride_cb, stride_ch, chunk_floor,
+                chunks_per_row, step_rows, step_programs, short_pages, num_kv_heads,
+                EVEN: tl.constexpr):
     row = tl.program_id(0)
     b, head = row // num_kv_heads, row % num_kv_heads
-    args = (page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per_row, step_rows,
-            step_programs, short_pages, num_rows, num_kv_heads, wave_programs)
-    _, chunk, chunks = plan_row(*args, 0, EVEN, WAVE)  # the full plan (Attend's program 0)
+    _, chunk, chunks = plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor,
+                                chunks_per_row, step_rows, step_programs, short_pages, EVEN)
     tl.store(chunk_out + row, chunk)
     tl.store(chunks_out + row, chunks)
-    tl.store(merge_chunks_out + row, plan_row(*args, 1, EVEN, WAVE)[2])  # Merge's
 
 
 def test_plan_row_is_the_reference_split_for_random_steps():
     """``plan_row`` (Attend's and Merge's plan) against ``reference.work_split`` on random
-    steps: W from 1 to 2**31 - 1 (so J and the floors bind too), empty rows and all-empty
-    steps, a planned batch larger than the launched one, page counts in a transposed view,
-    both chunk rules. Merge's call, which skips the sum N where a row cannot have two chunks,
-    must agree on every row it merges (m > 1) and see m = 1 on every other."""
+    steps: J and the floors binding, empty rows and all-empty steps, a planned batch larger
+    than the launched one, page counts in a transposed view, both chunk rules."""
     generator = torch.Generator().manual_seed(30)
 
     def pick(*options):
@@ -224,76 +190,23 @@ def test_plan_row_is_the_reference_split_for_random_steps():
         counts = counts.int().t().contiguous().t() if case % 2 else counts.int()
         config = MoiraConfig(chunk_pages=pick(1, 3, 24), floor_rows=pick(1, 32),
                              step_programs=pick(0, 8, 256),
-                             wave_programs=pick(1, 12, 396, 2**31 - 1),
                              min_chunks_per_row=pick(1, 32), min_programs=pick(1, 4096),
                              max_chunks_per_row=pick(32, 4096))
         floor = config.chunk_floor(planned_rows)
         chunks_per_row = config.chunks_per_row(planned_rows, width)
         short = attend_module.short_row_pages(floor, planned_rows, config.step_programs)
         for even in (False, True):
-            out = [torch.full((rows,), -1, dtype=torch.int32, device=DEVICE) for _ in range(3)]
+            out = [torch.full((rows,), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
             counts_dev = counts.to(DEVICE)
             _plan_probe[(rows,)](counts_dev, *out, *counts_dev.stride(), floor, chunks_per_row,
-                                 planned_rows, config.step_programs, short, rows, num_kv_heads,
-                                 config.wave_programs, EVEN=even, WAVE=True)
-            chunk, chunks, merge_chunks = (t.cpu() for t in out)
+                                 planned_rows, config.step_programs, short, num_kv_heads,
+                                 EVEN=even)
+            chunk, chunks = (t.cpu() for t in out)
             _, ref_chunk, ref_chunks = ref.work_split(counts.flatten(), planned_rows, config,
                                                       max_pages=width, even=even)
             assert torch.equal(chunk, ref_chunk.int()), (case, even)
             assert torch.equal(chunks, ref_chunks.int()), (case, even)
             assert (chunks <= chunks_per_row).all()
-            assert torch.equal(torch.where(chunks > 1, chunks, 1), merge_chunks), (case, even)
-
-
-def test_wave_programs_sums_only_the_launched_rows():
-    """Attend launched for 1 request of a step planned for 3 (``step_rows``), its page counts
-    a view of a larger buffer whose other rows hold 1,000 pages each: N is the launched rows'
-    sum (a kernel that summed the planned rows would read them), so the kernel's chunks are
-    the reference's over the launched rows."""
-    from moira.kernels.attend import attend as launch_attend
-    from moira.kernels.merge import merge as launch_merge
-
-    config = MoiraConfig(chunk_pages=2, floor_rows=1, min_chunks_per_row=16, min_programs=1,
-                         step_programs=0, wave_programs=12)
-    num_kv_heads, group, head_dim = 2, 4, 64
-    query, keys, values, table, seq_lens, page_lists, page_counts = one_request_step(
-        extra_columns=4, fraction=0.8)
-    buffer = torch.full((3, num_kv_heads), 1000, dtype=torch.int32, device=DEVICE)
-    buffer[:1] = page_counts
-    rows, planned_rows = num_kv_heads, 3 * num_kv_heads
-    chunks_per_row = config.chunks_per_row(planned_rows, table.shape[1])
-    partial_out = torch.zeros(rows * chunks_per_row * group * head_dim, device=DEVICE)
-    partial_lse = torch.full((rows * chunks_per_row * group,), float("nan"), device=DEVICE)
-    out = poisoned(*query.shape, dtype=query.dtype)
-    split = dict(chunk_floor=config.chunk_floor(planned_rows), chunks_per_row=chunks_per_row,
-                 step_rows=planned_rows, wave_programs=config.wave_programs)
-    launch_attend(query, keys, values, table, seq_lens, page_lists, buffer[:1],
-                  scale=head_dim ** -0.5, out=out, partial_out=partial_out,
-                  partial_lse=partial_lse, **split)
-    launch_merge(buffer[:1], partial_out, partial_lse, out, num_kv_heads=num_kv_heads, **split)
-    _, _, chunks = ref.work_split(page_counts.cpu().flatten(), planned_rows, config,
-                                  max_pages=table.shape[1])
-    assert (chunks > 1).any()
-    written = ~torch.isnan(partial_lse.cpu()).view(rows, chunks_per_row, group).all(-1)
-    assert written.sum(-1).tolist() == [m if m > 1 else 0 for m in chunks.tolist()]
-    args = [t.cpu() for t in (query, keys, values, table, seq_lens, page_lists, page_counts)]
-    assert_attention_close(out, ref.attend(*args), ref.attend(*args, dtype=query.dtype))
-
-
-@triton.jit
-def _step_pages_probe(page_counts, out, num_rows, num_kv_heads, stride_cb, stride_ch,
-                      BLOCK: tl.constexpr):
-    tl.store(out, step_pages(page_counts, num_rows, num_kv_heads, stride_cb, stride_ch, BLOCK))
-
-
-@pytest.mark.parametrize("block", [4, 16, 1024])
-def test_step_pages_sums_every_row_once(block):
-    """``step_pages`` (W's N) over 5 requests x 3 KV heads held in a transposed view (strides
-    1 and 5), in blocks of 4 (four passes, the last masked), 16 (one, masked) and 1,024."""
-    counts = torch.randint(0, 1000, (3, 5), dtype=torch.int32).to(DEVICE).t()
-    out = torch.full((1,), -1, dtype=torch.int32, device=DEVICE)
-    _step_pages_probe[(1,)](counts, out, 15, 3, *counts.stride(), BLOCK=block)
-    assert int(out) == int(counts.sum())
 
 
 def test_a_row_of_exactly_short_row_pages_gets_the_finer_floor():

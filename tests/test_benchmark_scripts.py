@@ -327,19 +327,15 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
         "4096: the split before session 20): speedup per pair | mean |")
     assert text.splitlines()[2].endswith(
         "| 2.08× / – | **2.08×** | 2.00× / – | **2.00×** |")
-    # session 30's arms w396 (wave_programs) and hnd (VLLM_KV_CACHE_LAYOUT=HND) in the second
-    # pair: a column each, apart from the default engine's
-    for name, extra, tpot in (("w.json", dict(wave_programs=396), 6.0),
-                              ("h.json", dict(kv_cache_layout="HND"), 7.0)):
-        run = dict(backend="moira", model="llama-3.1-8b", gamma=0.98, **extra,
-                   results=[dict(shape="130k4", tpot_ms=tpot, imposed_read_fraction=0.15)])
-        (tmp_path / "pair2" / name).write_text(json.dumps(run))
+    # session 30's arm hnd (VLLM_KV_CACHE_LAYOUT=HND) in the second pair: a column of its
+    # own, apart from the default engine's
+    run = dict(backend="moira", model="llama-3.1-8b", gamma=0.98, kv_cache_layout="HND",
+               results=[dict(shape="130k4", tpot_ms=7.0, imposed_read_fraction=0.15)])
+    (tmp_path / "pair2" / "h.json").write_text(json.dumps(run))
     header, _, row = pairs_text().splitlines()[:3]
-    assert header.endswith("Moira, each row's chunks from its share of 396 programs "
-                           "(wave_programs): speedup per pair | mean | Moira on vLLM's "
-                           "head-major cache (VLLM_KV_CACHE_LAYOUT=HND): speedup per pair | "
-                           "mean |")
-    assert row.endswith("| – / 3.50× | **3.50×** | – / 3.00× | **3.00×** |")
+    assert header.endswith("Moira on vLLM's head-major cache (VLLM_KV_CACHE_LAYOUT=HND): "
+                           "speedup per pair | mean |")
+    assert row.endswith("| – / 3.00× | **3.00×** |")
 
 
 def test_tpot_pairs_table_keeps_pairs_of_dense_and_moira_at_gamma_0_99_alone(tmp_path):
@@ -595,18 +591,15 @@ def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
     assert bench.attend_settings("moira_c32_ahead14") == dict(PAGE_IDS_AHEAD=True,
                                                               PAGES_PER_ITER=1, NUM_STAGES=4)
     assert bench.config_fields("moira_ahead13_c32") is None
-    # each row's share of W programs (MoiraConfig.wave_programs), alone or with the others
-    assert bench.config_fields("moira_w396") == {"wave_programs": 396}
-    assert bench.config_fields("moira_c32_w396_ahead14") == {"chunk_pages": 32,
-                                                             "wave_programs": 396}
-    assert bench.attend_settings("moira_c32_w396_ahead14")["NUM_STAGES"] == 4
-    assert bench.attend_settings("moira_w396") == {}
     # on vLLM's packed K|V caches, alone or before the options
     assert bench.config_fields("moira_packed") == {} and bench.cache_layout("moira_packed") \
         == "packed"
-    assert bench.config_fields("moira_packed_hnd_w396") == {"wave_programs": 396}
-    assert bench.cache_layout("moira_packed_hnd_w396") == "packed_hnd"
-    assert bench.cache_layout("moira_w396") is None and bench.cache_layout("flashinfer") is None
+    assert bench.config_fields("moira_packed_hnd") == {}
+    assert bench.cache_layout("moira_packed_hnd") == "packed_hnd"
+    assert bench.config_fields("moira_packed_hnd_c32_ahead14") == {"chunk_pages": 32}
+    assert bench.cache_layout("moira_packed_hnd_c32_ahead14") == "packed_hnd"
+    assert bench.attend_settings("moira_packed_hnd_c32_ahead14")["NUM_STAGES"] == 4
+    assert bench.cache_layout("moira_c32") is None and bench.cache_layout("flashinfer") is None
     assert bench.config_fields("moira_hnd_packed") is None
     from moira.kernels import attend as attend_module
     default = (attend_module.PAGE_IDS_AHEAD, attend_module.NUM_STAGES)

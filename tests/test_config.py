@@ -53,8 +53,6 @@ def test_chunk_floor_shrinks_for_small_batches():
     ("programmatic_launch", "yes"), ("step_programs", -1), ("step_programs", 1.5),
     ("step_programs", True), ("max_chunks_per_row", 0), ("max_chunks_per_row", 31),
     ("step_programs", 89478486),  # * 24 pages = 2**31 + 16: the int32 floor would overflow
-    ("wave_programs", -1), ("wave_programs", True), ("wave_programs", 396.0),
-    ("wave_programs", 2**31),  # a kernel argument: int32
 ])
 def test_bad_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -63,12 +61,6 @@ def test_bad_values_raise_naming_the_field(field, value):
 
 def test_the_largest_step_programs_for_the_chunk_floor_is_accepted():
     assert MoiraConfig(step_programs=89478485).step_programs == 89478485  # * 24 < 2**31
-
-
-def test_the_largest_wave_programs_is_accepted():
-    assert MoiraConfig(wave_programs=2**31 - 1).wave_programs == 2**31 - 1  # n * W in int64
-    with pytest.raises(ValueError, match="wave_programs plans the 'rows' schedule"):
-        MoiraConfig(wave_programs=396, schedule="balanced")
 
 
 def test_gamma_accepts_numpy_floats():

@@ -46,8 +46,6 @@ def test_settings_come_from_additional_config_then_environment():
     assert eq4.config.step_programs == 0
     assert MoiraSettings.from_sources({"moira": {"step_programs": 256}}, {}
                                       ).config.step_programs == 256
-    assert MoiraSettings.from_sources(None, {"MOIRA_WAVE_PROGRAMS": "396"}
-                                      ).config.wave_programs == 396
     uncapped = MoiraSettings.from_sources(None, {"MOIRA_MAX_CHUNKS_PER_ROW": "4096"})
     assert uncapped.config.chunks_per_row(8, 2048) == 342  # as before session 20 (default 128)
     with pytest.raises(ValueError, match="max_chunks_per_row"):

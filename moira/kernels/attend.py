@@ -16,9 +16,7 @@ With ``step_programs`` T > 0 (``MoiraConfig.step_programs``), C of a row in a st
 for ``rows`` rows is min(C, max(2, ceil(n * rows / T))): in a step of few rows a short row is
 cut finer, so the step still has about T programs (timed on the H200 at batches 1-4,
 benchmarks/NOTES.md, sessions 14-15; default 256); steps of T rows or more get Eq. (4)'s
-chunk counts. With ``wave_programs`` W > 0 (``MoiraConfig.wave_programs``, off), J in
-ceil(n / J) becomes the row's share of W programs, min(J, max(1, floor(n * W / N))), N the
-listed pages of all rows, which each program sums itself (``step_pages``).
+chunk counts.
 
 Bytes: 2 * 64 * D cache elements per listed page, plus q, and the partials of split rows.
 """
@@ -80,44 +78,18 @@ PAGE_IDS_AHEAD = False
 
 
 @triton.jit
-def step_pages(page_counts, num_rows, num_kv_heads, stride_cb, stride_ch,
-               BLOCK: tl.constexpr = 1024):
-    """N: the listed pages of all ``num_rows`` rows (requests x KV heads) of the launch, int64."""
-    total = tl.zeros([], dtype=tl.int64)
-    for start in range(0, num_rows, BLOCK):
-        rows = start + tl.arange(0, BLOCK)
-        total += tl.sum(tl.load(page_counts + (rows // num_kv_heads) * stride_cb
-                                + (rows % num_kv_heads) * stride_ch,
-                                mask=rows < num_rows, other=0).to(tl.int64))
-    return total
-
-
-@triton.jit
 def plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per_row,
-             step_rows, step_programs, short_pages, num_rows, num_kv_heads, wave_programs,
-             needed_chunks, EVEN: tl.constexpr, WAVE: tl.constexpr):
+             step_rows, step_programs, short_pages, EVEN: tl.constexpr):
     """(list length n, pages per chunk c, chunks m) of a row: Eq. (4) with the short-row floor
     (``step_programs`` over ``step_rows``, the planned step's rows; rows of at most
-    ``short_pages`` pages, ``short_row_pages``: -1 when off), J replaced by the row's share of
-    ``wave_programs`` W with ``WAVE`` (W > 0; of the listed pages of the ``num_rows`` rows
-    launched; a constexpr, so that the default build carries none of it), its
-    chunks made equal with ``EVEN`` (``EVEN_CHUNKS``), shared with Merge
-    (``reference.work_split``). A caller that acts only on a row of more than
-    ``needed_chunks`` chunks (Attend's program j: j; Merge: 1) gets Eq. (4)'s plan without
-    the sum over the step when the row cannot have that many (m <= ceil(n / floor)): its m
-    is then no larger either, so the caller does the same."""
+    ``short_pages`` pages, ``short_row_pages``: -1 when off), its chunks made equal with
+    ``EVEN`` (``EVEN_CHUNKS``), shared with Merge (``reference.work_split``)."""
     count = tl.load(page_counts + b * stride_cb + head * stride_ch)
     floor = chunk_floor
     if count <= short_pages:  # only where the floor binds: n * rows <= (C - 1) * T, so
         # cdiv's n * rows + T - 1 <= C * T - 1 fits int32 (MoiraConfig: C * T < 2**31)
         floor = tl.maximum(2, tl.cdiv(count * step_rows, step_programs))
-    chunks = chunks_per_row
-    if WAVE:
-        if needed_chunks < tl.cdiv(count, floor):  # so n > 0, and N >= n
-            total = step_pages(page_counts, num_rows, num_kv_heads, stride_cb, stride_ch)
-            share = count.to(tl.int64) * wave_programs // total
-            chunks = tl.minimum(chunks_per_row, tl.maximum(1, share)).to(tl.int32)
-    chunk = tl.maximum(floor, tl.cdiv(count, chunks))
+    chunk = tl.maximum(floor, tl.cdiv(count, chunks_per_row))
     if EVEN:
         chunk = tl.maximum(tl.cdiv(count, tl.maximum(tl.cdiv(count, chunk), 1)), 1)
     return count, chunk, tl.maximum(tl.cdiv(count, chunk), 1)
@@ -260,9 +232,7 @@ def attend_segment(query, key_cache, value_cache, block_table, seq_lens, page_li
     return acc / running_sum[:, None], lse
 
 
-# num_rows (the launched rows) and W unspecialized: a step of other rows than its planned
-# step_rows (an eager mixed step) must not build another variant in a running engine
-@triton.jit(do_not_specialize=["num_rows", "wave_programs"])
+@triton.jit
 def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
                    out, partial_out, partial_lse,
                    stride_qb, stride_qh, stride_qd,
@@ -271,11 +241,11 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
                    stride_bt, stride_pb, stride_ph, stride_cb, stride_ch,
                    stride_ob, stride_oh, stride_od,
                    num_kv_heads, max_pages, qk_scale_log2, chunk_floor, chunks_per_row,
-                   step_rows, step_programs, short_pages, num_rows, wave_programs,
+                   step_rows, step_programs, short_pages,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr, SUM_ROUNDED: tl.constexpr,
                    FA3_ORDER: tl.constexpr, EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr,
-                   PAGES_AHEAD: tl.constexpr = False, WAVE: tl.constexpr = False):
+                   PAGES_AHEAD: tl.constexpr = False):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     chunk_id = tl.program_id(1)
@@ -283,8 +253,7 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
     head = row % num_kv_heads
     count, chunk, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
                                         chunk_floor, chunks_per_row, step_rows,
-                                        step_programs, short_pages, num_rows, num_kv_heads,
-                                        wave_programs, chunk_id, EVEN_CHUNKS, WAVE)
+                                        step_programs, short_pages, EVEN_CHUNKS)
     if chunk_id >= num_chunks:
         return
 
@@ -310,11 +279,10 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
 
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
            scale, chunk_floor, chunks_per_row, out, partial_out, partial_lse, step_rows=0,
-           step_programs=0, wave_programs=0, programmatic_launch=False):
+           step_programs=0, programmatic_launch=False):
     """Launch (batch * KV heads, J) programs. ``partial_out`` ``[>= rows * J * G * D]`` and
     ``partial_lse`` ``[>= rows * J * G]`` are float32 scratch (only split rows write them);
-    ``step_rows``: the rows the split is planned for (a captured graph's padded batch);
-    ``wave_programs``: ``MoiraConfig.wave_programs`` (0: off)."""
+    ``step_rows``: the rows the split is planned for (a captured graph's padded batch)."""
     assert step_rows > 0 or not step_programs, "step_programs needs the planned step_rows"
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -326,12 +294,10 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         block_table.stride(0), *page_lists.stride()[:2], *page_counts.stride(), *out.stride(),
         num_kv_heads, block_table.shape[1], scale * math.log2(math.e), chunk_floor,
         chunks_per_row, step_rows, step_programs,
-        short_row_pages(chunk_floor, step_rows, step_programs), batch * num_kv_heads,
-        wave_programs, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
+        short_row_pages(chunk_floor, step_rows, step_programs),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE=PAGE_SIZE, PAGES_PER_TILE=PAGES_PER_ITER, SUM_ROUNDED=SUM_ROUNDED_WEIGHTS,
         FA3_ORDER=FA3_TILE_ORDER, EVEN_CHUNKS=EVEN_CHUNKS, PAGES_AHEAD=PAGE_IDS_AHEAD,
-        WAVE=wave_programs > 0,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS,
         **launch.options(programmatic_launch, "attend"),
     )

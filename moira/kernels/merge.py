@@ -21,17 +21,14 @@ from .attend import plan_row, short_row_pages
 from .combine import add_page_stats, merged
 
 
-# num_rows (the launched rows) and W unspecialized: a step of other rows than its planned
-# step_rows (an eager mixed step) must not build another variant in a running engine
-@triton.jit(do_not_specialize=["num_rows", "wave_programs"])
+@triton.jit
 def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_stats,
                   stride_cb, stride_ch, stride_ob, stride_oh, stride_od,
                   num_kv_heads, max_pages, chunk_floor, chunks_per_row, step_rows,
-                  step_programs, short_pages, num_rows, wave_programs,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  step_programs, short_pages, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                   SPLITS_PAD: tl.constexpr,
                   SPLITS_PER_LOAD: tl.constexpr, HAS_STATS: tl.constexpr, PAGE: tl.constexpr,
-                  EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr, WAVE: tl.constexpr = False):
+                  EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     g = tl.program_id(1)
@@ -39,8 +36,7 @@ def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_sta
     head = row % num_kv_heads
     count, _, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
                                     chunk_floor, chunks_per_row, step_rows, step_programs,
-                                    short_pages, num_rows, num_kv_heads, wave_programs, 1,
-                                    EVEN_CHUNKS, WAVE)
+                                    short_pages, EVEN_CHUNKS)
     if HAS_STATS:
         if g == 0:
             add_page_stats(page_stats, seq_lens, b, count, max_pages, PAGE)
@@ -54,8 +50,8 @@ def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_sta
 
 
 def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_floor,
-          chunks_per_row, step_rows=0, step_programs=0, wave_programs=0, seq_lens=None,
-          max_pages=0, page_stats=None, programmatic_launch=False):
+          chunks_per_row, step_rows=0, step_programs=0, seq_lens=None, max_pages=0,
+          page_stats=None, programmatic_launch=False):
     """Write ``out`` ``[batch, num_heads, head_dim]`` for every row Attend split; with
     ``page_stats`` (int64 ``[2]``), also add (listed pages, pages of the rows: min(ceil(seq_len
     / page), max_pages)) summed over all rows."""
@@ -68,12 +64,10 @@ def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_flo
         seq_lens if has_stats else page_counts, page_stats if has_stats else page_counts,
         *page_counts.stride(), *out.stride(), num_kv_heads, max_pages, chunk_floor,
         chunks_per_row, step_rows, step_programs,
-        short_row_pages(chunk_floor, step_rows, step_programs), batch * num_kv_heads,
-        wave_programs, GROUP=group, HEAD_DIM=head_dim,
-        SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
+        short_row_pages(chunk_floor, step_rows, step_programs),
+        GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
         SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)), HAS_STATS=has_stats,
-        PAGE=PAGE_SIZE, EVEN_CHUNKS=attend_module.EVEN_CHUNKS, WAVE=wave_programs > 0,
-        num_warps=4,
+        PAGE=PAGE_SIZE, EVEN_CHUNKS=attend_module.EVEN_CHUNKS, num_warps=4,
         **launch.options(programmatic_launch, "merge"),
     )
     return out

@@ -63,9 +63,6 @@ key                environment variable     meaning
 ``step_programs``  ``MOIRA_STEP_PROGRAMS``  Attend's split: a short row of a small step is
                                             cut finer so the step has about this many
                                             programs (default 256; 0: Eq. 4's floor C alone)
-``wave_programs``  ``MOIRA_WAVE_PROGRAMS``  Attend's split: each row's chunks planned from
-                                            its share of this many programs (396: one wave
-                                            on the H200; default 0, off: Eq. 4)
 ``min_chunks_per_row``  ``MOIRA_MIN_CHUNKS_PER_ROW``  Attend's split: the fewest programs
                                             per row, N_J (default 32)
 ``max_chunks_per_row``  ``MOIRA_MAX_CHUNKS_PER_ROW``  Attend's split: the most programs
@@ -92,8 +89,8 @@ from collections.abc import Mapping
 from ...config import CACHE_DTYPE_NAMES, PAGE_SIZE, SUPPORTED_HEAD_DIMS, MoiraConfig
 
 # settings passed through to MoiraConfig's fields of the same name (None: its default)
-SPLIT_SETTINGS = ("floor_rows", "min_programs", "step_programs", "wave_programs",
-                  "min_chunks_per_row", "max_chunks_per_row")
+SPLIT_SETTINGS = ("floor_rows", "min_programs", "step_programs", "min_chunks_per_row",
+                  "max_chunks_per_row")
 
 BOOL_SETTINGS = ("check_dense", "programmatic_launch", "exact_prefill", "fused_cache_write")
 
@@ -115,7 +112,6 @@ class MoiraSettings:
     floor_rows: int | None = None  # None: MoiraConfig's
     min_programs: int | None = None
     step_programs: int | None = None
-    wave_programs: int | None = None
     min_chunks_per_row: int | None = None
     max_chunks_per_row: int | None = None
     fused_cache_write: bool = True
@@ -128,7 +124,6 @@ class MoiraSettings:
             "dense_below_tokens": "MOIRA_DENSE_BELOW_TOKENS",
             "calibration": "MOIRA_CALIBRATION", "floor_rows": "MOIRA_FLOOR_ROWS",
             "min_programs": "MOIRA_MIN_PROGRAMS", "step_programs": "MOIRA_STEP_PROGRAMS",
-            "wave_programs": "MOIRA_WAVE_PROGRAMS",
             "min_chunks_per_row": "MOIRA_MIN_CHUNKS_PER_ROW",
             "max_chunks_per_row": "MOIRA_MAX_CHUNKS_PER_ROW",
             "fused_cache_write": "MOIRA_FUSED_CACHE_WRITE"}
