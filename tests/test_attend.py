@@ -107,27 +107,19 @@ def test_short_row_pages_bounds_exactly_the_rows_the_floor_cuts_finer(chunk_floo
             assert short < 0 or short * rows + programs - 1 <= chunk_floor * programs - 1
 
 
-def one_request_step(extra_columns, fraction, num_kv_heads=2, group=4, head_dim=64):
-    """One request of 13 pages and 5 tokens over a 40-page cache, its table ``extra_columns``
-    wider than the row, with random lists of about ``fraction`` of its pages: ``(query, keys,
-    values, table, seq_lens, page_lists, page_counts)``."""
-    keys, values = make_cache(40, num_kv_heads, head_dim)
-    table, seq_lens = make_table([64 * 13 + 5], 40, extra_columns=extra_columns)
-    query = make_query(1, num_kv_heads * group, head_dim)
-    page_lists, page_counts = random_lists(seq_lens.cpu(), num_kv_heads, table.shape[1],
-                                           fraction=fraction)
-    return query, keys, values, table, seq_lens, page_lists, page_counts
-
-
 def test_short_rows_of_a_small_step_are_cut_finer():
     """The short-row floor (step_programs T = 8 over 2 rows: a row of 14 pages in chunks of 4,
     not C = 8): Attend and Merge agree with the reference on rows split more finely."""
     config = MoiraConfig(chunk_pages=8, floor_rows=1, min_chunks_per_row=16, min_programs=1,
                          step_programs=8)
+    num_kv_heads, group, head_dim = 2, 4, 64
+    keys, values = make_cache(40, num_kv_heads, head_dim)
     # a table wider than the row (as in an engine), so J's cap leaves more chunks than the
     # floor gives: the chunk count then depends on step_rows and T
-    query, keys, values, table, seq_lens, page_lists, page_counts = one_request_step(
-        extra_columns=26, fraction=0.7)
+    table, seq_lens = make_table([64 * 13 + 5], 40, extra_columns=26)
+    query = make_query(1, num_kv_heads * group, head_dim)
+    page_lists, page_counts = random_lists(seq_lens.cpu(), num_kv_heads, table.shape[1],
+                                           fraction=0.7)
     counts = page_counts.cpu().flatten()
     chunks_per_row, _, finer = ref.work_split(counts, 2, config, max_pages=table.shape[1])
     assert (finer > ref.work_split(counts, 2, config.replace(step_programs=0))[2]).any()
