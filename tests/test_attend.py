@@ -290,6 +290,57 @@ def test_page_ids_loaded_a_tile_ahead(monkeypatch, schedule, pages_per_iter, sta
     assert any(options.get("PAGES_AHEAD") is True for options in launched)
 
 
+def poison_unread_slots(keys, values, table, seq_lens):
+    """NaN in every cache slot no row may read: pages outside the table and the tokens past
+    each row's ``seq_len`` in its current page (a stale slot of an engine's cache)."""
+    unread = torch.ones(keys.shape[:2], dtype=torch.bool, device=keys.device)
+    for row, seq_len in enumerate(seq_lens.tolist()):
+        for page in range(-(-seq_len // 64)):
+            unread[table[row, page], : min(64, seq_len - 64 * page)] = False
+    for cache in (keys, values):
+        cache[unread] = float("nan")
+
+
+@pytest.mark.parametrize("layout, ahead, stages, group, head_dim",
+                         [("contiguous", False, 3, 4, 128), ("contiguous", True, 3, 1, 64),
+                          ("hnd", False, 4, 7, 64), ("packed", False, 3, 8, 128),
+                          ("packed_hnd", True, 3, 4, 64)])
+def test_pages_copied_by_tma(monkeypatch, layout, ahead, stages, group, head_dim):
+    """TMA_LOADS (a tuning option): each page-head's K and V tiles through tensor descriptors
+    over the cache's [rows, token stride] view, on every cache layout the plugin and the bench
+    read; stale slots (NaN) past seq_len and outside the table must not reach the output, and
+    the launch must have taken the option."""
+    monkeypatch.setattr(attend_module, "PAGES_PER_ITER", 1)
+    monkeypatch.setattr(attend_module, "NUM_STAGES", stages)
+    monkeypatch.setattr(attend_module, "PAGE_IDS_AHEAD", ahead)
+    monkeypatch.setattr(attend_module, "TMA_LOADS", True)
+    launched = []
+    on = launch.on
+
+    def recording_on(kernel, grid):
+        run = on(kernel, grid)
+        return lambda *args, **options: launched.append(options) or run(*args, **options)
+
+    monkeypatch.setattr(launch, "on", recording_on)
+    query, _, _, table, seq_lens, page_lists, page_counts = mixed_rows(group=group,
+                                                                       head_dim=head_dim)
+    keys, values = make_cache(120, 2, head_dim, layout=layout)
+    poison_unread_slots(keys, values, table, seq_lens)
+    config = SMALL_SPLIT.replace(chunk_pages=8, floor_rows=1, step_programs=0)
+    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
+    assert any(options.get("TMA") is True for options in launched)
+
+
+def test_tma_refuses_a_cache_it_cannot_describe(monkeypatch):
+    monkeypatch.setattr(attend_module, "PAGES_PER_ITER", 1)
+    monkeypatch.setattr(attend_module, "TMA_LOADS", True)
+    query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows()
+    strided = keys.transpose(2, 3).contiguous().transpose(2, 3)  # head dims not contiguous
+    with pytest.raises(ValueError, match="TMA_LOADS needs a cache"):
+        moira.attend(query, strided, values, table, seq_lens, page_lists, page_counts,
+                     config=SMALL_SPLIT)
+
+
 @pytest.mark.parametrize("pages_per_iter, registers", [(1, 128), (1, 96)])
 def test_register_ceiling(monkeypatch, pages_per_iter, registers):
     """MAX_REGISTERS (a tuning option): builds under a register ceiling (96 spills 8 bytes on
@@ -366,12 +417,15 @@ def test_pages_past_seq_len_are_masked():
     assert (out.float().cpu() - dense).abs().max() < 2e-2
 
 
-@pytest.mark.parametrize("pages_per_iter, ahead", [(1, False), (2, False), (1, True), (2, True)])
-def test_list_entries_outside_the_table_read_nothing(monkeypatch, pages_per_iter, ahead):
+@pytest.mark.parametrize("pages_per_iter, ahead, tma", [(1, False, False), (2, False, False),
+                                                       (1, True, False), (2, True, False),
+                                                       (1, False, True)])
+def test_list_entries_outside_the_table_read_nothing(monkeypatch, pages_per_iter, ahead, tma):
     # -1 (the reference's padding) and entries past the table's width, inside the count: they
     # must not read another request's page (row 1's -1 would be row 0's last column)
     monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
     monkeypatch.setattr(attend_module, "PAGE_IDS_AHEAD", ahead)
+    monkeypatch.setattr(attend_module, "TMA_LOADS", tma)
     keys, values = make_cache(12, 1, 64)
     table, _ = make_table([64 * 3, 64 * 3], 12, extra_columns=0)
     table = table[:, :2]  # narrower than the rows: seq_len reaches past the table
