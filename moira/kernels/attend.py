@@ -305,20 +305,27 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
 
 def cache_descriptor(cache):
     """A tensor descriptor of one page-head's ``[64, D]`` tile over a K or V cache
-    ``[pages, 64, Hkv, D]`` of any page, token and head strides (separate NHD or HND caches,
-    vLLM's packed K|V ones), viewed as ``[rows, token stride]``: the tile of (page, head) starts
-    at row ``(page * stride_p + head * stride_h) // stride_t`` and that remainder's column."""
+    ``[pages, 64, Hkv, D]`` of any strides whose pages are whole rows of the token stride
+    (separate NHD or HND caches, vLLM's packed K|V ones, heads outermost), viewed from its first
+    element as ``[rows, token stride]``: the tile of (page, head) starts at row ``(page *
+    stride_p + head * stride_h) // stride_t`` and that remainder's column."""
     pages, page_size, num_kv_heads, head_dim = cache.shape
     stride_p, stride_t, stride_h, stride_d = cache.stride()
-    column = cache.storage_offset() % stride_t  # a packed V cache starts D into each row
-    heads_in_a_row = stride_h % stride_t == 0 or (  # HND: each head's tokens are whole rows
-        (num_kv_heads - 1) * stride_h + head_dim <= stride_t - column)  # NHD: side by side
-    if (stride_d != 1 or stride_p % stride_t or not heads_in_a_row
-            or (stride_t * cache.element_size()) % 16 or cache.data_ptr() % 16):
-        raise ValueError(f"attend.TMA_LOADS needs a cache whose head dims are contiguous, "
-                         f"pages whole rows of the token stride, 16-byte aligned (strides "
-                         f"{cache.stride()}); turn TMA_LOADS off for this cache")
-    view = cache.as_strided((pages * stride_p // stride_t, stride_t - column), (stride_t, 1))
+    width = max(head * stride_h % stride_t for head in range(num_kv_heads)) + head_dim
+    rows = ((pages - 1) * stride_p + (num_kv_heads - 1) * stride_h) // stride_t + page_size
+    problem = ("head dims not contiguous" if stride_d != 1
+               else "pages not whole rows of the token stride" if stride_p % stride_t
+               else "a head's tile crosses a row" if width > stride_t
+               else "rows not 16-byte aligned" if (stride_t * cache.element_size()) % 16
+               or cache.data_ptr() % 16 else None)
+    if problem is None:
+        try:  # the view must lie in the cache's storage
+            view = cache.as_strided((rows, width), (stride_t, 1))
+        except RuntimeError:
+            problem = "the [rows, token stride] view leaves its storage"
+    if problem:
+        raise ValueError(f"attend.TMA_LOADS cannot describe this cache ({problem}; shape "
+                         f"{tuple(cache.shape)}, strides {cache.stride()}): turn TMA_LOADS off")
     return TensorDescriptor(view, list(view.shape), list(view.stride()), [page_size, head_dim])
 
 
@@ -333,7 +340,9 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     if TMA_LOADS:
-        assert PAGES_PER_ITER == 1, "TMA_LOADS copies one page per tile: PAGES_PER_ITER = 1"
+        if PAGES_PER_ITER != 1:
+            raise ValueError(f"attend.TMA_LOADS copies one page per tile: set "
+                             f"attend.PAGES_PER_ITER = 1 (it is {PAGES_PER_ITER})")
         caches = cache_descriptor(key_cache), cache_descriptor(value_cache)
     else:
         caches = key_cache, value_cache
