@@ -258,6 +258,19 @@ def test_several_pages_per_tile(monkeypatch, pages_per_iter):
     check_attend(*mixed_rows(), SMALL_SPLIT)
 
 
+def record_launches(monkeypatch):
+    """The options of every kernel launch from here on (``launch.on``), in a list."""
+    launched = []
+    on = launch.on
+
+    def recording_on(kernel, grid):
+        run = on(kernel, grid)
+        return lambda *args, **options: launched.append(options) or run(*args, **options)
+
+    monkeypatch.setattr(launch, "on", recording_on)
+    return launched
+
+
 @pytest.mark.parametrize("schedule, pages_per_iter, stages, warps, group, head_dim",
                          [("rows", 1, 3, 4, 4, 128), ("rows", 1, 3, 8, 4, 128),
                           ("rows", 1, 4, 4, 1, 64), ("rows", 1, 3, 4, 7, 64),
@@ -274,14 +287,7 @@ def test_page_ids_loaded_a_tile_ahead(monkeypatch, schedule, pages_per_iter, sta
     monkeypatch.setattr(attend_module, "NUM_STAGES", stages)
     monkeypatch.setattr(attend_module, "NUM_WARPS", warps)
     monkeypatch.setattr(attend_module, "PAGE_IDS_AHEAD", True)
-    launched = []
-    on = launch.on
-
-    def recording_on(kernel, grid):
-        run = on(kernel, grid)
-        return lambda *args, **options: launched.append(options) or run(*args, **options)
-
-    monkeypatch.setattr(launch, "on", recording_on)
+    launched = record_launches(monkeypatch)
     # chunks of up to 8 pages (the floor not scaled down for this small step): several tiles
     # per chunk at every tile size here
     config = SMALL_SPLIT.replace(chunk_pages=8, floor_rows=1, step_programs=0,
@@ -334,14 +340,7 @@ def test_pages_copied_by_tma(monkeypatch, layout, ahead, stages, group, head_dim
     monkeypatch.setattr(attend_module, "NUM_STAGES", stages)
     monkeypatch.setattr(attend_module, "PAGE_IDS_AHEAD", ahead)
     monkeypatch.setattr(attend_module, "TMA_LOADS", True)
-    launched = []
-    on = launch.on
-
-    def recording_on(kernel, grid):
-        run = on(kernel, grid)
-        return lambda *args, **options: launched.append(options) or run(*args, **options)
-
-    monkeypatch.setattr(launch, "on", recording_on)
+    launched = record_launches(monkeypatch)
     query, _, _, table, seq_lens, page_lists, page_counts = mixed_rows(group=group,
                                                                        head_dim=head_dim)
     keys, values = tma_caches(layout, 120, 2, head_dim)
