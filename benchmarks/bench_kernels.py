@@ -528,14 +528,15 @@ def main():
                                       lambda: s.dense_fa3(fa, splits), bytes_read=dense_bytes)
         timed(shape_name, "moira_all_pages", lambda: s.moira(full_lists, full_counts),
               bytes_read=dense_bytes)
-        ahead_arms = sorted(arm for arm in arms if attend_settings(arm))  # Attend's options
-        for name in ahead_arms:
+        option_arms = sorted(arm for arm in arms if attend_settings(arm))  # Attend's options
+        for name in option_arms:
             timed(shape_name, f"{name}_all_pages", lambda name=name: s.moira_configured(
                 name, full_lists, full_counts), bytes_read=dense_bytes)
-        if ahead_arms:  # rows as long as their lists: each chunk's lookahead ends the list
+        if option_arms:  # rows as long as their lists (a lookahead ends each list; TMA copies
+            # every current page's tail, which must be masked)
             s.moira(full_lists, full_counts)()
             reference = s.out.view(s.rows, GROUP, HEAD_DIM).float().clone()
-            for name in ahead_arms:
+            for name in option_arms:
                 record_check(report, shape_name, "all pages", name,
                              lambda name=name: s.moira_configured(name, full_lists,
                                                                   full_counts)().clone(),

@@ -163,7 +163,8 @@ def attend_balanced(query, key_cache, value_cache, block_table, seq_lens, page_l
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE=PAGE_SIZE, PAGES_PER_TILE=attend_module.PAGES_PER_ITER, ROWS_PAD=_rows_pad(rows),
         SUM_ROUNDED=attend_module.SUM_ROUNDED_WEIGHTS, FA3_ORDER=attend_module.FA3_TILE_ORDER,
-        PAGES_AHEAD=attend_module.PAGE_IDS_AHEAD, num_warps=attend_module.NUM_WARPS, num_stages=attend_module.NUM_STAGES,
+        PAGES_AHEAD=attend_module.PAGE_IDS_AHEAD, num_warps=attend_module.NUM_WARPS,
+        num_stages=attend_module.NUM_STAGES,
     )
     return out
 
