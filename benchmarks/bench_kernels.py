@@ -24,10 +24,6 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
                      that many warps (``PAGES_PER_ITER``, ``NUM_STAGES``, ``NUM_WARPS``; 4),
                      e.g. ``moira_ahead13``, ``moira_ahead13w8``; with a chunk floor too,
                      ``moira_c<N>_ahead<P><S>[w<warps>]``, e.g. ``moira_c32_ahead13``.
-- ``moira_tma<S>``   ``moira`` with each page-head's K and V tiles brought by TMA
-                     (``attend.TMA_LOADS``), one page per tile, S stages (2-4), e.g.
-                     ``moira_tma2``; with the page ids a tile ahead, ``moira_tma_ahead1<S>``;
-                     after a packed layout or a floor too, e.g. ``moira_packed_hnd_tma3``.
 - ``fa3_varlen``     vLLM's FA3 (``vllm_flash_attn``, ``fa_version=3``), each (request, KV head)
                      row its own sequence over the HND cache viewed as ``[pages*Hkv, 64, 1, D]``;
                      scheduler metadata built beforehand on the GPU (``fa3_metadata``, timed
@@ -367,63 +363,44 @@ ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_eq4", "moira_t128", "fa3_
         "pow2", "flashinfer", "flex"}
 
 
-# the configured arms of ``moira``: vLLM's packed caches, a chunk floor, Attend's pages by TMA
-# (its own stages, or the lookahead's), Attend's page ids a tile ahead, or several of them
-CONFIGURED_ARM = re.compile(r"moira(_packed(?:_hnd)?)?(?:_c([1-9][0-9]*))?(_tma([2-4])?)?"
+# the configured arms of ``moira``: vLLM's packed caches, a chunk floor, Attend's page ids a
+# tile ahead, or several of them
+CONFIGURED_ARM = re.compile(r"moira(_packed(?:_hnd)?)?(?:_c([1-9][0-9]*))?"
                             r"(?:_ahead([124])([1-9])(?:w([48]))?)?")
-
-
-def configured_arm(arm):
-    """The match of a configured arm's name, or None (also for ``moira`` itself, and for TMA
-    without exactly one of its stages or a lookahead of one page per tile)."""
-    configured = CONFIGURED_ARM.fullmatch(arm)
-    if not configured or arm == "moira":
-        return None
-    tma, tma_stages, ahead_pages = configured.group(3, 4, 5)
-    if tma and (bool(tma_stages) == bool(ahead_pages) or ahead_pages not in (None, "1")):
-        return None
-    return configured
 
 
 def cache_layout(arm):
     """"packed" or "packed_hnd" for an arm on vLLM's packed K|V caches, else None."""
-    configured = configured_arm(arm)
+    configured = CONFIGURED_ARM.fullmatch(arm)
     return configured.group(1)[1:] if configured and configured.group(1) else None
 
 
 def config_fields(arm):
     """``MoiraConfig`` fields of an arm that runs ``moira`` under another configuration
-    (``moira_eq4``, ``moira_t128``, ``moira_c<N>``; ``moira_ahead<P><S>``, ``moira_tma<S>``:
-    the default configuration, ``attend_settings``; ``moira_packed[_hnd]``: the default on
-    other caches, ``cache_layout``; ``moira_packed_hnd_c<N>_ahead<P><S>``: all three); None for
-    any other arm."""
+    (``moira_eq4``, ``moira_t128``, ``moira_c<N>``; ``moira_ahead<P><S>``: the default
+    configuration, ``attend_settings``; ``moira_packed[_hnd]``: the default on other caches,
+    ``cache_layout``; ``moira_packed_hnd_c<N>_ahead<P><S>``: all three); None for any other
+    arm."""
     if arm == "moira_eq4":
         return dict(step_programs=0)
     if arm == "moira_t128":
         return dict(step_programs=128)
-    configured = configured_arm(arm)
-    if not configured:
+    configured = CONFIGURED_ARM.fullmatch(arm)
+    if not configured or arm == "moira":
         return None
     chunk = configured.group(2)
     return dict(chunk_pages=int(chunk)) if chunk else {}
 
 
 def attend_settings(arm):
-    """Attend's module constants under which a configured arm launches (``_tma<S>``: each
-    page's K and V by TMA, one page per tile, S stages; ``_ahead<P><S>[w<warps>]``: page ids a
-    tile ahead, P pages per tile, S stages, that many warps; ``_tma_ahead1<S>``: both); {} for
-    any other arm."""
-    configured = configured_arm(arm)
-    if not configured:
+    """Attend's module constants under which a configured arm launches
+    (``[_c<N>]_ahead<P><S>[w<warps>]``: page ids a tile ahead, P pages per tile, S stages,
+    that many warps); {} for any other arm."""
+    configured = CONFIGURED_ARM.fullmatch(arm)
+    if not configured or not configured.group(3):
         return {}
-    tma, tma_stages, pages, stages, warps = configured.groups()[2:]
-    settings = {}
-    if pages:
-        settings |= dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(pages), NUM_STAGES=int(stages))
-    if tma:
-        settings |= dict(TMA_LOADS=True, PAGES_PER_ITER=1)
-    if tma_stages:
-        settings["NUM_STAGES"] = int(tma_stages)
+    pages, stages, warps = configured.groups()[2:]
+    settings = dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(pages), NUM_STAGES=int(stages))
     return settings | ({"NUM_WARPS": int(warps)} if warps else {})
 
 
@@ -453,8 +430,8 @@ def main():
     if unknown:  # a misspelt or retired arm would time nothing and say nothing
         parser.error(f"unknown arms {', '.join(sorted(unknown))}; known: "
                      f"{', '.join(sorted(ARMS))}, moira_c<N>, moira_packed[_hnd], "
-                     f"moira[_packed[_hnd]][_c<N>][_tma<S>|_tma_ahead1<S>|_ahead<P><S>"
-                     f"[w<warps>]] (moira_t256 is moira_t128 since session 15)")
+                     f"moira[_packed[_hnd]][_c<N>][_ahead<P><S>[w<warps>]] (moira_t256 is "
+                     f"moira_t128 since session 15)")
     shapes = {**SHAPES, **EXTRA_SHAPES}
     unknown_shapes = [name for name in args.shapes.split(",") if name not in shapes]
     if unknown_shapes:  # before the imports and the JSON, not as a KeyError halfway through
@@ -528,15 +505,14 @@ def main():
                                       lambda: s.dense_fa3(fa, splits), bytes_read=dense_bytes)
         timed(shape_name, "moira_all_pages", lambda: s.moira(full_lists, full_counts),
               bytes_read=dense_bytes)
-        option_arms = sorted(arm for arm in arms if attend_settings(arm))  # Attend's options
-        for name in option_arms:
+        ahead_arms = sorted(arm for arm in arms if attend_settings(arm))  # Attend's options
+        for name in ahead_arms:
             timed(shape_name, f"{name}_all_pages", lambda name=name: s.moira_configured(
                 name, full_lists, full_counts), bytes_read=dense_bytes)
-        if option_arms:  # rows as long as their lists (a lookahead ends each list; TMA copies
-            # every current page's tail, which must be masked)
+        if ahead_arms:  # rows as long as their lists: each chunk's lookahead ends the list
             s.moira(full_lists, full_counts)()
             reference = s.out.view(s.rows, GROUP, HEAD_DIM).float().clone()
-            for name in option_arms:
+            for name in ahead_arms:
                 record_check(report, shape_name, "all pages", name,
                              lambda name=name: s.moira_configured(name, full_lists,
                                                                   full_counts)().clone(),

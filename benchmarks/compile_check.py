@@ -127,7 +127,7 @@ def kernels(group, head_dim, block, pdl=False):
          dict(GROUP=group, GROUP_PAD=max(16, group_pad), HEAD_DIM=head_dim, PAGE=PAGE,
               PAGES_PER_TILE=attend.PAGES_PER_ITER, SUM_ROUNDED=attend.SUM_ROUNDED_WEIGHTS,
               FA3_ORDER=attend.FA3_TILE_ORDER, EVEN_CHUNKS=attend.EVEN_CHUNKS,
-              PAGES_AHEAD=attend.PAGE_IDS_AHEAD, TMA=attend.TMA_LOADS, PDL=pdl),
+              PAGES_AHEAD=attend.PAGE_IDS_AHEAD, PDL=pdl),
          attend.NUM_WARPS, attend.NUM_STAGES, attend.MAX_REGISTERS),
         (f"merge {tag}", merge._merge_kernel,
          dict(GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
@@ -181,15 +181,6 @@ def main():
                 if build(label, kernel, dict(constexprs, PAGES_AHEAD=True,
                                              PAGES_PER_TILE=per_tile), ahead_warps,
                          ahead_stages, maxnreg):
-                    spilled.append(label)
-        if name.startswith("attend"):  # bench_kernels.py's moira_tma<S>[_ahead] arms: the caches
-            # as tensor descriptors of one [64, D] page-head tile (attend.TMA_LOADS)
-            tile = f"tensordesc<bf16[{PAGE}, {HEAD_DIM}]>"
-            for tma_stages, ahead in ((2, False), (3, False), (3, True), (4, True)):
-                label = f"{name} TMA, {tma_stages} stages" + (", page ids ahead" if ahead else "")
-                if build(label, kernel, dict(constexprs, TMA=True, PAGES_PER_TILE=1,
-                                             PAGES_AHEAD=ahead), warps, tma_stages, maxnreg,
-                         key_cache=tile, value_cache=tile):
                     spilled.append(label)
         if name.startswith("attend"):  # tune_kernels.py's register ceilings, as Estimate's
             for stages, registers in ((2, 128), (2, 96), (3, 128), (3, 96)):

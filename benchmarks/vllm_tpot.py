@@ -88,15 +88,13 @@ def cached_prompts(llm, rng, context, batch):
 # the kernels' tuning constants an engine of this script may be given (--kernel-setting)
 KERNEL_SETTINGS = {"estimate": ("QUERY_HEAD_AHEAD", "TARGET_PROGRAMS", "PAGES_PER_PROGRAM",
                                 "NUM_WARPS", "MAX_REGISTERS"),
-                   "attend": ("PAGE_IDS_AHEAD", "TMA_LOADS", "PAGES_PER_ITER", "NUM_STAGES",
-                              "NUM_WARPS", "MAX_REGISTERS")}
-# the on/off options among them
-FLAG_SETTINGS = ("QUERY_HEAD_AHEAD", "PAGE_IDS_AHEAD", "TMA_LOADS")
+                   "attend": ("PAGE_IDS_AHEAD", "PAGES_PER_ITER", "NUM_STAGES", "NUM_WARPS",
+                              "MAX_REGISTERS")}
 
 
 def parse_kernel_settings(parser, items):
-    """``["module.NAME=INT", ...]`` -> ``{"module.NAME": int}`` (``FLAG_SETTINGS`` as bools),
-    or a usage error."""
+    """``["module.NAME=INT", ...]`` -> ``{"module.NAME": int}`` (the ``*_AHEAD`` options as
+    bools), or a usage error."""
     settings = {}
     for item in items:
         key, _, value = item.partition("=")
@@ -104,7 +102,7 @@ def parse_kernel_settings(parser, items):
         if name not in KERNEL_SETTINGS.get(module, ()) or not value.lstrip("-").isdigit():
             known = ", ".join(f"{m}.{n}" for m, names in KERNEL_SETTINGS.items() for n in names)
             parser.error(f"--kernel-setting {item!r}: use MODULE.NAME=INT, one of {known}")
-        settings[key] = bool(int(value)) if name in FLAG_SETTINGS else int(value)
+        settings[key] = bool(int(value)) if name.endswith("_AHEAD") else int(value)
     return settings
 
 

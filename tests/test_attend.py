@@ -307,73 +307,6 @@ def poison_unread_slots(keys, values, table, seq_lens):
         cache[unread] = float("nan")
 
 
-def tma_caches(layout, num_pages, num_kv_heads, head_dim):
-    """K and V caches for the TMA tests: ``make_cache``'s layouts, and three it does not make:
-    heads outermost (views of ``[Hkv, pages, 64, D]``), head-major at a storage offset that is
-    not a whole row (16-byte aligned), and K and V of different strides (token- and
-    head-major)."""
-    if layout == "heads_outer":
-        return tuple(torch.randn(num_kv_heads, num_pages, 64, head_dim, device=DEVICE)
-                     .to(torch.bfloat16).permute(1, 2, 0, 3) for _ in range(2))
-    if layout == "hnd_offset":
-        size = num_pages * num_kv_heads * 64 * head_dim
-        return tuple(torch.randn(8 + size, device=DEVICE).to(torch.bfloat16)[8:]
-                     .view(num_pages, num_kv_heads, 64, head_dim).transpose(1, 2)
-                     for _ in range(2))
-    if layout == "nhd_k_hnd_v":
-        return (make_cache(num_pages, num_kv_heads, head_dim)[0],
-                make_cache(num_pages, num_kv_heads, head_dim, layout="hnd")[1])
-    return make_cache(num_pages, num_kv_heads, head_dim, layout=layout)
-
-
-@pytest.mark.parametrize("layout, ahead, stages, group, head_dim",
-                         [("contiguous", False, 3, 4, 128), ("contiguous", True, 3, 1, 64),
-                          ("hnd", False, 4, 7, 64), ("packed", False, 3, 8, 128),
-                          ("packed_hnd", True, 3, 4, 64), ("heads_outer", False, 2, 4, 64),
-                          ("hnd_offset", False, 2, 4, 64), ("nhd_k_hnd_v", True, 3, 4, 64)])
-def test_pages_copied_by_tma(monkeypatch, layout, ahead, stages, group, head_dim):
-    """TMA_LOADS (a tuning option): each page-head's K and V tiles through tensor descriptors
-    over the cache's [rows, token stride] view, on every cache layout the plugin and the bench
-    read and others it can describe; stale slots (NaN) past seq_len and outside the table must
-    not reach the output, and the launch must have taken the option."""
-    monkeypatch.setattr(attend_module, "PAGES_PER_ITER", 1)
-    monkeypatch.setattr(attend_module, "NUM_STAGES", stages)
-    monkeypatch.setattr(attend_module, "PAGE_IDS_AHEAD", ahead)
-    monkeypatch.setattr(attend_module, "TMA_LOADS", True)
-    launched = record_launches(monkeypatch)
-    query, _, _, table, seq_lens, page_lists, page_counts = mixed_rows(group=group,
-                                                                       head_dim=head_dim)
-    keys, values = tma_caches(layout, 120, 2, head_dim)
-    poison_unread_slots(keys, values, table, seq_lens)
-    config = SMALL_SPLIT.replace(chunk_pages=8, floor_rows=1, step_programs=0)
-    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
-    assert any(options.get("TMA") is True for options in launched)
-
-
-def test_tma_refuses_what_it_cannot_run(monkeypatch):
-    """A cache TMA_LOADS cannot describe, several pages per tile and the balanced schedule:
-    each a ValueError that says what to change, not a wrong answer."""
-    monkeypatch.setattr(attend_module, "PAGES_PER_ITER", 1)
-    monkeypatch.setattr(attend_module, "TMA_LOADS", True)
-    query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows()
-    args = table, seq_lens, page_lists, page_counts
-    strided = keys.transpose(2, 3).contiguous().transpose(2, 3)
-    with pytest.raises(ValueError, match="head dims not contiguous"):
-        moira.attend(query, strided, values, *args, config=SMALL_SPLIT)
-    crossing = torch.zeros(120 * 64 * 64 + 64, dtype=keys.dtype, device=DEVICE).as_strided(
-        (120, 64, 2, 64), (64 * 64, 64, 32, 1))  # head 1's tile starts half a row in
-    with pytest.raises(ValueError, match="crosses a row"):
-        moira.attend(query, crossing, values, *args, config=SMALL_SPLIT)
-    odd_rows = torch.zeros(120, 64, 2, 66, dtype=keys.dtype, device=DEVICE)[..., :64]
-    with pytest.raises(ValueError, match="16-byte aligned"):  # rows of 2 * 66 * 2 bytes
-        moira.attend(query, odd_rows, values, *args, config=SMALL_SPLIT)
-    with pytest.raises(ValueError, match="balanced"):
-        moira.attend(query, keys, values, *args, config=SMALL_SPLIT.replace(schedule="balanced"))
-    monkeypatch.setattr(attend_module, "PAGES_PER_ITER", 2)
-    with pytest.raises(ValueError, match="PAGES_PER_ITER = 1"):
-        moira.attend(query, keys, values, *args, config=SMALL_SPLIT)
-
-
 @pytest.mark.parametrize("pages_per_iter, registers", [(1, 128), (1, 96)])
 def test_register_ceiling(monkeypatch, pages_per_iter, registers):
     """MAX_REGISTERS (a tuning option): builds under a register ceiling (96 spills 8 bytes on
@@ -450,15 +383,12 @@ def test_pages_past_seq_len_are_masked():
     assert (out.float().cpu() - dense).abs().max() < 2e-2
 
 
-@pytest.mark.parametrize("pages_per_iter, ahead, tma", [(1, False, False), (2, False, False),
-                                                       (1, True, False), (2, True, False),
-                                                       (1, False, True)])
-def test_list_entries_outside_the_table_read_nothing(monkeypatch, pages_per_iter, ahead, tma):
+@pytest.mark.parametrize("pages_per_iter, ahead", [(1, False), (2, False), (1, True), (2, True)])
+def test_list_entries_outside_the_table_read_nothing(monkeypatch, pages_per_iter, ahead):
     # -1 (the reference's padding) and entries past the table's width, inside the count: they
     # must not read another request's page (row 1's -1 would be row 0's last column)
     monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
     monkeypatch.setattr(attend_module, "PAGE_IDS_AHEAD", ahead)
-    monkeypatch.setattr(attend_module, "TMA_LOADS", tma)
     keys, values = make_cache(12, 1, 64)
     table, _ = make_table([64 * 3, 64 * 3], 12, extra_columns=0)
     table = table[:, :2]  # narrower than the rows: seq_len reaches past the table

@@ -601,16 +601,6 @@ def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
     assert bench.attend_settings("moira_packed_hnd_c32_ahead14")["NUM_STAGES"] == 4
     assert bench.cache_layout("moira_c32") is None and bench.cache_layout("flashinfer") is None
     assert bench.config_fields("moira_hnd_packed") is None
-    # Attend's pages by TMA: its own stages, or the lookahead's with one page per tile
-    assert bench.config_fields("moira_tma3") == {}
-    assert bench.attend_settings("moira_tma3") == dict(TMA_LOADS=True, PAGES_PER_ITER=1,
-                                                       NUM_STAGES=3)
-    assert bench.attend_settings("moira_tma_ahead14") == dict(
-        TMA_LOADS=True, PAGE_IDS_AHEAD=True, PAGES_PER_ITER=1, NUM_STAGES=4)
-    assert bench.attend_settings("moira_packed_hnd_c32_tma2")["NUM_STAGES"] == 2
-    assert bench.cache_layout("moira_packed_hnd_c32_tma2") == "packed_hnd"
-    for unknown in ("moira_tma", "moira_tma5", "moira_tma3_ahead13", "moira_tma_ahead23"):
-        assert bench.config_fields(unknown) is None and bench.attend_settings(unknown) == {}
     from moira.kernels import attend as attend_module
     default = (attend_module.PAGE_IDS_AHEAD, attend_module.NUM_STAGES)
     with pytest.raises(RuntimeError), bench.patched(attend_module,
@@ -1223,8 +1213,6 @@ def test_vllm_tpot_kernel_settings_are_checked(monkeypatch):
         == {"estimate.QUERY_HEAD_AHEAD": False, "attend.MAX_REGISTERS": 96}
     assert tpot.parse_kernel_settings(parser, ["attend.PAGE_IDS_AHEAD=1"]) \
         == {"attend.PAGE_IDS_AHEAD": True}
-    assert tpot.parse_kernel_settings(parser, ["attend.TMA_LOADS=1", "attend.NUM_STAGES=2"]) \
-        == {"attend.TMA_LOADS": True, "attend.NUM_STAGES": 2}
     for bad in ("estimate.TILE_STAGES=2", "estimate.NEXT_TILE_AHEAD=1",
                 "select.SHARES_IN_CHUNKS_FROM=1024", "estimate.MAX_REGISTERS=many",
                 "MAX_REGISTERS=96",

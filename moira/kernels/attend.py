@@ -25,7 +25,6 @@ import math
 
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..config import PAGE_SIZE
 from . import launch
@@ -76,15 +75,11 @@ EVEN_CHUNKS = False
 # unchanged. A program's rate matters only in grids smaller than the GPU (C = 32 at 8k x 32:
 # 4 stages 6.5% faster). Off
 PAGE_IDS_AHEAD = False
-# each page's K and V tiles brought by Hopper's bulk tensor copy (TMA: one copy per [64, D]
-# page-head, Triton's tensor descriptors over the cache viewed as [rows, token stride]),
-# instead of a gather of 64 rows by every thread. Why: fewer address registers and
-# instructions per tile, and copies that complete on a barrier, so Triton can keep more tiles
-# in flight (dense FA3 reads its cache this way at ~90% of peak DRAM bandwidth; Attend's
-# gathers reach 77-83%, ncu, session 30). One page per tile (PAGES_PER_ITER = 1); the
-# "rows" schedule; V's rows past seq_len are zeroed after the copy (the copy cannot mask,
-# and a stale slot may hold a NaN). Untimed (bench_kernels.py's moira_tma<S> arms): off
-TMA_LOADS = False
+# Not here: each page-head's K and V by Hopper's bulk tensor copy (TMA, Triton's tensor
+# descriptors) instead of this gather. Timed in session 32 (one page per tile, 2-4 stages,
+# with and without the lookahead): +12 to +27% at 22% of the pages at 8k x 32, 32k x 16 and
+# 131k x 4, equal at 16k x 32; the copy cannot mask, so V's stale rows were zeroed in
+# registers and V staged through shared memory twice (benchmarks/NOTES.md). Removed
 
 
 @triton.jit
@@ -143,28 +138,16 @@ def attend_tile(q, key_cache, value_cache, page, valid, head,
                 running_max, running_sum, acc, offset, dims,
                 stride_kp, stride_kt, stride_kh, stride_kd,
                 stride_vp, stride_vt, stride_vh, stride_vd, qk_scale_log2,
-                SUM_ROUNDED: tl.constexpr, FA3_ORDER: tl.constexpr, TMA: tl.constexpr = False):
+                SUM_ROUNDED: tl.constexpr, FA3_ORDER: tl.constexpr):
     """One tile of tokens (physical ``page`` and ``valid`` per token, ``tile_pages``) folded
     into the online softmax: ``(running_max, running_sum, acc)``. The running max is in the
-    log2 domain, or with ``FA3_ORDER`` in raw scores, the scale folded into the exponent.
-    With ``TMA`` (``TMA_LOADS``: one page per tile, ``page`` a scalar) the caches are tensor
-    descriptors over ``[rows, token stride]`` views (``cache_descriptor``)."""
-    if TMA:  # the page-head's first token row and its column in the [rows, token stride] view
-        key_at = page * stride_kp + head * stride_kh
-        keys = key_cache.load([(key_at // stride_kt).to(tl.int32),
-                               (key_at % stride_kt).to(tl.int32)])
-        value_at = page * stride_vp + head * stride_vh
-        values = value_cache.load([(value_at // stride_vt).to(tl.int32),
-                                   (value_at % stride_vt).to(tl.int32)])
-        # a masked key gets weight 0, but 0 * NaN is NaN: a stale V slot must not reach the dot
-        values = tl.where(valid[:, None], values, 0.0)
-    else:
-        key_rows = page * stride_kp + offset * stride_kt
-        value_rows = page * stride_vp + offset * stride_vt
-        keys = tl.load(key_cache + head * stride_kh + key_rows[:, None]
-                       + dims[None, :] * stride_kd, mask=valid[:, None], other=0.0)
-        values = tl.load(value_cache + head * stride_vh + value_rows[:, None]
-                         + dims[None, :] * stride_vd, mask=valid[:, None], other=0.0)
+    log2 domain, or with ``FA3_ORDER`` in raw scores, the scale folded into the exponent."""
+    key_rows = page * stride_kp + offset * stride_kt
+    value_rows = page * stride_vp + offset * stride_vt
+    keys = tl.load(key_cache + head * stride_kh + key_rows[:, None]
+                   + dims[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+    values = tl.load(value_cache + head * stride_vh + value_rows[:, None]
+                     + dims[None, :] * stride_vd, mask=valid[:, None], other=0.0)
     if FA3_ORDER:  # FA3's rounding: exp2(s * scale - max(s) * scale), one fused multiply-add
         logits = tl.where(valid[None, :], tl.dot(q, tl.trans(keys)), float("-inf"))
         new_max = tl.maximum(running_max, tl.max(logits, axis=1))
@@ -197,7 +180,7 @@ def attend_segment(query, key_cache, value_cache, block_table, seq_lens, page_li
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
                    SUM_ROUNDED: tl.constexpr, FA3_ORDER: tl.constexpr,
-                   PAGES_AHEAD: tl.constexpr = False, TMA: tl.constexpr = False):
+                   PAGES_AHEAD: tl.constexpr = False):
     """Attention of the G query heads of row (b, head) over its listed pages ``[first, last)``:
     ``(output [GROUP_PAD, D] float32, lse [GROUP_PAD])``; zeros and lse = -inf without keys.
     Tiles run first to last, or with ``FA3_ORDER`` last to first (``FA3_TILE_ORDER``)."""
@@ -223,8 +206,7 @@ def attend_segment(query, key_cache, value_cache, block_table, seq_lens, page_li
             running_max, running_sum, acc = attend_tile(
                 q, key_cache, value_cache, page, valid, head, running_max, running_sum, acc,
                 offset, dims, stride_kp, stride_kt, stride_kh, stride_kd,
-                stride_vp, stride_vt, stride_vh, stride_vd, qk_scale_log2, SUM_ROUNDED, FA3_ORDER,
-                TMA)
+                stride_vp, stride_vt, stride_vh, stride_vd, qk_scale_log2, SUM_ROUNDED, FA3_ORDER)
         running_max = running_max * qk_scale_log2  # to the log2 domain, as below
     elif PAGES_AHEAD:  # the next tile's page ids loaded a tile ahead, carried by the loop
         page, valid = tile_pages(row_pages, row_table, seq_len, first, last, tile_page, offset,
@@ -236,8 +218,7 @@ def attend_segment(query, key_cache, value_cache, block_table, seq_lens, page_li
             running_max, running_sum, acc = attend_tile(
                 q, key_cache, value_cache, page, valid, head, running_max, running_sum, acc,
                 offset, dims, stride_kp, stride_kt, stride_kh, stride_kd,
-                stride_vp, stride_vt, stride_vh, stride_vd, qk_scale_log2, SUM_ROUNDED, FA3_ORDER,
-                TMA)
+                stride_vp, stride_vt, stride_vh, stride_vd, qk_scale_log2, SUM_ROUNDED, FA3_ORDER)
             page = next_page
             valid = next_valid
     else:
@@ -247,8 +228,7 @@ def attend_segment(query, key_cache, value_cache, block_table, seq_lens, page_li
             running_max, running_sum, acc = attend_tile(
                 q, key_cache, value_cache, page, valid, head, running_max, running_sum, acc,
                 offset, dims, stride_kp, stride_kt, stride_kh, stride_kd,
-                stride_vp, stride_vt, stride_vh, stride_vd, qk_scale_log2, SUM_ROUNDED, FA3_ORDER,
-                TMA)
+                stride_vp, stride_vt, stride_vh, stride_vd, qk_scale_log2, SUM_ROUNDED, FA3_ORDER)
 
     empty = running_sum == 0.0
     running_sum = tl.where(empty, 1.0, running_sum)
@@ -270,7 +250,7 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr, SUM_ROUNDED: tl.constexpr,
                    FA3_ORDER: tl.constexpr, EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr,
-                   PAGES_AHEAD: tl.constexpr = False, TMA: tl.constexpr = False):
+                   PAGES_AHEAD: tl.constexpr = False):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     chunk_id = tl.program_id(1)
@@ -288,8 +268,7 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
         tl.minimum(start + chunk, count), stride_qb, stride_qh, stride_qd,
         stride_kp, stride_kt, stride_kh, stride_kd, stride_vp, stride_vt, stride_vh, stride_vd,
         stride_bt, stride_pb, stride_ph, max_pages, qk_scale_log2,
-        GROUP, GROUP_PAD, HEAD_DIM, PAGE, PAGES_PER_TILE, SUM_ROUNDED, FA3_ORDER, PAGES_AHEAD,
-        TMA)
+        GROUP, GROUP_PAD, HEAD_DIM, PAGE, PAGES_PER_TILE, SUM_ROUNDED, FA3_ORDER, PAGES_AHEAD)
     groups = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
     heads = head * GROUP + groups
@@ -303,32 +282,6 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
         tl.store(partial_lse + slot, lse, mask=groups < GROUP)
 
 
-def cache_descriptor(cache):
-    """A tensor descriptor of one page-head's ``[64, D]`` tile over a K or V cache
-    ``[pages, 64, Hkv, D]`` of any strides whose pages are whole rows of the token stride
-    (separate NHD or HND caches, vLLM's packed K|V ones, heads outermost), viewed from its first
-    element as ``[rows, token stride]``: the tile of (page, head) starts at row ``(page *
-    stride_p + head * stride_h) // stride_t`` and that remainder's column."""
-    pages, page_size, num_kv_heads, head_dim = cache.shape
-    stride_p, stride_t, stride_h, stride_d = cache.stride()
-    width = max(head * stride_h % stride_t for head in range(num_kv_heads)) + head_dim
-    rows = ((pages - 1) * stride_p + (num_kv_heads - 1) * stride_h) // stride_t + page_size
-    problem = ("head dims not contiguous" if stride_d != 1
-               else "pages not whole rows of the token stride" if stride_p % stride_t
-               else "a head's tile crosses a row" if width > stride_t
-               else "rows not 16-byte aligned" if (stride_t * cache.element_size()) % 16
-               or cache.data_ptr() % 16 else None)
-    if problem is None:
-        try:  # the view must lie in the cache's storage
-            view = cache.as_strided((rows, width), (stride_t, 1))
-        except RuntimeError:
-            problem = "the [rows, token stride] view leaves its storage"
-    if problem:
-        raise ValueError(f"attend.TMA_LOADS cannot describe this cache ({problem}; shape "
-                         f"{tuple(cache.shape)}, strides {cache.stride()}): turn TMA_LOADS off")
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), [page_size, head_dim])
-
-
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
            scale, chunk_floor, chunks_per_row, out, partial_out, partial_lse, step_rows=0,
            step_programs=0, programmatic_launch=False):
@@ -339,15 +292,8 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    if TMA_LOADS:
-        if PAGES_PER_ITER != 1:
-            raise ValueError(f"attend.TMA_LOADS copies one page per tile: set "
-                             f"attend.PAGES_PER_ITER = 1 (it is {PAGES_PER_ITER})")
-        caches = cache_descriptor(key_cache), cache_descriptor(value_cache)
-    else:
-        caches = key_cache, value_cache
     launch.on(_attend_kernel, (batch * num_kv_heads, chunks_per_row))(
-        query, *caches, block_table, seq_lens, page_lists, page_counts,
+        query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
         out, partial_out, partial_lse,
         *query.stride(), *key_cache.stride(), *value_cache.stride(),
         block_table.stride(0), *page_lists.stride()[:2], *page_counts.stride(), *out.stride(),
@@ -357,7 +303,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE=PAGE_SIZE, PAGES_PER_TILE=PAGES_PER_ITER, SUM_ROUNDED=SUM_ROUNDED_WEIGHTS,
         FA3_ORDER=FA3_TILE_ORDER, EVEN_CHUNKS=EVEN_CHUNKS, PAGES_AHEAD=PAGE_IDS_AHEAD,
-        TMA=TMA_LOADS, num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS,
         **launch.options(programmatic_launch, "attend"),
     )
     return out
