@@ -24,6 +24,10 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
                      that many warps (``PAGES_PER_ITER``, ``NUM_STAGES``, ``NUM_WARPS``; 4),
                      e.g. ``moira_ahead13``, ``moira_ahead13w8``; with a chunk floor too,
                      ``moira_c<N>_ahead<P><S>[w<warps>]``, e.g. ``moira_c32_ahead13``.
+- ``moira_cuda<S>``  ``moira`` with the CUDA Attend (``attend.IMPLEMENTATION = "cuda"``,
+                     attend_cuda.cu) and S pages in flight per program (``CUDA_STAGES``,
+                     2-4), e.g. ``moira_cuda3``; after a packed layout or a floor too,
+                     e.g. ``moira_packed_hnd_c32_cuda3``.
 - ``fa3_varlen``     vLLM's FA3 (``vllm_flash_attn``, ``fa_version=3``), each (request, KV head)
                      row its own sequence over the HND cache viewed as ``[pages*Hkv, 64, 1, D]``;
                      scheduler metadata built beforehand on the GPU (``fa3_metadata``, timed
@@ -363,10 +367,10 @@ ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_eq4", "moira_t128", "fa3_
         "pow2", "flashinfer", "flex"}
 
 
-# the configured arms of ``moira``: vLLM's packed caches, a chunk floor, Attend's page ids a
-# tile ahead, or several of them
+# the configured arms of ``moira``: vLLM's packed caches, a chunk floor, the CUDA Attend or
+# Attend's page ids a tile ahead, or several of them
 CONFIGURED_ARM = re.compile(r"moira(_packed(?:_hnd)?)?(?:_c([1-9][0-9]*))?"
-                            r"(?:_ahead([124])([1-9])(?:w([48]))?)?")
+                            r"(?:_cuda([2-4])|_ahead([124])([1-9])(?:w([48]))?)?")
 
 
 def cache_layout(arm):
@@ -394,12 +398,17 @@ def config_fields(arm):
 
 def attend_settings(arm):
     """Attend's module constants under which a configured arm launches
-    (``[_c<N>]_ahead<P><S>[w<warps>]``: page ids a tile ahead, P pages per tile, S stages,
-    that many warps); {} for any other arm."""
+    (``[_c<N>]_cuda<S>``: the CUDA Attend with S pages in flight; ``[_c<N>]_ahead<P><S>
+    [w<warps>]``: page ids a tile ahead, P pages per tile, S stages, that many warps); {} for
+    any other arm."""
     configured = CONFIGURED_ARM.fullmatch(arm)
-    if not configured or not configured.group(3):
+    if not configured:
         return {}
-    pages, stages, warps = configured.groups()[2:]
+    cuda_stages, pages, stages, warps = configured.groups()[2:]
+    if cuda_stages:
+        return dict(IMPLEMENTATION="cuda", CUDA_STAGES=int(cuda_stages))
+    if not pages:
+        return {}
     settings = dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(pages), NUM_STAGES=int(stages))
     return settings | ({"NUM_WARPS": int(warps)} if warps else {})
 
@@ -430,8 +439,8 @@ def main():
     if unknown:  # a misspelt or retired arm would time nothing and say nothing
         parser.error(f"unknown arms {', '.join(sorted(unknown))}; known: "
                      f"{', '.join(sorted(ARMS))}, moira_c<N>, moira_packed[_hnd], "
-                     f"moira[_packed[_hnd]][_c<N>][_ahead<P><S>[w<warps>]] (moira_t256 is "
-                     f"moira_t128 since session 15)")
+                     f"moira[_packed[_hnd]][_c<N>][_cuda<S>|_ahead<P><S>[w<warps>]] "
+                     f"(moira_t256 is moira_t128 since session 15)")
     shapes = {**SHAPES, **EXTRA_SHAPES}
     unknown_shapes = [name for name in args.shapes.split(",") if name not in shapes]
     if unknown_shapes:  # before the imports and the JSON, not as a KeyError halfway through
@@ -505,14 +514,15 @@ def main():
                                       lambda: s.dense_fa3(fa, splits), bytes_read=dense_bytes)
         timed(shape_name, "moira_all_pages", lambda: s.moira(full_lists, full_counts),
               bytes_read=dense_bytes)
-        ahead_arms = sorted(arm for arm in arms if attend_settings(arm))  # Attend's options
-        for name in ahead_arms:
+        option_arms = sorted(arm for arm in arms if attend_settings(arm))  # Attend's options
+        for name in option_arms:
             timed(shape_name, f"{name}_all_pages", lambda name=name: s.moira_configured(
                 name, full_lists, full_counts), bytes_read=dense_bytes)
-        if ahead_arms:  # rows as long as their lists: each chunk's lookahead ends the list
+        if option_arms:  # rows as long as their lists (a lookahead ends each list; the CUDA
+            # Attend's staged ids and zero-filled tails)
             s.moira(full_lists, full_counts)()
             reference = s.out.view(s.rows, GROUP, HEAD_DIM).float().clone()
-            for name in ahead_arms:
+            for name in option_arms:
                 record_check(report, shape_name, "all pages", name,
                              lambda name=name: s.moira_configured(name, full_lists,
                                                                   full_counts)().clone(),

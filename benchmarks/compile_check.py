@@ -14,8 +14,10 @@ Exits non-zero if a kernel fails to compile or spills.
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,7 +25,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moira.kernels import attend, estimate, imposed, merge, select, summarize  # noqa: E402
+from moira.kernels import (attend, attend_cuda, estimate, imposed, merge, select,  # noqa: E402
+                           summarize)
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -193,8 +196,36 @@ def main():
                 build(f"{name} max registers {registers}", kernel,
                       dict(constexprs, WRITE_KV=True), warps, stages, registers,
                       slot_mapping="*i64")
+    spilled += build_cuda()
     if spilled:
         sys.exit(f"spills registers: {', '.join(spilled)}")
+
+
+def build_cuda():
+    """attend_cuda.cu's kernels (``attend.IMPLEMENTATION = "cuda"``) built by nvcc for sm_90,
+    with ptxas' report per kernel (registers, spilled bytes, shared memory of the launch);
+    nothing where nvcc is absent. Returns the kernels that spill."""
+    if shutil.which("nvcc") is None:
+        print("attend (CUDA)                            skipped: nvcc not on PATH", flush=True)
+        return []
+    with tempfile.TemporaryDirectory() as folder:
+        done = subprocess.run(attend_cuda.nvcc_command("90", attend_cuda.SOURCE,
+                                                       os.path.join(folder, "attend.cubin"))
+                              + ["-Xptxas", "-v"], capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"attend_cuda.cu does not build:\n{done.stderr}")
+    spilled = []
+    # ptxas: "Compiling entry function 'NAME'", then its spills, then "Used N registers"
+    for name, spill, registers in re.findall(
+            r"entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers",
+            done.stderr, re.S):
+        head_dim, stages = map(int, re.fullmatch(r"moira_attend_d(\d+)_s(\d)", name).groups())
+        print(f"attend (CUDA) D={head_dim} {stages} stages{'':<15} registers {registers}  "
+              f"spilled bytes {spill}  shared {attend_cuda.shared_bytes(head_dim, stages)}",
+              flush=True)
+        if int(spill):
+            spilled.append(f"{name} (CUDA)")
+    return spilled
 
 
 if __name__ == "__main__":

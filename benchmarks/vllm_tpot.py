@@ -89,20 +89,26 @@ def cached_prompts(llm, rng, context, batch):
 KERNEL_SETTINGS = {"estimate": ("QUERY_HEAD_AHEAD", "TARGET_PROGRAMS", "PAGES_PER_PROGRAM",
                                 "NUM_WARPS", "MAX_REGISTERS"),
                    "attend": ("PAGE_IDS_AHEAD", "PAGES_PER_ITER", "NUM_STAGES", "NUM_WARPS",
-                              "MAX_REGISTERS")}
+                              "MAX_REGISTERS", "IMPLEMENTATION", "CUDA_STAGES")}
+# the settings that take a word, not an int
+WORD_SETTINGS = {"attend.IMPLEMENTATION": ("triton", "cuda")}
 
 
 def parse_kernel_settings(parser, items):
     """``["module.NAME=INT", ...]`` -> ``{"module.NAME": int}`` (the ``*_AHEAD`` options as
-    bools), or a usage error."""
+    bools, ``WORD_SETTINGS`` as their words), or a usage error."""
     settings = {}
     for item in items:
         key, _, value = item.partition("=")
         module, _, name = key.partition(".")
-        if name not in KERNEL_SETTINGS.get(module, ()) or not value.lstrip("-").isdigit():
+        words = WORD_SETTINGS.get(key)
+        if name not in KERNEL_SETTINGS.get(module, ()) or not (
+                value in words if words else value.lstrip("-").isdigit()):
             known = ", ".join(f"{m}.{n}" for m, names in KERNEL_SETTINGS.items() for n in names)
-            parser.error(f"--kernel-setting {item!r}: use MODULE.NAME=INT, one of {known}")
-        settings[key] = bool(int(value)) if name.endswith("_AHEAD") else int(value)
+            parser.error(f"--kernel-setting {item!r}: use MODULE.NAME=INT, one of {known} "
+                         f"({', '.join(f'{k}: {v}' for k, v in WORD_SETTINGS.items())})")
+        settings[key] = value if words else (bool(int(value)) if name.endswith("_AHEAD")
+                                             else int(value))
     return settings
 
 

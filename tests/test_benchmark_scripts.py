@@ -601,6 +601,13 @@ def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
     assert bench.attend_settings("moira_packed_hnd_c32_ahead14")["NUM_STAGES"] == 4
     assert bench.cache_layout("moira_c32") is None and bench.cache_layout("flashinfer") is None
     assert bench.config_fields("moira_hnd_packed") is None
+    # the CUDA Attend, alone or after a layout and a floor; not with the lookahead
+    assert bench.config_fields("moira_cuda3") == {}
+    assert bench.attend_settings("moira_cuda3") == dict(IMPLEMENTATION="cuda", CUDA_STAGES=3)
+    assert bench.config_fields("moira_packed_hnd_c32_cuda4") == {"chunk_pages": 32}
+    assert bench.attend_settings("moira_packed_hnd_c32_cuda4")["CUDA_STAGES"] == 4
+    for unknown in ("moira_cuda", "moira_cuda5", "moira_cuda3_ahead13", "moira_ahead13_cuda3"):
+        assert bench.config_fields(unknown) is None and bench.attend_settings(unknown) == {}
     from moira.kernels import attend as attend_module
     default = (attend_module.PAGE_IDS_AHEAD, attend_module.NUM_STAGES)
     with pytest.raises(RuntimeError), bench.patched(attend_module,
@@ -1213,10 +1220,14 @@ def test_vllm_tpot_kernel_settings_are_checked(monkeypatch):
         == {"estimate.QUERY_HEAD_AHEAD": False, "attend.MAX_REGISTERS": 96}
     assert tpot.parse_kernel_settings(parser, ["attend.PAGE_IDS_AHEAD=1"]) \
         == {"attend.PAGE_IDS_AHEAD": True}
+    assert tpot.parse_kernel_settings(parser, ["attend.IMPLEMENTATION=cuda",
+                                               "attend.CUDA_STAGES=4"]) \
+        == {"attend.IMPLEMENTATION": "cuda", "attend.CUDA_STAGES": 4}
     for bad in ("estimate.TILE_STAGES=2", "estimate.NEXT_TILE_AHEAD=1",
                 "select.SHARES_IN_CHUNKS_FROM=1024", "estimate.MAX_REGISTERS=many",
                 "MAX_REGISTERS=96",
-                "merge.NUM_WARPS=4", "attend.NUM_WARPS"):
+                "merge.NUM_WARPS=4", "attend.NUM_WARPS", "attend.IMPLEMENTATION=cutlass",
+                "attend.IMPLEMENTATION=1"):
         with pytest.raises(SystemExit):
             tpot.parse_kernel_settings(parser, [bad])
 

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..config import PAGE_SIZE
-from . import launch
+from . import attend_cuda, launch
 
 # tuned on the H200 (benchmarks/NOTES.md, session 4: two pages per tile and two stages are
 # 3-6% faster than one page and three stages at 22% of every row, all four shapes)
@@ -75,6 +75,12 @@ EVEN_CHUNKS = False
 # unchanged. A program's rate matters only in grids smaller than the GPU (C = 32 at 8k x 32:
 # 4 stages 6.5% faster). Off
 PAGE_IDS_AHEAD = False
+# "triton" (this file's kernel) or "cuda" (attend_cuda.cu: the same program with STAGES pages'
+# K and V in flight by cp.async, built by nvcc on first use; CUDA_STAGES of them). Why: Triton
+# keeps one K/V tile per program in flight and none while it computes, and FlashInfer's
+# pipelined decode kernel is 4-11% faster at equal row lengths. Untimed: "triton"
+IMPLEMENTATION = "triton"
+CUDA_STAGES = 3
 # Not here: each page-head's K and V by Hopper's bulk tensor copy (TMA, Triton's tensor
 # descriptors) instead of this gather. Timed in session 32 (one page per tile, 2-4 stages,
 # with and without the lookahead): +12 to +27% at 22% of the pages at 8k x 32, 32k x 16 and
@@ -292,6 +298,23 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
+    if IMPLEMENTATION == "cuda":
+        others = dict(PAGE_IDS_AHEAD=PAGE_IDS_AHEAD, FA3_TILE_ORDER=FA3_TILE_ORDER,
+                      EVEN_CHUNKS=EVEN_CHUNKS, SUM_ROUNDED_WEIGHTS=not SUM_ROUNDED_WEIGHTS)
+        if any(others.values()):
+            raise ValueError(f"attend.IMPLEMENTATION = 'cuda' has none of the Triton kernel's "
+                             f"options: set {', '.join(k for k, v in others.items() if v)} "
+                             f"back to the default, or use 'triton'")
+        return attend_cuda.attend(
+            query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
+            qk_scale_log2=scale * math.log2(math.e), chunk_floor=chunk_floor,
+            chunks_per_row=chunks_per_row, out=out, partial_out=partial_out,
+            partial_lse=partial_lse, step_rows=step_rows, step_programs=step_programs,
+            short_pages=short_row_pages(chunk_floor, step_rows, step_programs),
+            stages=CUDA_STAGES, build_only=launch.building_only())
+    if IMPLEMENTATION != "triton":
+        raise ValueError(f"attend.IMPLEMENTATION must be 'triton' or 'cuda', got "
+                         f"{IMPLEMENTATION!r}")
     launch.on(_attend_kernel, (batch * num_kv_heads, chunks_per_row))(
         query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
         out, partial_out, partial_lse,

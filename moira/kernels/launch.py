@@ -44,9 +44,14 @@ def build_only():
         _building_only.reset(token)
 
 
+def building_only() -> bool:
+    """Whether launchers only build (inside ``build_only()``)."""
+    return _building_only.get()
+
+
 def on(kernel, grid):
     """``kernel[grid]``, or only its build inside ``build_only()``."""
-    return functools.partial(kernel.warmup, grid=grid) if _building_only.get() else kernel[grid]
+    return functools.partial(kernel.warmup, grid=grid) if building_only() else kernel[grid]
 
 
 # the kernels chained when programmatic launch is on; the others launch plainly (their

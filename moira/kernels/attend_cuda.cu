@@ -1,0 +1,326 @@
+// Attend in CUDA C++ (attend.IMPLEMENTATION = "cuda"; built and launched by attend_cuda.py).
+//
+// The same self-planning split-KV attention as attend.py's Triton kernel (plan_row, the
+// online softmax in the log2 domain, the softmax denominator summed from the bf16-rounded
+// weights, a single-chunk row written directly, a split row's partials and log-sum-exp for
+// Merge), with the K/V pipeline Triton would not build: every page id of the chunk staged in
+// shared memory first, then STAGES pages' K and V in flight at once by cp.async (zero-filled
+// past seq_len), so a program computes one page while the next ones load. Why: Triton's
+// pipeliner keeps one K/V tile per program and nothing in flight while it computes
+// (benchmarks/NOTES.md, sessions 29-32); FlashInfer's decode kernel, which pipelines, is
+// 4-11% faster at equal row lengths.
+//
+// A program (row = (request, KV head), chunk) runs 4 warps; warp w takes tokens
+// [16 w, 16 w + 16) of each 64-token page, for the G query heads padded to the 16 rows of
+// mma.m16n8k16 (bf16 in, float32 out): S = Q K^T from Q fragments held in registers and K by
+// ldmatrix, P V with V by ldmatrix.trans. Shared-memory rows are padded to D + 8 elements so
+// both ldmatrix forms are free of bank conflicts. The 4 warps' (max, sum, output) merge
+// through shared memory at the end.
+
+#include <cuda_bf16.h>
+#include <math_constants.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int PAGE = 64;
+constexpr int WARPS = 4;
+constexpr int THREADS = 32 * WARPS;
+constexpr int STAGED_IDS = 256;  // page ids staged per segment of a chunk
+
+// mirrored field by field by attend_cuda.Params (ctypes); strides in elements
+struct Params {
+  const __nv_bfloat16* query;
+  const __nv_bfloat16* key_cache;
+  const __nv_bfloat16* value_cache;
+  const int* block_table;
+  const int* seq_lens;
+  const int* page_lists;
+  const int* page_counts;
+  __nv_bfloat16* out;
+  float* partial_out;
+  float* partial_lse;
+  int64_t stride_qb, stride_qh;
+  int64_t stride_kp, stride_kt, stride_kh;
+  int64_t stride_vp, stride_vt, stride_vh;
+  int64_t stride_bt, stride_pb, stride_ph, stride_cb, stride_ch;
+  int64_t stride_ob, stride_oh;
+  int num_kv_heads, max_pages, group, chunk_floor, chunks_per_row;
+  int step_rows, step_programs, short_pages;
+  float qk_scale_log2;
+};
+
+__device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ void cp_async16(void* shared, const void* global, int bytes) {
+  // bytes < 16 zero-fills the rest: 0 for a token past seq_len or a page outside the table
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :: "r"(address), "l"(global), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* shared) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* shared) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+
+// d += a b: a 16x16 bf16 (row), b 16x8 bf16 (col), d 16x8 float32
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x by the SFU, as Triton's tl.exp2 (2^-inf = 0)
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float low, float high, float& rounded_sum) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+  rounded_sum += __low2float(pair) + __high2float(pair);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+template <int D, int STAGES>
+__device__ __forceinline__ void attend_program(const Params& p, unsigned char* shared) {
+  constexpr int ROW = D + 8;          // padded shared-memory row, in elements
+  constexpr int TILE = PAGE * ROW;    // one page's K (or V)
+  constexpr int PIECES = PAGE * D / 8;  // 16-byte copies per page tensor
+  __nv_bfloat16* tiles = reinterpret_cast<__nv_bfloat16*>(shared);  // [STAGES][K, V][64][ROW]
+  int64_t* page_ids = reinterpret_cast<int64_t*>(shared + STAGES * 2 * TILE * 2);
+  int* page_tokens = reinterpret_cast<int*>(page_ids + STAGED_IDS);  // tokens read per page
+
+  const int row = blockIdx.x, chunk_id = blockIdx.y;
+  const int b = row / p.num_kv_heads, head = row % p.num_kv_heads;
+  // plan_row (attend.py): Eq. (4) with the short-row floor
+  const int count = p.page_counts[b * p.stride_cb + head * p.stride_ch];
+  int floor_pages = p.chunk_floor;
+  if (count <= p.short_pages) floor_pages = max(2, cdiv(count * p.step_rows, p.step_programs));
+  const int chunk = max(floor_pages, cdiv(count, p.chunks_per_row));
+  const int chunks = max(cdiv(count, chunk), 1);
+  if (chunk_id >= chunks) return;
+  const int first = chunk_id * chunk, last = min(first + chunk, count);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
+  const int seq_len = p.seq_lens[b];
+  const int* row_pages = p.page_lists + b * p.stride_pb + head * p.stride_ph;
+  const int* row_table = p.block_table + b * p.stride_bt;
+  const __nv_bfloat16* keys = p.key_cache + head * p.stride_kh;
+  const __nv_bfloat16* values = p.value_cache + head * p.stride_vh;
+
+  // Q as A fragments, rows g and g + 8 (query heads of the group; zero past G)
+  uint32_t q[D / 16][4];
+  const __nv_bfloat16* query = p.query + b * p.stride_qb + int64_t(head) * p.group * p.stride_qh;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int qrow = g + 8 * (i % 2), col = kk * 16 + 2 * t + 8 * (i / 2);
+      q[kk][i] = qrow < p.group
+          ? *reinterpret_cast<const uint32_t*>(query + qrow * p.stride_qh + col) : 0u;
+    }
+  }
+
+  float running_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
+  float running_sum[2] = {0.f, 0.f};  // this lane's columns; the quad's sum at the end
+  float acc[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+
+  auto load_page = [&](int i, int stage) {  // page i of the segment into a stage
+    const int64_t page = page_ids[i];
+    const int tokens = page_tokens[i];
+    __nv_bfloat16* k_tile = tiles + stage * 2 * TILE;
+    __nv_bfloat16* v_tile = k_tile + TILE;
+#pragma unroll
+    for (int piece = threadIdx.x; piece < PIECES; piece += THREADS) {
+      const int token = piece / (D / 8), col = piece % (D / 8) * 8;
+      const bool read = token < tokens;
+      const __nv_bfloat16* k_src = read ? keys + page * p.stride_kp + token * p.stride_kt + col
+                                        : p.key_cache;
+      const __nv_bfloat16* v_src = read ? values + page * p.stride_vp + token * p.stride_vt + col
+                                        : p.value_cache;
+      cp_async16(k_tile + token * ROW + col, k_src, read ? 16 : 0);
+      cp_async16(v_tile + token * ROW + col, v_src, read ? 16 : 0);
+    }
+  };
+
+  auto attend_page = [&](int stage, int tokens) {  // this warp's 16 tokens of a staged page
+    const __nv_bfloat16* k_tile = tiles + stage * 2 * TILE + warp * 16 * ROW;
+    const __nv_bfloat16* v_tile = k_tile + TILE;
+    const int matrix = lane / 8, matrix_row = lane % 8;
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // tokens 0-7, 8-15
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      // K rows (tokens) x 8 dims: (0-7, lo), (0-7, hi), (8-15, lo), (8-15, hi)
+      uint32_t k[4];
+      ldmatrix_x4(k, k_tile + (matrix / 2 * 8 + matrix_row) * ROW + kk * 16 + matrix % 2 * 8);
+      mma(s[0], q[kk], k[0], k[1]);
+      mma(s[1], q[kk], k[2], k[3]);
+    }
+    float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int token = warp * 16 + n * 8 + 2 * t + i % 2;
+        s[n][i] = token < tokens ? s[n][i] * p.qk_scale_log2 : -CUDART_INF_F;
+        tile_max[i / 2] = fmaxf(tile_max[i / 2], s[n][i]);
+      }
+    }
+    float rescale[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
+      const float new_max = fmaxf(running_max[r], tile_max[r]);
+      const float shift = new_max == -CUDART_INF_F ? 0.f : new_max;  // nothing read yet
+      rescale[r] = exp2_approx(running_max[r] - shift);
+      running_max[r] = new_max;
+      running_sum[r] *= rescale[r];
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        s[n][2 * r] = exp2_approx(s[n][2 * r] - shift);
+        s[n][2 * r + 1] = exp2_approx(s[n][2 * r + 1] - shift);
+      }
+    }
+    // the weights as the A fragment of P V (S's accumulator layout is A's, two k halves)
+    uint32_t weights[4];
+    weights[0] = pack_bf16(s[0][0], s[0][1], running_sum[0]);
+    weights[1] = pack_bf16(s[0][2], s[0][3], running_sum[1]);
+    weights[2] = pack_bf16(s[1][0], s[1][1], running_sum[0]);
+    weights[3] = pack_bf16(s[1][2], s[1][3], running_sum[1]);
+#pragma unroll
+    for (int nn = 0; nn < D / 16; ++nn) {
+      // V rows (tokens) x 8 dims, transposed: (0-7, lo), (8-15, lo), (0-7, hi), (8-15, hi)
+      uint32_t v[4];
+      ldmatrix_x4_trans(v, v_tile + (matrix % 2 * 8 + matrix_row) * ROW + nn * 16
+                               + matrix / 2 * 8);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float (&out)[4] = acc[2 * nn + h];
+        out[0] *= rescale[0];
+        out[1] *= rescale[0];
+        out[2] *= rescale[1];
+        out[3] *= rescale[1];
+        mma(out, weights, v[2 * h], v[2 * h + 1]);
+      }
+    }
+  };
+
+  for (int segment = first; segment < last; segment += STAGED_IDS) {
+    const int pages = min(STAGED_IDS, last - segment);
+    __syncthreads();  // the previous segment's tiles and ids are no longer read
+    for (int i = threadIdx.x; i < pages; i += THREADS) {
+      // an entry outside the block table reads nothing (a bad list must not read another
+      // request's page), and the current page only its tokens before seq_len
+      const int logical = row_pages[segment + i];
+      const bool in_table = logical >= 0 && logical < p.max_pages;
+      page_ids[i] = in_table ? row_table[logical] : 0;
+      page_tokens[i] = in_table ? max(0, min(PAGE, seq_len - logical * PAGE)) : 0;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+      if (i < pages) load_page(i, i);
+      cp_async_commit();
+    }
+    for (int i = 0; i < pages; ++i) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // page i landed for every thread; page i - 1's stage is free
+      attend_page(i % STAGES, page_tokens[i]);
+      if (i + STAGES - 1 < pages) load_page(i + STAGES - 1, (i + STAGES - 1) % STAGES);
+      cp_async_commit();
+    }
+    cp_async_wait<0>();
+  }
+
+  // the four warps' partial softmaxes, merged through shared memory
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    running_sum[r] += __shfl_xor_sync(0xffffffff, running_sum[r], 1);
+    running_sum[r] += __shfl_xor_sync(0xffffffff, running_sum[r], 2);
+  }
+  __syncthreads();
+  float* warp_out = reinterpret_cast<float*>(shared);  // [WARPS][16][D]
+  float* warp_max = warp_out + WARPS * 16 * D;         // [WARPS][16]
+  float* warp_sum = warp_max + WARPS * 16;             // [WARPS][16]
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      warp_out[(warp * 16 + g + 8 * (i / 2)) * D + n * 8 + 2 * t + i % 2] = acc[n][i];
+    }
+  }
+  if (t == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      warp_max[warp * 16 + g + 8 * r] = running_max[r];
+      warp_sum[warp * 16 + g + 8 * r] = running_sum[r];
+    }
+  }
+  __syncthreads();
+  const int64_t slot = (int64_t(row) * p.chunks_per_row + chunk_id) * p.group;
+  for (int e = threadIdx.x; e < p.group * D; e += THREADS) {
+    const int qrow = e / D, d = e % D;
+    float row_max = -CUDART_INF_F;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) row_max = fmaxf(row_max, warp_max[w * 16 + qrow]);
+    const float shift = row_max == -CUDART_INF_F ? 0.f : row_max;
+    float total = 0.f, value = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float weight = exp2_approx(warp_max[w * 16 + qrow] - shift);
+      total += warp_sum[w * 16 + qrow] * weight;
+      value += warp_out[(w * 16 + qrow) * D + d] * weight;
+    }
+    const float result = total == 0.f ? 0.f : value / total;  // no keys: zeros, lse -inf
+    if (chunks == 1) {
+      p.out[b * p.stride_ob + (int64_t(head) * p.group + qrow) * p.stride_oh + d] =
+          __float2bfloat16_rn(result);
+    } else {
+      p.partial_out[(slot + qrow) * D + d] = result;
+      if (d == 0) {
+        p.partial_lse[slot + qrow] =
+            total == 0.f ? -CUDART_INF_F : (row_max + log2f(total)) * 0.6931471805599453f;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+#define MOIRA_ATTEND(D, STAGES)                                                         \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1)                               \
+      moira_attend_d##D##_s##STAGES(const Params p) {                                   \
+    extern __shared__ __align__(16) unsigned char shared[];                             \
+    attend_program<D, STAGES>(p, shared);                                               \
+  }
+
+MOIRA_ATTEND(64, 2)
+MOIRA_ATTEND(64, 3)
+MOIRA_ATTEND(64, 4)
+MOIRA_ATTEND(128, 2)
+MOIRA_ATTEND(128, 3)
+MOIRA_ATTEND(128, 4)

@@ -1,0 +1,200 @@
+"""Attend in CUDA C++ (``attend.IMPLEMENTATION = "cuda"``): ``attend_cuda.cu``'s kernel, built
+with ``nvcc`` on first use and launched through the CUDA driver API (ctypes), so it needs no
+compiled extension and no package beyond torch.
+
+The kernel is Attend's Triton kernel with a deeper K/V pipeline (the .cu file says why); the
+same plan, partials and outputs, so Merge and the rest of the step are unchanged. A tuning
+option, off by default (untimed); it covers the default Attend only (``PAGES_AHEAD``,
+``FA3_TILE_ORDER``, ``EVEN_CHUNKS``, float32 weight sums and the balanced schedule are the
+Triton kernel's).
+
+The binary (a cubin for the GPU's architecture) is cached under ``$MOIRA_CACHE_DIR`` (default
+``~/.cache/moira``), keyed by the source and the build command. Build it before a CUDA graph
+is captured (a warm-up step does): a module cannot be loaded while a stream captures.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attend_cuda.cu")
+THREADS = 128
+PAGE = 64
+STAGED_IDS = 256
+HEAD_DIMS = (64, 128)
+MAX_GROUP = 16  # query heads per KV head: the 16 rows of mma.m16n8k16
+
+
+class Params(ctypes.Structure):
+    """``Params`` of attend_cuda.cu, field by field (the kernel's one argument)."""
+
+    _fields_ = ([(name, ctypes.c_void_p) for name in (
+        "query", "key_cache", "value_cache", "block_table", "seq_lens", "page_lists",
+        "page_counts", "out", "partial_out", "partial_lse")]
+        + [(name, ctypes.c_int64) for name in (
+            "stride_qb", "stride_qh", "stride_kp", "stride_kt", "stride_kh", "stride_vp",
+            "stride_vt", "stride_vh", "stride_bt", "stride_pb", "stride_ph", "stride_cb",
+            "stride_ch", "stride_ob", "stride_oh")]
+        + [(name, ctypes.c_int) for name in (
+            "num_kv_heads", "max_pages", "group", "chunk_floor", "chunks_per_row", "step_rows",
+            "step_programs", "short_pages")]
+        + [("qk_scale_log2", ctypes.c_float)])
+
+
+def shared_bytes(head_dim, stages):
+    """Dynamic shared memory of a program: the stages' K and V pages (rows padded to D + 8)
+    and the staged page ids (int64) and token counts (int32); the end's merge reuses it."""
+    return stages * 2 * PAGE * (head_dim + 8) * 2 + STAGED_IDS * (8 + 4)
+
+
+def nvcc_command(arch, source, target):
+    return ["nvcc", "-cubin", f"-arch=sm_{arch}", "-O3", "-o", target, source]
+
+
+def build(arch):
+    """The cubin of ``attend_cuda.cu`` for ``sm_<arch>`` (e.g. "90"): cached, else built."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise RuntimeError("attend.IMPLEMENTATION = 'cuda' builds its kernel with nvcc, which "
+                           "is not on PATH: install the CUDA toolkit or use 'triton'")
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(source + " ".join(nvcc_command(arch, "", "")).encode()).hexdigest()
+    cache = os.environ.get("MOIRA_CACHE_DIR", os.path.expanduser("~/.cache/moira"))
+    path = os.path.join(cache, f"attend-sm{arch}-{key[:16]}.cubin")
+    if not os.path.exists(path):
+        os.makedirs(cache, exist_ok=True)
+        handle, partial = tempfile.mkstemp(suffix=".cubin", dir=cache)
+        os.close(handle)
+        done = subprocess.run(nvcc_command(arch, SOURCE, partial), capture_output=True, text=True)
+        if done.returncode:
+            os.remove(partial)
+            raise RuntimeError(f"nvcc failed on {SOURCE}:\n{done.stderr}")
+        os.replace(partial, path)  # atomic: concurrent builders each write a whole file
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    """libcuda's entry points used here, typed (CUresult is an int; handles are pointers)."""
+    driver = ctypes.CDLL("libcuda.so.1")
+    handle, out, text, uint = (ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                               ctypes.c_char_p, ctypes.c_uint)
+    for name, argtypes in (
+            ("cuModuleLoadData", (out, text)),
+            ("cuModuleGetFunction", (out, handle, text)),
+            ("cuFuncSetAttribute", (handle, ctypes.c_int, ctypes.c_int)),
+            ("cuLaunchKernel", (handle, uint, uint, uint, uint, uint, uint, uint, handle,
+                                ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)),
+            ("cuGetErrorString", (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)))):
+        function = getattr(driver, name)
+        function.argtypes, function.restype = argtypes, ctypes.c_int
+    return driver
+
+
+def _check(result, what):
+    if result:
+        text = ctypes.c_char_p()
+        _driver().cuGetErrorString(result, ctypes.byref(text))
+        raise RuntimeError(f"{what} failed: CUDA error {result} "
+                           f"({(text.value or b'?').decode()})")
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(device_index, head_dim, stages):
+    """The loaded function ``moira_attend_d<D>_s<S>`` on a device (its module loaded once)."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major < 8:
+        raise ValueError(f"attend.IMPLEMENTATION = 'cuda' needs sm_80 or newer (mma.sync on "
+                         f"bf16, cp.async); this GPU is sm_{major}{minor}: use 'triton'")
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("attend.IMPLEMENTATION = 'cuda' loads its kernel at the first "
+                           "launch, which must not be inside a CUDA graph capture: run one "
+                           "step eagerly before capturing")
+    with torch.cuda.device(device_index):
+        torch.cuda.init()
+        torch.zeros(1, device=f"cuda:{device_index}")  # makes the primary context current
+        module = _module(device_index, f"{major}{minor}")
+        function = ctypes.c_void_p()
+        name = f"moira_attend_d{head_dim}_s{stages}".encode()
+        _check(_driver().cuModuleGetFunction(ctypes.byref(function), module, name),
+               f"cuModuleGetFunction({name.decode()})")
+        # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: above the default 48 KB
+        _check(_driver().cuFuncSetAttribute(function, 8, shared_bytes(head_dim, stages)),
+               "cuFuncSetAttribute")
+    return function
+
+
+@functools.lru_cache(maxsize=None)
+def _module(device_index, arch):
+    image = build(arch)
+    module = ctypes.c_void_p()
+    _check(_driver().cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
+    return module
+
+
+def check_inputs(query, key_cache, value_cache, head_dim, group, stages):
+    """A ValueError naming what the CUDA Attend cannot read, and the fix."""
+    if query.device.type != "cuda":
+        raise ValueError(f"attend.IMPLEMENTATION = 'cuda' runs on CUDA tensors, got "
+                         f"{query.device}: use 'triton' (the interpreter) on the CPU")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"attend.IMPLEMENTATION = 'cuda' is built for head_dim in "
+                         f"{HEAD_DIMS}, got {head_dim}: use 'triton'")
+    if group > MAX_GROUP:
+        raise ValueError(f"attend.IMPLEMENTATION = 'cuda' takes at most {MAX_GROUP} query "
+                         f"heads per KV head, got {group}: use 'triton'")
+    if stages not in (2, 3, 4):
+        raise ValueError(f"attend.CUDA_STAGES must be 2, 3 or 4, got {stages}")
+    for name, tensor in (("query", query), ("key_cache", key_cache),
+                         ("value_cache", value_cache)):
+        if tensor.dtype != torch.bfloat16:
+            raise ValueError(f"attend.IMPLEMENTATION = 'cuda' reads bfloat16, got {name} "
+                             f"{tensor.dtype}: use 'triton'")
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"attend.IMPLEMENTATION = 'cuda' needs {name}'s head dim "
+                             f"contiguous (stride {tensor.stride()}): use 'triton'")
+    # 16-byte copies of the caches, 4-byte loads of the query
+    for name, tensor, unit in (("key_cache", key_cache, 8), ("value_cache", value_cache, 8),
+                               ("query", query, 2)):
+        if tensor.data_ptr() % (2 * unit) or any(s % unit for s in tensor.stride()[:-1]):
+            raise ValueError(f"attend.IMPLEMENTATION = 'cuda' needs {name} aligned to "
+                             f"{2 * unit} bytes in every stride (strides {tensor.stride()}): "
+                             f"use 'triton'")
+
+
+def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
+           qk_scale_log2, chunk_floor, chunks_per_row, out, partial_out, partial_lse,
+           step_rows, step_programs, short_pages, stages, build_only=False):
+    """Launch ``attend_cuda.cu``'s kernel on the current stream: the arguments of
+    ``attend.attend`` (the scale already in log2 units, the short-row bound computed)."""
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    check_inputs(query, key_cache, value_cache, head_dim, group, stages)
+    function = kernel(query.device.index or 0, head_dim, stages)
+    if build_only:
+        return out
+    params = Params(
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_table.data_ptr(),
+        seq_lens.data_ptr(), page_lists.data_ptr(), page_counts.data_ptr(), out.data_ptr(),
+        partial_out.data_ptr(), partial_lse.data_ptr(),
+        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
+        key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0), page_lists.stride(0), page_lists.stride(1),
+        page_counts.stride(0), page_counts.stride(1), out.stride(0), out.stride(1),
+        num_kv_heads, block_table.shape[1], group, chunk_floor, chunks_per_row, step_rows,
+        step_programs, short_pages, qk_scale_log2)
+    arguments = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+    stream = ctypes.c_void_p(torch.cuda.current_stream(query.device).cuda_stream)
+    _check(_driver().cuLaunchKernel(
+        function, batch * num_kv_heads, chunks_per_row, 1, THREADS, 1, 1,
+        shared_bytes(head_dim, stages), stream, arguments, None), "cuLaunchKernel")
+    return out

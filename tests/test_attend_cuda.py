@@ -1,0 +1,158 @@
+"""Attend in CUDA C++ (``attend.IMPLEMENTATION = "cuda"``, attend_cuda.cu) against the
+reference: GPU only, except the struct mirror (needs nvcc) and the refusals."""
+
+import ctypes
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+from helpers import DEVICE, SMALL_SPLIT, make_cache, make_query, make_table
+from test_attend import check_attend, mixed_rows, poison_unread_slots, random_lists
+
+import moira
+from moira import MoiraConfig
+from moira.kernels import attend as attend_module
+from moira.kernels import attend_cuda
+
+cuda = pytest.mark.cuda
+
+
+@pytest.fixture
+def cuda_attend(monkeypatch):
+    monkeypatch.setattr(attend_module, "IMPLEMENTATION", "cuda")
+    return monkeypatch
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_params_mirror_the_kernels_struct(tmp_path):
+    """``attend_cuda.Params`` (ctypes) has the size and every field offset of the kernel's
+    ``Params``, read from a host program built from the .cu itself: a field added, removed or
+    reordered on one side only would pass the kernel garbage."""
+    fields = [name for name, _ in attend_cuda.Params._fields_]
+    program = tmp_path / "offsets.cu"
+    program.write_text(
+        f'#include "{attend_cuda.SOURCE}"\n#include <cstddef>\n#include <cstdio>\n'
+        'int main() {\n  printf("size %zu\\n", sizeof(Params));\n'
+        + "".join(f'  printf("{name} %zu\\n", offsetof(Params, {name}));\n' for name in fields)
+        + "}\n")
+    binary = tmp_path / "offsets"
+    subprocess.run(["nvcc", "-arch=sm_90", "-o", str(binary), str(program)], check=True,
+                   capture_output=True)
+    printed = dict(line.split() for line in subprocess.run(
+        [str(binary)], check=True, capture_output=True, text=True).stdout.splitlines())
+    assert int(printed.pop("size")) == ctypes.sizeof(attend_cuda.Params)
+    assert {name: int(offset) for name, offset in printed.items()} == {
+        name: getattr(attend_cuda.Params, name).offset for name in fields}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_build_is_cached_by_source(tmp_path, monkeypatch):
+    """One nvcc run per source and command: the second call reads the cached cubin."""
+    monkeypatch.setenv("MOIRA_CACHE_DIR", str(tmp_path))
+    image = attend_cuda.build("90")
+    assert image[:4] == b"\x7fELF" and len(os.listdir(tmp_path)) == 1
+    monkeypatch.setattr(attend_cuda.subprocess, "run", None)  # a second build would fail
+    assert attend_cuda.build("90") == image
+
+
+def test_refusals_name_the_fix(cuda_attend):
+    """What the CUDA Attend cannot run is a ValueError before any launch: another option of
+    the Triton kernel, the balanced schedule, an unknown implementation, and (on the CPU)
+    tensors not on a GPU."""
+    query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows()
+    args = (query, keys, values, table, seq_lens, page_lists, page_counts)
+    cuda_attend.setattr(attend_module, "PAGE_IDS_AHEAD", True)
+    with pytest.raises(ValueError, match="PAGE_IDS_AHEAD"):
+        moira.attend(*args, config=SMALL_SPLIT)
+    cuda_attend.setattr(attend_module, "PAGE_IDS_AHEAD", False)
+    with pytest.raises(ValueError, match="schedule='rows'"):
+        moira.attend(*args, config=SMALL_SPLIT.replace(schedule="balanced"))
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="CUDA tensors"):
+            moira.attend(*args, config=SMALL_SPLIT)
+    cuda_attend.setattr(attend_module, "IMPLEMENTATION", "cutlass")
+    with pytest.raises(ValueError, match="'triton' or 'cuda'"):
+        moira.attend(*args, config=SMALL_SPLIT)
+
+
+@cuda
+def test_unsupported_inputs_are_refused(cuda_attend):
+    query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows()
+    args = (table, seq_lens, page_lists, page_counts)
+    with pytest.raises(ValueError, match="bfloat16"):
+        moira.attend(query.half(), keys.half(), values.half(), *args, config=SMALL_SPLIT)
+    wide_query = make_query(query.shape[0], query.shape[1], 96)
+    wide_keys, wide_values = make_cache(120, 2, 96)
+    with pytest.raises(ValueError, match="head_dim"):
+        moira.attend(wide_query, wide_keys, wide_values, *args, config=SMALL_SPLIT)
+    cuda_attend.setattr(attend_module, "CUDA_STAGES", 5)
+    with pytest.raises(ValueError, match="CUDA_STAGES"):
+        moira.attend(query, keys, values, *args, config=SMALL_SPLIT)
+
+
+@cuda
+@pytest.mark.parametrize("group", [1, 4, 7, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("layout", ["contiguous", "packed", "hnd"])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_cuda_attend_matches_reference(cuda_attend, group, head_dim, layout, stages):
+    """Rows of one token, a partial second page, uneven chunks, full and empty rows, shuffled
+    lists; split (Merge) and whole rows; NaN in every slot no row may read."""
+    cuda_attend.setattr(attend_module, "CUDA_STAGES", stages)
+    query, _, _, table, seq_lens, page_lists, page_counts = mixed_rows(group=group,
+                                                                       head_dim=head_dim)
+    keys, values = make_cache(120, 2, head_dim, layout=layout)
+    poison_unread_slots(keys, values, table, seq_lens)
+    for config in (SMALL_SPLIT, MoiraConfig()):
+        check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
+
+
+@cuda
+@pytest.mark.parametrize("chunk_pages", [1000, 300])
+def test_chunks_longer_than_the_staged_ids(cuda_attend, chunk_pages):
+    """A chunk of more pages than the kernel stages at once (256): 625 pages in one chunk
+    (three segments), or in chunks of 300 / 300 / 25 (a segment boundary inside a chunk)."""
+    keys, values = make_cache(700, 1, 64)
+    table, seq_lens = make_table([64 * 624 + 17], 700)
+    query = make_query(1, 4, 64)
+    page_lists, page_counts = random_lists(seq_lens.cpu(), 1, table.shape[1], fraction=1.0)
+    page_lists[0, 0, :625] = torch.arange(625, dtype=torch.int32)
+    page_counts[0, 0] = 625
+    config = MoiraConfig(chunk_pages=chunk_pages, floor_rows=1, min_chunks_per_row=3,
+                         min_programs=1, step_programs=0)
+    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
+
+
+@cuda
+def test_list_entries_outside_the_table_read_nothing(cuda_attend):
+    keys, values = make_cache(12, 1, 64)
+    table, _ = make_table([64 * 3, 64 * 3], 12, extra_columns=0)
+    table = table[:, :2]
+    seq_lens = torch.tensor([64 * 3, 64 * 3], dtype=torch.int32, device=DEVICE)
+    poison_unread_slots(keys, values, table, seq_lens)
+    query = make_query(2, 4, 64)
+    page_lists = torch.tensor([[[0, 1, 2, -1]], [[-1, 0, 5, 1]]], dtype=torch.int32,
+                              device=DEVICE)
+    page_counts = torch.tensor([[4], [4]], dtype=torch.int32, device=DEVICE)
+    out = check_attend(query, keys, values, table, seq_lens, page_lists, page_counts,
+                       SMALL_SPLIT)
+    in_table = torch.tensor([[[0, 1]], [[0, 1]]], dtype=torch.int32, device=DEVICE)
+    expected = moira.attend(query, keys, values, table, seq_lens, in_table,
+                            torch.full((2, 1), 2, dtype=torch.int32, device=DEVICE),
+                            config=SMALL_SPLIT)
+    torch.testing.assert_close(out, expected, rtol=0, atol=2e-3)
+
+
+@cuda
+def test_close_to_the_triton_kernel(monkeypatch):
+    """The two implementations on the same inputs: equal within bf16 rounding of outputs that
+    sum the same rounded weights in another order."""
+    query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows(group=4,
+                                                                               head_dim=128)
+    args = (query, keys, values, table, seq_lens, page_lists, page_counts)
+    triton_out = moira.attend(*args, config=SMALL_SPLIT)
+    monkeypatch.setattr(attend_module, "IMPLEMENTATION", "cuda")
+    cuda_out = moira.attend(*args, config=SMALL_SPLIT)
+    torch.testing.assert_close(cuda_out.float(), triton_out.float(), rtol=0, atol=2e-2)
