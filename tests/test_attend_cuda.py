@@ -156,3 +156,18 @@ def test_close_to_the_triton_kernel(monkeypatch):
     monkeypatch.setattr(attend_module, "IMPLEMENTATION", "cuda")
     cuda_out = moira.attend(*args, config=SMALL_SPLIT)
     torch.testing.assert_close(cuda_out.float(), triton_out.float(), rtol=0, atol=2e-2)
+
+
+@cuda
+def test_output_of_any_strides(cuda_attend):
+    """``out`` a strided view (every other element of a wider buffer): each row written where
+    its strides say, whole rows (direct writes) and split ones (Merge), nothing else touched."""
+    query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows()
+    args = (query, keys, values, table, seq_lens, page_lists, page_counts)
+    for config in (SMALL_SPLIT, MoiraConfig()):
+        wide = torch.full((*query.shape[:2], 2 * query.shape[2]), float("nan"),
+                          dtype=query.dtype, device=DEVICE)
+        moira.attend(*args, config=config, out=wide[..., ::2])
+        torch.testing.assert_close(wide[..., ::2], moira.attend(*args, config=config),
+                                   rtol=0, atol=0)
+        assert torch.isnan(wide[..., 1::2]).all()

@@ -44,7 +44,7 @@ struct Params {
   int64_t stride_kp, stride_kt, stride_kh;
   int64_t stride_vp, stride_vt, stride_vh;
   int64_t stride_bt, stride_pb, stride_ph, stride_cb, stride_ch;
-  int64_t stride_ob, stride_oh;
+  int64_t stride_ob, stride_oh, stride_od;
   int num_kv_heads, max_pages, group, chunk_floor, chunks_per_row;
   int step_rows, step_programs, short_pages;
   float qk_scale_log2;
@@ -297,7 +297,7 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     }
     const float result = total == 0.f ? 0.f : value / total;  // no keys: zeros, lse -inf
     if (chunks == 1) {
-      p.out[b * p.stride_ob + (int64_t(head) * p.group + qrow) * p.stride_oh + d] =
+      p.out[b * p.stride_ob + (int64_t(head) * p.group + qrow) * p.stride_oh + d * p.stride_od] =
           __float2bfloat16_rn(result);
     } else {
       p.partial_out[(slot + qrow) * D + d] = result;

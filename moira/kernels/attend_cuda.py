@@ -40,7 +40,7 @@ class Params(ctypes.Structure):
         + [(name, ctypes.c_int64) for name in (
             "stride_qb", "stride_qh", "stride_kp", "stride_kt", "stride_kh", "stride_vp",
             "stride_vt", "stride_vh", "stride_bt", "stride_pb", "stride_ph", "stride_cb",
-            "stride_ch", "stride_ob", "stride_oh")]
+            "stride_ch", "stride_ob", "stride_oh", "stride_od")]
         + [(name, ctypes.c_int) for name in (
             "num_kv_heads", "max_pages", "group", "chunk_floor", "chunks_per_row", "step_rows",
             "step_programs", "short_pages")]
@@ -89,6 +89,10 @@ def _driver():
                                ctypes.c_char_p, ctypes.c_uint)
     for name, argtypes in (
             ("cuModuleLoadData", (out, text)),
+            ("cuDevicePrimaryCtxRetain", (out, ctypes.c_int)),
+            ("cuCtxGetCurrent", (out,)),
+            ("cuCtxSetCurrent", (handle,)),
+            ("cuDeviceGetAttribute", (ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int)),
             ("cuModuleGetFunction", (out, handle, text)),
             ("cuFuncSetAttribute", (handle, ctypes.c_int, ctypes.c_int)),
             ("cuLaunchKernel", (handle, uint, uint, uint, uint, uint, uint, uint, handle,
@@ -108,6 +112,25 @@ def _check(result, what):
 
 
 @functools.lru_cache(maxsize=None)
+def _primary_context(device_index):
+    """The device's primary context (the one torch's runtime uses), retained once."""
+    context = ctypes.c_void_p()
+    _check(_driver().cuDevicePrimaryCtxRetain(ctypes.byref(context), device_index),
+           "cuDevicePrimaryCtxRetain")
+    return context.value
+
+
+def _context(device_index):
+    """Make the device's primary context current on this thread if it is not: the driver API
+    loads and launches in the calling thread's current context, which a thread that has not
+    used the runtime on this device lacks."""
+    context, current = _primary_context(device_index), ctypes.c_void_p()
+    _check(_driver().cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+    if current.value != context:
+        _check(_driver().cuCtxSetCurrent(ctypes.c_void_p(context)), "cuCtxSetCurrent")
+
+
+@functools.lru_cache(maxsize=None)
 def kernel(device_index, head_dim, stages):
     """The loaded function ``moira_attend_d<D>_s<S>`` on a device (its module loaded once)."""
     major, minor = torch.cuda.get_device_capability(device_index)
@@ -120,7 +143,16 @@ def kernel(device_index, head_dim, stages):
                            "step eagerly before capturing")
     with torch.cuda.device(device_index):
         torch.cuda.init()
-        torch.zeros(1, device=f"cuda:{device_index}")  # makes the primary context current
+        _context(device_index)
+        limit = ctypes.c_int()
+        # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+        _check(_driver().cuDeviceGetAttribute(ctypes.byref(limit), 97, device_index),
+               "cuDeviceGetAttribute")
+        if shared_bytes(head_dim, stages) > limit.value:
+            raise ValueError(f"attend.CUDA_STAGES = {stages} needs "
+                             f"{shared_bytes(head_dim, stages)} bytes of shared memory per "
+                             f"program at head_dim {head_dim}; this GPU allows {limit.value}: "
+                             f"lower CUDA_STAGES")
         module = _module(device_index, f"{major}{minor}")
         function = ctypes.c_void_p()
         name = f"moira_attend_d{head_dim}_s{stages}".encode()
@@ -179,9 +211,12 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     check_inputs(query, key_cache, value_cache, head_dim, group, stages)
-    function = kernel(query.device.index or 0, head_dim, stages)
+    device_index = query.device.index if query.device.index is not None \
+        else torch.cuda.current_device()
+    function = kernel(device_index, head_dim, stages)
     if build_only:
         return out
+    _context(device_index)
     params = Params(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_table.data_ptr(),
         seq_lens.data_ptr(), page_lists.data_ptr(), page_counts.data_ptr(), out.data_ptr(),
@@ -189,7 +224,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), page_lists.stride(0), page_lists.stride(1),
-        page_counts.stride(0), page_counts.stride(1), out.stride(0), out.stride(1),
+        page_counts.stride(0), page_counts.stride(1), *out.stride(),
         num_kv_heads, block_table.shape[1], group, chunk_floor, chunks_per_row, step_rows,
         step_programs, short_pages, qk_scale_log2)
     arguments = (ctypes.c_void_p * 1)(ctypes.addressof(params))
