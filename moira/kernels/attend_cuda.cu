@@ -263,14 +263,18 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     running_sum[r] += __shfl_xor_sync(0xffffffff, running_sum[r], 2);
   }
   __syncthreads();
-  float* warp_out = reinterpret_cast<float*>(shared);  // [WARPS][16][D]
-  float* warp_max = warp_out + WARPS * 16 * D;         // [WARPS][16]
+  // rows of D + 8 floats: a quad's float2 stores and the 8 rows of a warp's store fill two
+  // bank wavefronts, the fewest for 256 bytes (rows of D floats would take eight)
+  constexpr int OUT_ROW = D + 8;
+  float* warp_out = reinterpret_cast<float*>(shared);  // [WARPS][16][OUT_ROW]
+  float* warp_max = warp_out + WARPS * 16 * OUT_ROW;   // [WARPS][16]
   float* warp_sum = warp_max + WARPS * 16;             // [WARPS][16]
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      warp_out[(warp * 16 + g + 8 * (i / 2)) * D + n * 8 + 2 * t + i % 2] = acc[n][i];
+    for (int r = 0; r < 2; ++r) {
+      *reinterpret_cast<float2*>(warp_out + (warp * 16 + g + 8 * r) * OUT_ROW + n * 8 + 2 * t) =
+          make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
     }
   }
   if (t == 0) {
@@ -293,7 +297,7 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     for (int w = 0; w < WARPS; ++w) {
       const float weight = exp2_approx(warp_max[w * 16 + qrow] - shift);
       total += warp_sum[w * 16 + qrow] * weight;
-      value += warp_out[(w * 16 + qrow) * D + d] * weight;
+      value += warp_out[(w * 16 + qrow) * OUT_ROW + d] * weight;
     }
     const float result = total == 0.f ? 0.f : value / total;  // no keys: zeros, lse -inf
     if (chunks == 1) {
