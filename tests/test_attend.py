@@ -383,12 +383,16 @@ def test_pages_past_seq_len_are_masked():
     assert (out.float().cpu() - dense).abs().max() < 2e-2
 
 
-@pytest.mark.parametrize("pages_per_iter, ahead", [(1, False), (2, False), (1, True), (2, True)])
-def test_list_entries_outside_the_table_read_nothing(monkeypatch, pages_per_iter, ahead):
+@pytest.mark.parametrize("pages_per_iter, ahead, implementation", [
+    (1, False, "triton"), (2, False, "triton"), (1, True, "triton"), (2, True, "triton"),
+    pytest.param(2, False, "cuda", marks=pytest.mark.cuda)])  # attend_cuda.cu
+def test_list_entries_outside_the_table_read_nothing(monkeypatch, pages_per_iter, ahead,
+                                                     implementation):
     # -1 (the reference's padding) and entries past the table's width, inside the count: they
     # must not read another request's page (row 1's -1 would be row 0's last column)
     monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
     monkeypatch.setattr(attend_module, "PAGE_IDS_AHEAD", ahead)
+    monkeypatch.setattr(attend_module, "IMPLEMENTATION", implementation)
     keys, values = make_cache(12, 1, 64)
     table, _ = make_table([64 * 3, 64 * 3], 12, extra_columns=0)
     table = table[:, :2]  # narrower than the rows: seq_len reaches past the table

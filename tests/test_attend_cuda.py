@@ -1,5 +1,6 @@
 """Attend in CUDA C++ (``attend.IMPLEMENTATION = "cuda"``, attend_cuda.cu) against the
-reference: GPU only, except the struct mirror (needs nvcc) and the refusals."""
+reference: GPU only, except the struct mirror (needs nvcc) and the refusals. (List entries
+outside the block table: test_attend.py's test, with this implementation as a case.)"""
 
 import ctypes
 import os
@@ -123,26 +124,6 @@ def test_chunks_longer_than_the_staged_ids(cuda_attend, chunk_pages):
     config = MoiraConfig(chunk_pages=chunk_pages, floor_rows=1, min_chunks_per_row=3,
                          min_programs=1, step_programs=0)
     check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
-
-
-@cuda
-def test_list_entries_outside_the_table_read_nothing(cuda_attend):
-    keys, values = make_cache(12, 1, 64)
-    table, _ = make_table([64 * 3, 64 * 3], 12, extra_columns=0)
-    table = table[:, :2]
-    seq_lens = torch.tensor([64 * 3, 64 * 3], dtype=torch.int32, device=DEVICE)
-    poison_unread_slots(keys, values, table, seq_lens)
-    query = make_query(2, 4, 64)
-    page_lists = torch.tensor([[[0, 1, 2, -1]], [[-1, 0, 5, 1]]], dtype=torch.int32,
-                              device=DEVICE)
-    page_counts = torch.tensor([[4], [4]], dtype=torch.int32, device=DEVICE)
-    out = check_attend(query, keys, values, table, seq_lens, page_lists, page_counts,
-                       SMALL_SPLIT)
-    in_table = torch.tensor([[[0, 1]], [[0, 1]]], dtype=torch.int32, device=DEVICE)
-    expected = moira.attend(query, keys, values, table, seq_lens, in_table,
-                            torch.full((2, 1), 2, dtype=torch.int32, device=DEVICE),
-                            config=SMALL_SPLIT)
-    torch.testing.assert_close(out, expected, rtol=0, atol=2e-3)
 
 
 @cuda
