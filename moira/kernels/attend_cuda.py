@@ -89,6 +89,7 @@ def _driver():
                                ctypes.c_char_p, ctypes.c_uint)
     for name, argtypes in (
             ("cuModuleLoadData", (out, text)),
+            ("cuDeviceGet", (ctypes.POINTER(ctypes.c_int), ctypes.c_int)),
             ("cuDevicePrimaryCtxRetain", (out, ctypes.c_int)),
             ("cuCtxGetCurrent", (out,)),
             ("cuCtxSetCurrent", (handle,)),
@@ -114,8 +115,9 @@ def _check(result, what):
 @functools.lru_cache(maxsize=None)
 def _primary_context(device_index):
     """The device's primary context (the one torch's runtime uses), retained once."""
-    context = ctypes.c_void_p()
-    _check(_driver().cuDevicePrimaryCtxRetain(ctypes.byref(context), device_index),
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    _check(_driver().cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
+    _check(_driver().cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
            "cuDevicePrimaryCtxRetain")
     return context.value
 
@@ -146,7 +148,9 @@ def kernel(device_index, head_dim, stages):
         _context(device_index)
         limit = ctypes.c_int()
         # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
-        _check(_driver().cuDeviceGetAttribute(ctypes.byref(limit), 97, device_index),
+        device = ctypes.c_int()
+        _check(_driver().cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
+        _check(_driver().cuDeviceGetAttribute(ctypes.byref(limit), 97, device),
                "cuDeviceGetAttribute")
         if shared_bytes(head_dim, stages) > limit.value:
             raise ValueError(f"attend.CUDA_STAGES = {stages} needs "
