@@ -75,10 +75,10 @@ EVEN_CHUNKS = False
 # unchanged. A program's rate matters only in grids smaller than the GPU (C = 32 at 8k x 32:
 # 4 stages 6.5% faster). Off
 PAGE_IDS_AHEAD = False
-# "triton" (this file's kernel) or "cuda" (attend_cuda.cu: the same program with STAGES pages'
-# K and V in flight by cp.async, built by nvcc on first use; CUDA_STAGES of them). Why: Triton
-# keeps one K/V tile per program in flight and none while it computes, and FlashInfer's
-# pipelined decode kernel is 4-11% faster at equal row lengths. Untimed: "triton"
+# "triton" (this file's kernel) or "cuda" (attend_cuda.cu: the same program with CUDA_STAGES
+# pages' K and V in flight by cp.async, built by nvcc on first use). Why: Triton keeps one K/V
+# tile per program in flight and none while it computes, and FlashInfer's pipelined decode
+# kernel is 4-11% faster at equal row lengths. Untimed: "triton"
 IMPLEMENTATION = "triton"
 CUDA_STAGES = 3
 # Not here: each page-head's K and V by Hopper's bulk tensor copy (TMA, Triton's tensor
