@@ -23,9 +23,11 @@ import tempfile
 
 import torch
 
+from ..config import PAGE_SIZE
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attend_cuda.cu")
+# the .cu file's THREADS and STAGED_IDS (its PAGE is config.PAGE_SIZE)
 THREADS = 128
-PAGE = 64
 STAGED_IDS = 256
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 16  # query heads per KV head: the 16 rows of mma.m16n8k16
@@ -50,7 +52,7 @@ class Params(ctypes.Structure):
 def shared_bytes(head_dim, stages):
     """Dynamic shared memory of a program: the stages' K and V pages (rows padded to D + 8)
     and the staged page ids (int64) and token counts (int32); the end's merge reuses it."""
-    return stages * 2 * PAGE * (head_dim + 8) * 2 + STAGED_IDS * (8 + 4)
+    return stages * 2 * PAGE_SIZE * (head_dim + 8) * 2 + STAGED_IDS * (8 + 4)
 
 
 def nvcc_command(arch, source, target):
