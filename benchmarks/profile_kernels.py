@@ -8,7 +8,8 @@
 Each kernel runs twice (the first launch compiles); profile the second (--launch-skip or
 read the last of each). Llama-3.1-8B geometry, 22% of each row's pages (top-k mode).
 ``--kernel-setting MODULE.NAME=INT`` (repeatable, as ``vllm_tpot.py``'s) profiles a tuning
-candidate, e.g. ``attend.PAGE_IDS_AHEAD=1 attend.PAGES_PER_ITER=1 attend.NUM_STAGES=3``.
+candidate, e.g. ``attend.IMPLEMENTATION=cuda attend.CUDA_STAGES=3``; ``--shapes
+32768x16`` other (context x batch) shapes.
 """
 
 import argparse
@@ -28,8 +29,12 @@ def main():
     parser.add_argument("--kernel-setting", action="append", default=[],
                         help="a tuning constant of moira/kernels/<MODULE>.py, e.g. "
                              "attend.NUM_STAGES=3 (repeatable)")
-    apply_kernel_settings(parse_kernel_settings(parser, parser.parse_args().kernel_setting))
-    for context, batch in [(131072, 4), (8192, 32)]:
+    parser.add_argument("--shapes", default="131072x4,8192x32",
+                        help="comma-separated CONTEXTxBATCH, profiled in that order")
+    args = parser.parse_args()
+    apply_kernel_settings(parse_kernel_settings(parser, args.kernel_setting))
+    for shape in args.shapes.split(","):
+        context, batch = (int(part) for part in shape.split("x"))
         query, keys, values, summaries, table, seq_lens = step_inputs(context, batch)
         pages = context // 64
         workspace = moira.DecodeWorkspace(batch, pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
