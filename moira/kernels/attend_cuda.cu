@@ -13,9 +13,9 @@
 // A program (row = (request, KV head), chunk) runs 4 warps; warp w takes tokens
 // [16 w, 16 w + 16) of each 64-token page, for the G query heads padded to the 16 rows of
 // mma.m16n8k16 (bf16 in, float32 out): S = Q K^T from Q fragments held in registers and K by
-// ldmatrix, P V with V by ldmatrix.trans. Shared-memory rows are padded to D + 8 elements so
-// both ldmatrix forms are free of bank conflicts. The 4 warps' (max, sum, output) merge
-// through shared memory at the end.
+// ldmatrix, P V with V by ldmatrix.trans. Shared-memory rows are XOR-swizzled (swizzled()) so
+// the copies and both ldmatrix forms are free of bank conflicts. The 4 warps' (max, sum,
+// output) merge through shared memory at the end.
 
 #include <cuda_bf16.h>
 #include <math_constants.h>
@@ -101,11 +101,21 @@ __device__ __forceinline__ uint32_t pack_bf16(float low, float high, float& roun
   return *reinterpret_cast<const uint32_t*>(&pair);
 }
 
+// Element offset of 16-byte chunk `chunk` of row `row` in a K or V tile. The XOR swizzle
+// keeps every 32-byte global sector in one aligned 32-byte shared granule (rows padded by 16
+// bytes split every odd row's sectors: 1.5x the L2 sectors and 2.6x the shared wavefronts
+// of the copies, session 33's profile) and puts the 8 rows an ldmatrix phase reads in 8
+// different bank groups.
+template <int D>
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * D + ((chunk ^ (row % 8)) * 8);
+}
+
 template <int D, int STAGES>
 __device__ __forceinline__ void attend_program(const Params& p, unsigned char* shared) {
-  constexpr int ROW = D + 8;          // padded shared-memory row, in elements
-  constexpr int TILE = PAGE * ROW;    // one page's K (or V)
-  __nv_bfloat16* tiles = reinterpret_cast<__nv_bfloat16*>(shared);  // [STAGES][K, V][64][ROW]
+  constexpr int TILE = PAGE * D;  // one page's K (or V), rows of D elements
+  // [STAGES][K, V][64][D], each row's 16-byte chunk c at chunk c ^ (row % 8) (swizzled)
+  __nv_bfloat16* tiles = reinterpret_cast<__nv_bfloat16*>(shared);
   int64_t* page_ids = reinterpret_cast<int64_t*>(shared + STAGES * 2 * TILE * 2);
   int* page_tokens = reinterpret_cast<int*>(page_ids + STAGED_IDS);  // tokens read per page
 
@@ -158,7 +168,8 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
   const __nv_bfloat16* k_base = keys + piece_token * p.stride_kt + piece_col;
   const __nv_bfloat16* v_base = values + piece_token * p.stride_vt + piece_col;
   const int64_t k_pass = TOKENS_PER_PASS * p.stride_kt, v_pass = TOKENS_PER_PASS * p.stride_vt;
-  const int piece_shared = piece_token * ROW + piece_col;
+  // the pass adds a multiple of 8 rows, so the swizzle is the thread's own
+  const int piece_shared = swizzled<D>(piece_token, piece_col / 8);
 
   auto load_page = [&](int i, int stage) {  // page i of the segment into a stage
     // a page outside the table has id 0 and no tokens: its addresses are valid, none is read
@@ -170,13 +181,13 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
 #pragma unroll
     for (int pass = 0; pass < PAGE / TOKENS_PER_PASS; ++pass) {
       const int bytes = piece_token + pass * TOKENS_PER_PASS < tokens ? 16 : 0;
-      cp_async16(k_dst + pass * TOKENS_PER_PASS * ROW, k_src + pass * k_pass, bytes);
-      cp_async16(k_dst + TILE + pass * TOKENS_PER_PASS * ROW, v_src + pass * v_pass, bytes);
+      cp_async16(k_dst + pass * TOKENS_PER_PASS * D, k_src + pass * k_pass, bytes);
+      cp_async16(k_dst + TILE + pass * TOKENS_PER_PASS * D, v_src + pass * v_pass, bytes);
     }
   };
 
   auto attend_page = [&](int stage, int tokens) {  // this warp's 16 tokens of a staged page
-    const __nv_bfloat16* k_tile = tiles + stage * 2 * TILE + warp * 16 * ROW;
+    const __nv_bfloat16* k_tile = tiles + stage * 2 * TILE + warp * 16 * D;
     const __nv_bfloat16* v_tile = k_tile + TILE;
     const int matrix = lane / 8, matrix_row = lane % 8;
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // tokens 0-7, 8-15
@@ -184,7 +195,7 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     for (int kk = 0; kk < D / 16; ++kk) {
       // K rows (tokens) x 8 dims: (0-7, lo), (0-7, hi), (8-15, lo), (8-15, hi)
       uint32_t k[4];
-      ldmatrix_x4(k, k_tile + (matrix / 2 * 8 + matrix_row) * ROW + kk * 16 + matrix % 2 * 8);
+      ldmatrix_x4(k, k_tile + swizzled<D>(matrix / 2 * 8 + matrix_row, kk * 2 + matrix % 2));
       mma(s[0], q[kk], k[0], k[1]);
       mma(s[1], q[kk], k[2], k[3]);
     }
@@ -235,8 +246,8 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     for (int nn = 0; nn < D / 16; ++nn) {
       // V rows (tokens) x 8 dims, transposed: (0-7, lo), (8-15, lo), (0-7, hi), (8-15, hi)
       uint32_t v[4];
-      ldmatrix_x4_trans(v, v_tile + (matrix % 2 * 8 + matrix_row) * ROW + nn * 16
-                               + matrix / 2 * 8);
+      ldmatrix_x4_trans(v, v_tile + swizzled<D>(matrix % 2 * 8 + matrix_row,
+                                                nn * 2 + matrix / 2));
       mma(acc[2 * nn], weights, v[0], v[1]);
       mma(acc[2 * nn + 1], weights, v[2], v[3]);
     }
@@ -328,8 +339,16 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
 
 }  // namespace
 
+// Programs per SM that the shared memory allows (228 KB per SM, 1 KB of it reserved per
+// program), at most 4: the register budget is set so the registers allow as many (at 2 stages
+// and D = 128, 3 programs where 175 registers would have allowed 2).
+constexpr int programs_per_sm(int d, int stages) {
+  return 233472 / (stages * 2 * PAGE * d * 2 + STAGED_IDS * 12 + 1024) < 4
+      ? 233472 / (stages * 2 * PAGE * d * 2 + STAGED_IDS * 12 + 1024) : 4;
+}
+
 #define MOIRA_ATTEND(D, STAGES)                                                         \
-  extern "C" __global__ void __launch_bounds__(THREADS, 1)                               \
+  extern "C" __global__ void __launch_bounds__(THREADS, programs_per_sm(D, STAGES))      \
       moira_attend_d##D##_s##STAGES(const Params p) {                                   \
     extern __shared__ __align__(16) unsigned char shared[];                             \
     attend_program<D, STAGES>(p, shared);                                               \

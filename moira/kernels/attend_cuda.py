@@ -50,9 +50,9 @@ class Params(ctypes.Structure):
 
 
 def shared_bytes(head_dim, stages):
-    """Dynamic shared memory of a program: the stages' K and V pages (rows padded to D + 8)
-    and the staged page ids (int64) and token counts (int32); the end's merge reuses it."""
-    return stages * 2 * PAGE_SIZE * (head_dim + 8) * 2 + STAGED_IDS * (8 + 4)
+    """Dynamic shared memory of a program: the stages' K and V pages and the staged page ids
+    (int64) and token counts (int32); the end's merge reuses it."""
+    return stages * 2 * PAGE_SIZE * head_dim * 2 + STAGED_IDS * (8 + 4)
 
 
 def nvcc_command(arch, source, target):
