@@ -78,9 +78,16 @@ PAGE_IDS_AHEAD = False
 # "triton" (this file's kernel) or "cuda" (attend_cuda.cu: the same program with CUDA_STAGES
 # pages' K and V in flight by cp.async, built by nvcc on first use). Why: Triton keeps one K/V
 # tile per program in flight and none while it computes, and FlashInfer's pipelined decode
-# kernel is 4-11% faster at equal row lengths. Untimed: "triton"
+# kernel is 4-11% faster at equal row lengths. Timed in session 33 (bench_kernels.py's
+# moira_cuda<S> arms): +6 to +30% as first built, +3 to +10% with its copies rewritten (same
+# instructions issued as Triton; ncu: copies of rows padded by 16 bytes read 1.5x the L2
+# sectors, now swizzled, untimed). "triton"
 IMPLEMENTATION = "triton"
 CUDA_STAGES = 3
+# The CUDA Attend's copies by warp: each warp copies only the 16 tokens of each page it
+# computes, so its loop waits for no other warp (no barrier per page, which held 14% of the
+# stall samples in session 33's profile). Untimed: off
+CUDA_WARP_COPIES = False
 # Not here: each page-head's K and V by Hopper's bulk tensor copy (TMA, Triton's tensor
 # descriptors) instead of this gather. Timed in session 32 (one page per tile, 2-4 stages,
 # with and without the lookahead): +12 to +27% at 22% of the pages at 8k x 32, 32k x 16 and
@@ -311,7 +318,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
             chunks_per_row=chunks_per_row, out=out, partial_out=partial_out,
             partial_lse=partial_lse, step_rows=step_rows, step_programs=step_programs,
             short_pages=short_row_pages(chunk_floor, step_rows, step_programs),
-            stages=CUDA_STAGES, build_only=launch.building_only())
+            stages=CUDA_STAGES, warp_copies=CUDA_WARP_COPIES, build_only=launch.building_only())
     if IMPLEMENTATION != "triton":
         raise ValueError(f"attend.IMPLEMENTATION must be 'triton' or 'cuda', got "
                          f"{IMPLEMENTATION!r}")

@@ -108,10 +108,10 @@ __device__ __forceinline__ uint32_t pack_bf16(float low, float high, float& roun
 // different bank groups.
 template <int D>
 __device__ __forceinline__ int swizzled(int row, int chunk) {
-  return row * D + ((chunk ^ (row % 8)) * 8);
+  return row * D + ((chunk ^ (row & 7)) * 8);
 }
 
-template <int D, int STAGES>
+template <int D, int STAGES, bool WARP_COPIES>
 __device__ __forceinline__ void attend_program(const Params& p, unsigned char* shared) {
   constexpr int TILE = PAGE * D;  // one page's K (or V), rows of D elements
   // [STAGES][K, V][64][D], each row's 16-byte chunk c at chunk c ^ (row % 8) (swizzled)
@@ -160,16 +160,20 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
   // Each thread copies the same (token, 16-byte column) pieces of every page: its addresses
   // are a per-thread base plus constants, so a page costs a few adds per piece. (A loop from
   // threadIdx.x with a run-time trip count recomputed two 64-bit products and selects per
-  // piece: 2.5x Triton's instructions in session 33's profile.)
+  // piece: 2.5x Triton's instructions in session 33's profile.) WARP_COPIES: each warp copies
+  // only the 16 tokens it computes, so no other warp waits for its copies and the loop needs
+  // no barrier per page (one per page cost 14% of the stall samples, session 33), only the
+  // warp's own; else the program's 128 threads copy the whole page.
   constexpr int PIECES_PER_TOKEN = D / 8;
-  constexpr int TOKENS_PER_PASS = THREADS / PIECES_PER_TOKEN;  // 8 (D = 128) or 16 (D = 64)
-  const int piece_token = threadIdx.x / PIECES_PER_TOKEN;
-  const int piece_col = threadIdx.x % PIECES_PER_TOKEN * 8;
-  const __nv_bfloat16* k_base = keys + piece_token * p.stride_kt + piece_col;
-  const __nv_bfloat16* v_base = values + piece_token * p.stride_vt + piece_col;
+  constexpr int COPIERS = WARP_COPIES ? 32 : THREADS;
+  constexpr int TOKENS_PER_PASS = COPIERS / PIECES_PER_TOKEN;  // 8 or 16; 2 or 4 by warp
+  constexpr int PASSES = (WARP_COPIES ? 16 : PAGE) / TOKENS_PER_PASS;
+  const int copier = WARP_COPIES ? lane : threadIdx.x;
+  const int piece_token = (WARP_COPIES ? warp * 16 : 0) + copier / PIECES_PER_TOKEN;
+  const int piece_chunk = copier % PIECES_PER_TOKEN;
+  const __nv_bfloat16* k_base = keys + piece_token * p.stride_kt + piece_chunk * 8;
+  const __nv_bfloat16* v_base = values + piece_token * p.stride_vt + piece_chunk * 8;
   const int64_t k_pass = TOKENS_PER_PASS * p.stride_kt, v_pass = TOKENS_PER_PASS * p.stride_vt;
-  // the pass adds a multiple of 8 rows, so the swizzle is the thread's own
-  const int piece_shared = swizzled<D>(piece_token, piece_col / 8);
 
   auto load_page = [&](int i, int stage) {  // page i of the segment into a stage
     // a page outside the table has id 0 and no tokens: its addresses are valid, none is read
@@ -177,12 +181,14 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     const int tokens = page_tokens[i];
     const __nv_bfloat16* k_src = k_base + page * p.stride_kp;
     const __nv_bfloat16* v_src = v_base + page * p.stride_vp;
-    __nv_bfloat16* k_dst = tiles + stage * 2 * TILE + piece_shared;
+    __nv_bfloat16* k_tile = tiles + stage * 2 * TILE;
 #pragma unroll
-    for (int pass = 0; pass < PAGE / TOKENS_PER_PASS; ++pass) {
-      const int bytes = piece_token + pass * TOKENS_PER_PASS < tokens ? 16 : 0;
-      cp_async16(k_dst + pass * TOKENS_PER_PASS * D, k_src + pass * k_pass, bytes);
-      cp_async16(k_dst + TILE + pass * TOKENS_PER_PASS * D, v_src + pass * v_pass, bytes);
+    for (int pass = 0; pass < PASSES; ++pass) {
+      const int token = piece_token + pass * TOKENS_PER_PASS;
+      const int bytes = token < tokens ? 16 : 0;
+      const int at = swizzled<D>(token, piece_chunk);
+      cp_async16(k_tile + at, k_src + pass * k_pass, bytes);
+      cp_async16(k_tile + TILE + at, v_src + pass * v_pass, bytes);
     }
   };
 
@@ -272,7 +278,8 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     }
     for (int i = 0; i < pages; ++i) {
       cp_async_wait<STAGES - 2>();
-      __syncthreads();  // page i landed for every thread; page i - 1's stage is free
+      // page i landed for every thread that reads it; page i - 1's stage is free
+      if (WARP_COPIES) __syncwarp(); else __syncthreads();
       attend_page(i % STAGES, page_tokens[i]);
       if (i + STAGES - 1 < pages) load_page(i + STAGES - 1, (i + STAGES - 1) % STAGES);
       cp_async_commit();
@@ -347,16 +354,22 @@ constexpr int programs_per_sm(int d, int stages) {
       ? 233472 / (stages * 2 * PAGE * d * 2 + STAGED_IDS * 12 + 1024) : 4;
 }
 
-#define MOIRA_ATTEND(D, STAGES)                                                         \
+#define MOIRA_ATTEND(D, STAGES, WARP_COPIES, SUFFIX)                                   \
   extern "C" __global__ void __launch_bounds__(THREADS, programs_per_sm(D, STAGES))      \
-      moira_attend_d##D##_s##STAGES(const Params p) {                                   \
+      moira_attend_d##D##_s##STAGES##SUFFIX(const Params p) {                           \
     extern __shared__ __align__(16) unsigned char shared[];                             \
-    attend_program<D, STAGES>(p, shared);                                               \
+    attend_program<D, STAGES, WARP_COPIES>(p, shared);                                  \
   }
 
-MOIRA_ATTEND(64, 2)
-MOIRA_ATTEND(64, 3)
-MOIRA_ATTEND(64, 4)
-MOIRA_ATTEND(128, 2)
-MOIRA_ATTEND(128, 3)
-MOIRA_ATTEND(128, 4)
+MOIRA_ATTEND(64, 2, false, )
+MOIRA_ATTEND(64, 2, true, _w)
+MOIRA_ATTEND(64, 3, false, )
+MOIRA_ATTEND(64, 3, true, _w)
+MOIRA_ATTEND(64, 4, false, )
+MOIRA_ATTEND(64, 4, true, _w)
+MOIRA_ATTEND(128, 2, false, )
+MOIRA_ATTEND(128, 2, true, _w)
+MOIRA_ATTEND(128, 3, false, )
+MOIRA_ATTEND(128, 3, true, _w)
+MOIRA_ATTEND(128, 4, false, )
+MOIRA_ATTEND(128, 4, true, _w)
