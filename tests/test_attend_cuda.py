@@ -29,14 +29,17 @@ def cuda_attend(monkeypatch):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_params_mirror_the_kernels_struct(tmp_path):
     """``attend_cuda.Params`` (ctypes) has the size and every field offset of the kernel's
-    ``Params``, read from a host program built from the .cu itself: a field added, removed or
-    reordered on one side only would pass the kernel garbage."""
+    ``Params``, and ``shared_bytes`` the kernel's, read from a host program built from the .cu
+    itself: a field added, removed or reordered on one side only would pass the kernel
+    garbage, and a launch with less shared memory than its layout would write past it."""
     fields = [name for name, _ in attend_cuda.Params._fields_]
     program = tmp_path / "offsets.cu"
     program.write_text(
         f'#include "{attend_cuda.SOURCE}"\n#include <cstddef>\n#include <cstdio>\n'
         'int main() {\n  printf("size %zu\\n", sizeof(Params));\n'
         + "".join(f'  printf("{name} %zu\\n", offsetof(Params, {name}));\n' for name in fields)
+        + "".join(f'  printf("shared_{d}_{s} %d\\n", shared_bytes({d}, {s}));\n'
+                  for d in attend_cuda.HEAD_DIMS for s in (2, 3, 4))
         + "}\n")
     binary = tmp_path / "offsets"
     subprocess.run(["nvcc", "-arch=sm_90", "-o", str(binary), str(program)], check=True,
@@ -44,6 +47,10 @@ def test_params_mirror_the_kernels_struct(tmp_path):
     printed = dict(line.split() for line in subprocess.run(
         [str(binary)], check=True, capture_output=True, text=True).stdout.splitlines())
     assert int(printed.pop("size")) == ctypes.sizeof(attend_cuda.Params)
+    for head_dim in attend_cuda.HEAD_DIMS:  # the launch's shared memory, the kernel's layout
+        for stages in (2, 3, 4):
+            assert int(printed.pop(f"shared_{head_dim}_{stages}")) == \
+                attend_cuda.shared_bytes(head_dim, stages)
     assert {name: int(offset) for name, offset in printed.items()} == {
         name: getattr(attend_cuda.Params, name).offset for name in fields}
 

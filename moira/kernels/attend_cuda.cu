@@ -28,6 +28,12 @@ constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
 constexpr int STAGED_IDS = 256;  // page ids staged per segment of a chunk
 
+// Dynamic shared memory of a program (mirrored by attend_cuda.shared_bytes): the stages' K
+// and V tiles, the staged page ids (int64) and token counts (int32)
+__host__ __device__ constexpr int shared_bytes(int d, int stages) {
+  return stages * 2 * PAGE * d * 2 + STAGED_IDS * (8 + 4);
+}
+
 // mirrored field by field by attend_cuda.Params (ctypes); strides in elements
 struct Params {
   const __nv_bfloat16* query;
@@ -300,6 +306,8 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
   float* warp_out = reinterpret_cast<float*>(shared);  // [WARPS][16][OUT_ROW]
   float* warp_max = warp_out + WARPS * 16 * OUT_ROW;   // [WARPS][16]
   float* warp_sum = warp_max + WARPS * 16;             // [WARPS][16]
+  static_assert(WARPS * 16 * (OUT_ROW + 2) * 4 <= shared_bytes(D, STAGES),
+                "the merge's rows must fit in the tiles' shared memory");
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
 #pragma unroll
@@ -350,8 +358,8 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
 // program), at most 4: the register budget is set so the registers allow as many (at 2 stages
 // and D = 128, 3 programs where 175 registers would have allowed 2).
 constexpr int programs_per_sm(int d, int stages) {
-  return 233472 / (stages * 2 * PAGE * d * 2 + STAGED_IDS * 12 + 1024) < 4
-      ? 233472 / (stages * 2 * PAGE * d * 2 + STAGED_IDS * 12 + 1024) : 4;
+  const int fit = 233472 / (shared_bytes(d, stages) + 1024);
+  return fit < 4 ? fit : 4;
 }
 
 #define MOIRA_ATTEND(D, STAGES, WARP_COPIES, SUFFIX)                                   \
