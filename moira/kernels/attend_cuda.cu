@@ -286,9 +286,11 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
       cp_async_wait<STAGES - 2>();
       // page i landed for every thread that reads it; page i - 1's stage is free
       if (WARP_COPIES) __syncwarp(); else __syncthreads();
-      attend_page(i % STAGES, page_tokens[i]);
+      // the next copy goes out before page i is computed, into page i - 1's stage, so
+      // STAGES - 1 pages are in flight while it is (issued after it, one fewer: none at 2)
       if (i + STAGES - 1 < pages) load_page(i + STAGES - 1, (i + STAGES - 1) % STAGES);
       cp_async_commit();
+      attend_page(i % STAGES, page_tokens[i]);
     }
     cp_async_wait<0>();
   }
