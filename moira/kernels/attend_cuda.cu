@@ -180,6 +180,11 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
   const __nv_bfloat16* k_base = keys + piece_token * p.stride_kt + piece_chunk * 8;
   const __nv_bfloat16* v_base = values + piece_token * p.stride_vt + piece_chunk * 8;
   const int64_t k_pass = TOKENS_PER_PASS * p.stride_kt, v_pass = TOKENS_PER_PASS * p.stride_vt;
+  // Swizzled offsets as a lane's own offset XOR a constant per pass (or per 16 columns
+  // below): a pass adds tokens with no carry into row & 7 (TOKENS_PER_PASS is a multiple of 8,
+  // or 2 / 4 over a warp's rows 16 w + {0, 1} / {0..3}), so the swizzle of its rows is the
+  // lane's XOR that of the pass; a page then costs no address arithmetic but these constants
+  const int piece_at = swizzled<D>(piece_token, piece_chunk);
 
   auto load_page = [&](int i, int stage) {  // page i of the segment into a stage
     // a page outside the table has id 0 and no tokens: its addresses are valid, none is read
@@ -190,24 +195,28 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     __nv_bfloat16* k_tile = tiles + stage * 2 * TILE;
 #pragma unroll
     for (int pass = 0; pass < PASSES; ++pass) {
-      const int token = piece_token + pass * TOKENS_PER_PASS;
-      const int bytes = token < tokens ? 16 : 0;
-      const int at = swizzled<D>(token, piece_chunk);
+      const int bytes = piece_token + pass * TOKENS_PER_PASS < tokens ? 16 : 0;
+      const int at = (piece_at ^ (pass * TOKENS_PER_PASS & 7) * 8) + pass * TOKENS_PER_PASS * D;
       cp_async16(k_tile + at, k_src + pass * k_pass, bytes);
       cp_async16(k_tile + TILE + at, v_src + pass * v_pass, bytes);
     }
   };
 
+  // a lane's ldmatrix rows: K's (tokens 0-7, 8-15 by matrix / 2) at columns 0-7 or 8-15 (by
+  // matrix % 2) and V's transposed the other way round; column block kk adds kk * 16, an XOR
+  const int matrix = lane / 8, matrix_row = lane % 8;
+  const int k_lane = swizzled<D>(matrix / 2 * 8 + matrix_row, matrix % 2);
+  const int v_lane = swizzled<D>(matrix % 2 * 8 + matrix_row, matrix / 2);
+
   auto attend_page = [&](int stage, int tokens) {  // this warp's 16 tokens of a staged page
     const __nv_bfloat16* k_tile = tiles + stage * 2 * TILE + warp * 16 * D;
     const __nv_bfloat16* v_tile = k_tile + TILE;
-    const int matrix = lane / 8, matrix_row = lane % 8;
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // tokens 0-7, 8-15
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       // K rows (tokens) x 8 dims: (0-7, lo), (0-7, hi), (8-15, lo), (8-15, hi)
       uint32_t k[4];
-      ldmatrix_x4(k, k_tile + swizzled<D>(matrix / 2 * 8 + matrix_row, kk * 2 + matrix % 2));
+      ldmatrix_x4(k, k_tile + (k_lane ^ kk * 16));
       mma(s[0], q[kk], k[0], k[1]);
       mma(s[1], q[kk], k[2], k[3]);
     }
@@ -258,8 +267,7 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     for (int nn = 0; nn < D / 16; ++nn) {
       // V rows (tokens) x 8 dims, transposed: (0-7, lo), (8-15, lo), (0-7, hi), (8-15, hi)
       uint32_t v[4];
-      ldmatrix_x4_trans(v, v_tile + swizzled<D>(matrix % 2 * 8 + matrix_row,
-                                                nn * 2 + matrix / 2));
+      ldmatrix_x4_trans(v, v_tile + (v_lane ^ nn * 16));
       mma(acc[2 * nn], weights, v[0], v[1]);
       mma(acc[2 * nn + 1], weights, v[2], v[3]);
     }
@@ -282,15 +290,19 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
       if (i < pages) load_page(i, i);
       cp_async_commit();
     }
+    // page i's stage and page i + STAGES - 1's (i - 1's), rotated rather than divided
+    int stage = 0, next_stage = STAGES - 1;
     for (int i = 0; i < pages; ++i) {
       cp_async_wait<STAGES - 2>();
       // page i landed for every thread that reads it; page i - 1's stage is free
       if (WARP_COPIES) __syncwarp(); else __syncthreads();
       // the next copy goes out before page i is computed, into page i - 1's stage, so
       // STAGES - 1 pages are in flight while it is (issued after it, one fewer: none at 2)
-      if (i + STAGES - 1 < pages) load_page(i + STAGES - 1, (i + STAGES - 1) % STAGES);
+      if (i + STAGES - 1 < pages) load_page(i + STAGES - 1, next_stage);
       cp_async_commit();
-      attend_page(i % STAGES, page_tokens[i]);
+      attend_page(stage, page_tokens[i]);
+      next_stage = stage;
+      stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
     cp_async_wait<0>();
   }
