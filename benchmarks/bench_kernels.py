@@ -26,8 +26,7 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
                      ``moira_c<N>_ahead<P><S>[w<warps>]``, e.g. ``moira_c32_ahead13``.
 - ``moira_cuda<S>``  ``moira`` with the CUDA Attend (``attend.IMPLEMENTATION = "cuda"``,
                      attend_cuda.cu) and S pages in flight per program (``CUDA_STAGES``,
-                     2-4), e.g. ``moira_cuda3``; ``moira_cuda<S>w`` each warp copying its
-                     own tokens (``CUDA_WARP_COPIES``); after a packed layout or a floor too,
+                     2-4), e.g. ``moira_cuda2``; after a packed layout or a floor too,
                      e.g. ``moira_packed_hnd_c32_cuda3``.
 - ``fa3_varlen``     vLLM's FA3 (``vllm_flash_attn``, ``fa_version=3``), each (request, KV head)
                      row its own sequence over the HND cache viewed as ``[pages*Hkv, 64, 1, D]``;
@@ -371,7 +370,7 @@ ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_eq4", "moira_t128", "fa3_
 # the configured arms of ``moira``: vLLM's packed caches, a chunk floor, the CUDA Attend or
 # Attend's page ids a tile ahead, or several of them
 CONFIGURED_ARM = re.compile(r"moira(_packed(?:_hnd)?)?(?:_c([1-9][0-9]*))?"
-                            r"(?:_cuda([2-4])(w?)|_ahead([124])([1-9])(?:w([48]))?)?")
+                            r"(?:_cuda([2-4])|_ahead([124])([1-9])(?:w([48]))?)?")
 
 
 def cache_layout(arm):
@@ -399,17 +398,15 @@ def config_fields(arm):
 
 def attend_settings(arm):
     """Attend's module constants under which a configured arm launches
-    (``[_c<N>]_cuda<S>[w]``: the CUDA Attend with S pages in flight, ``w``: copies by warp
-    (``CUDA_WARP_COPIES``); ``[_c<N>]_ahead<P><S>
+    (``[_c<N>]_cuda<S>``: the CUDA Attend with S pages in flight; ``[_c<N>]_ahead<P><S>
     [w<warps>]``: page ids a tile ahead, P pages per tile, S stages, that many warps); {} for
     any other arm."""
     configured = CONFIGURED_ARM.fullmatch(arm)
     if not configured:
         return {}
-    cuda_stages, by_warp, pages, stages, warps = configured.groups()[2:]
+    cuda_stages, pages, stages, warps = configured.groups()[2:]
     if cuda_stages:
-        return dict(IMPLEMENTATION="cuda", CUDA_STAGES=int(cuda_stages),
-                    CUDA_WARP_COPIES=bool(by_warp))
+        return dict(IMPLEMENTATION="cuda", CUDA_STAGES=int(cuda_stages))
     if not pages:
         return {}
     settings = dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(pages), NUM_STAGES=int(stages))

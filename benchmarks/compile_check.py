@@ -219,11 +219,9 @@ def build_cuda():
     for name, spill, registers in re.findall(
             r"entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers",
             done.stderr, re.S):
-        head_dim, stages, by_warp = re.fullmatch(r"moira_attend_d(\d+)_s(\d)(_w)?",
-                                                 name).groups()
-        head_dim, stages = int(head_dim), int(stages)
-        copies = "warp" if by_warp else "all "
-        print(f"attend (CUDA) D={head_dim} {stages} stages, copies {copies}   registers "
+        head_dim, stages = (int(part) for part in
+                            re.fullmatch(r"moira_attend_d(\d+)_s(\d)", name).groups())
+        print(f"attend (CUDA) D={head_dim} {stages} stages   registers "
               f"{registers}  spilled bytes {spill}  shared "
               f"{attend_cuda.shared_bytes(head_dim, stages)}", flush=True)
         if int(spill):

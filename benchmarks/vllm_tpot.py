@@ -89,8 +89,7 @@ def cached_prompts(llm, rng, context, batch):
 KERNEL_SETTINGS = {"estimate": ("QUERY_HEAD_AHEAD", "TARGET_PROGRAMS", "PAGES_PER_PROGRAM",
                                 "NUM_WARPS", "MAX_REGISTERS"),
                    "attend": ("PAGE_IDS_AHEAD", "PAGES_PER_ITER", "NUM_STAGES", "NUM_WARPS",
-                              "MAX_REGISTERS", "IMPLEMENTATION", "CUDA_STAGES",
-                              "CUDA_WARP_COPIES")}
+                              "MAX_REGISTERS", "IMPLEMENTATION", "CUDA_STAGES")}
 # the settings that take a word, not an int
 WORD_SETTINGS = {"attend.IMPLEMENTATION": ("triton", "cuda")}
 

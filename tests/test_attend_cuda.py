@@ -105,14 +105,10 @@ def test_unsupported_inputs_are_refused(cuda_attend):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "packed", "hnd"])
 @pytest.mark.parametrize("stages", [2, 3, 4])
-@pytest.mark.parametrize("warp_copies", [False, True])
-def test_cuda_attend_matches_reference(cuda_attend, group, head_dim, layout, stages,
-                                       warp_copies):
+def test_cuda_attend_matches_reference(cuda_attend, group, head_dim, layout, stages):
     """Rows of one token, a partial second page, uneven chunks, full and empty rows, shuffled
-    lists; split (Merge) and whole rows; NaN in every slot no row may read; the page copied by
-    the whole program or by each warp its own tokens."""
+    lists; split (Merge) and whole rows; NaN in every slot no row may read."""
     cuda_attend.setattr(attend_module, "CUDA_STAGES", stages)
-    cuda_attend.setattr(attend_module, "CUDA_WARP_COPIES", warp_copies)
     query, _, _, table, seq_lens, page_lists, page_counts = mixed_rows(group=group,
                                                                        head_dim=head_dim)
     keys, values = make_cache(120, 2, head_dim, layout=layout)
@@ -123,11 +119,9 @@ def test_cuda_attend_matches_reference(cuda_attend, group, head_dim, layout, sta
 
 @cuda
 @pytest.mark.parametrize("chunk_pages", [1000, 300])
-@pytest.mark.parametrize("warp_copies", [False, True])
-def test_chunks_longer_than_the_staged_ids(cuda_attend, chunk_pages, warp_copies):
+def test_chunks_longer_than_the_staged_ids(cuda_attend, chunk_pages):
     """A chunk of more pages than the kernel stages at once (256): 625 pages in one chunk
     (three segments), or in chunks of 300 / 300 / 25 (a segment boundary inside a chunk)."""
-    cuda_attend.setattr(attend_module, "CUDA_WARP_COPIES", warp_copies)
     keys, values = make_cache(700, 1, 64)
     table, seq_lens = make_table([64 * 624 + 17], 700)
     query = make_query(1, 4, 64)

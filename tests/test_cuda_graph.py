@@ -19,13 +19,10 @@ pytestmark = pytest.mark.cuda
                                                     (0.98, 12, "rows, programmatic launch"),
                                                     (0.95, None,
                                                      "rows, programmatic launch, short rows"),
-                                                    (0.95, None, "rows, CUDA Attend"),
-                                                    (0.95, None,
-                                                     "rows, CUDA Attend, copies by warp")])
+                                                    (0.95, None, "rows, CUDA Attend")])
 def test_graph_replay_matches_eager(monkeypatch, gamma, top_k, schedule):
     if "CUDA Attend" in schedule:  # attend.IMPLEMENTATION: launched by the driver API
         monkeypatch.setattr(attend_module, "IMPLEMENTATION", "cuda")
-        monkeypatch.setattr(attend_module, "CUDA_WARP_COPIES", "by warp" in schedule)
     batch, num_kv_heads, group, head_dim, width = 4, 8, 4, 128, 96
     ctx = synthetic_context(width * PAGE_SIZE, batch=batch, num_kv_heads=num_kv_heads,
                             group=group, head_dim=head_dim, device="cuda", seed=1)

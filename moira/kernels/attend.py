@@ -76,18 +76,20 @@ EVEN_CHUNKS = False
 # 4 stages 6.5% faster). Off
 PAGE_IDS_AHEAD = False
 # "triton" (this file's kernel) or "cuda" (attend_cuda.cu: the same program with CUDA_STAGES
-# pages' K and V in flight by cp.async, built by nvcc on first use). Why: Triton keeps one K/V
-# tile per program in flight and none while it computes, and FlashInfer's pipelined decode
-# kernel is 4-11% faster at equal row lengths. Timed in session 33 (bench_kernels.py's
-# moira_cuda<S> arms): +6 to +30% as first built, +3 to +10% with its copies rewritten (same
-# instructions issued as Triton; ncu: copies of rows padded by 16 bytes read 1.5x the L2
-# sectors, now swizzled, untimed). "triton"
+# pages' K and V in flight by cp.async, each warp copying the tokens it computes; built by nvcc
+# on first use). Why: Triton keeps one K/V tile per program in flight and none while it
+# computes, and FlashInfer's pipelined decode kernel is 4-11% faster at equal row lengths.
+# Timed (bench_kernels.py's moira_cuda<S> arms): +6 to +30% as first built and +3 to +10%
+# with its copies rewritten (session 33); with the tiles swizzled, copies by warp and the next
+# page's copy issued before the current page is computed (session 34, 2 stages): -0.0 to
+# -2.1% at CV 0, -1.3 to -4.9% on spreads, within 0.3% on all pages (ncu at 32k x 16: 123.8
+# against 131.2 us, no excessive shared wavefronts, 1% excessive L2 sectors). Short of the
+# 3% at CV 0 on three shapes set beforehand for an engine trial: "triton"
 IMPLEMENTATION = "triton"
-CUDA_STAGES = 3
-# The CUDA Attend's copies by warp: each warp copies only the 16 tokens of each page it
-# computes, so its loop waits for no other warp (no barrier per page, which held 14% of the
-# stall samples in session 33's profile). Untimed: off
-CUDA_WARP_COPIES = False
+# pages in flight per CUDA program (2-4; shared memory allows 3 / 2 / 1 programs per SM at
+# D = 128). Session 34: 2 stages beat 3 on spreads by 2-5% and tied at CV 0 (3 ahead at
+# 16k x 32 only, by 2%); 4 was 24-41% slower in session 33
+CUDA_STAGES = 2
 # Not here: each page-head's K and V by Hopper's bulk tensor copy (TMA, Triton's tensor
 # descriptors) instead of this gather. Timed in session 32 (one page per tile, 2-4 stages,
 # with and without the lookahead): +12 to +27% at 22% of the pages at 8k x 32, 32k x 16 and
@@ -318,7 +320,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
             chunks_per_row=chunks_per_row, out=out, partial_out=partial_out,
             partial_lse=partial_lse, step_rows=step_rows, step_programs=step_programs,
             short_pages=short_row_pages(chunk_floor, step_rows, step_programs),
-            stages=CUDA_STAGES, warp_copies=CUDA_WARP_COPIES, build_only=launch.building_only())
+            stages=CUDA_STAGES, build_only=launch.building_only())
     if IMPLEMENTATION != "triton":
         raise ValueError(f"attend.IMPLEMENTATION must be 'triton' or 'cuda', got "
                          f"{IMPLEMENTATION!r}")

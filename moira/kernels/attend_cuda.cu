@@ -117,7 +117,7 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
   return row * D + ((chunk ^ (row & 7)) * 8);
 }
 
-template <int D, int STAGES, bool WARP_COPIES>
+template <int D, int STAGES>
 __device__ __forceinline__ void attend_program(const Params& p, unsigned char* shared) {
   constexpr int TILE = PAGE * D;  // one page's K (or V), rows of D elements
   // [STAGES][K, V][64][D], each row's 16-byte chunk c at chunk c ^ (row % 8) (swizzled)
@@ -163,26 +163,25 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 
-  // Each thread copies the same (token, 16-byte column) pieces of every page: its addresses
-  // are a per-thread base plus constants, so a page costs a few adds per piece. (A loop from
-  // threadIdx.x with a run-time trip count recomputed two 64-bit products and selects per
-  // piece: 2.5x Triton's instructions in session 33's profile.) WARP_COPIES: each warp copies
-  // only the 16 tokens it computes, so no other warp waits for its copies and the loop needs
-  // no barrier per page (one per page cost 14% of the stall samples, session 33), only the
-  // warp's own; else the program's 128 threads copy the whole page.
+  // Each warp copies only the 16 tokens of each page it computes, so no other warp waits for
+  // its copies and the page loop needs the warp's own barrier, not the program's (a barrier
+  // per page held 14% of the stall samples in session 33's profile; the program's 128 threads
+  // copying whole pages timed within about 1% of this in session 34, ahead at CV 0, behind on
+  // spreads, and were removed). A lane copies the same (token, 16-byte column) pieces of every
+  // page: its addresses are a per-lane base plus constants, so a page costs a few adds per
+  // piece. (A loop from threadIdx.x with a run-time trip count recomputed two 64-bit products
+  // and selects per piece: 2.5x Triton's instructions in session 33's profile.)
   constexpr int PIECES_PER_TOKEN = D / 8;
-  constexpr int COPIERS = WARP_COPIES ? 32 : THREADS;
-  constexpr int TOKENS_PER_PASS = COPIERS / PIECES_PER_TOKEN;  // 8 or 16; 2 or 4 by warp
-  constexpr int PASSES = (WARP_COPIES ? 16 : PAGE) / TOKENS_PER_PASS;
-  const int copier = WARP_COPIES ? lane : threadIdx.x;
-  const int piece_token = (WARP_COPIES ? warp * 16 : 0) + copier / PIECES_PER_TOKEN;
-  const int piece_chunk = copier % PIECES_PER_TOKEN;
+  constexpr int TOKENS_PER_PASS = 32 / PIECES_PER_TOKEN;  // 2 at D = 128, 4 at D = 64
+  constexpr int PASSES = 16 / TOKENS_PER_PASS;
+  const int piece_token = warp * 16 + lane / PIECES_PER_TOKEN;
+  const int piece_chunk = lane % PIECES_PER_TOKEN;
   const __nv_bfloat16* k_base = keys + piece_token * p.stride_kt + piece_chunk * 8;
   const __nv_bfloat16* v_base = values + piece_token * p.stride_vt + piece_chunk * 8;
   const int64_t k_pass = TOKENS_PER_PASS * p.stride_kt, v_pass = TOKENS_PER_PASS * p.stride_vt;
   // Swizzled offsets as a lane's own offset XOR a constant per pass (or per 16 columns
-  // below): a pass adds tokens with no carry into row & 7 (TOKENS_PER_PASS is a multiple of 8,
-  // or 2 / 4 over a warp's rows 16 w + {0, 1} / {0..3}), so the swizzle of its rows is the
+  // below): a pass adds tokens with no carry into row & 7 (TOKENS_PER_PASS is 2 or 4 over a
+  // warp's rows 16 w + {0, 1} / {0..3}), so the swizzle of its rows is the
   // lane's XOR that of the pass; a page then costs no address arithmetic but these constants
   const int piece_at = swizzled<D>(piece_token, piece_chunk);
 
@@ -294,8 +293,9 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     int stage = 0, next_stage = STAGES - 1;
     for (int i = 0; i < pages; ++i) {
       cp_async_wait<STAGES - 2>();
-      // page i landed for every thread that reads it; page i - 1's stage is free
-      if (WARP_COPIES) __syncwarp(); else __syncthreads();
+      // page i landed for this warp, the only one that reads its rows; page i - 1's stage
+      // is free
+      __syncwarp();
       // the next copy goes out before page i is computed, into page i - 1's stage, so
       // STAGES - 1 pages are in flight while it is (issued after it, one fewer: none at 2)
       if (i + STAGES - 1 < pages) load_page(i + STAGES - 1, next_stage);
@@ -376,22 +376,16 @@ constexpr int programs_per_sm(int d, int stages) {
   return fit < 4 ? fit : 4;
 }
 
-#define MOIRA_ATTEND(D, STAGES, WARP_COPIES, SUFFIX)                                   \
+#define MOIRA_ATTEND(D, STAGES)                                                        \
   extern "C" __global__ void __launch_bounds__(THREADS, programs_per_sm(D, STAGES))      \
-      moira_attend_d##D##_s##STAGES##SUFFIX(const Params p) {                           \
+      moira_attend_d##D##_s##STAGES(const Params p) {                                   \
     extern __shared__ __align__(16) unsigned char shared[];                             \
-    attend_program<D, STAGES, WARP_COPIES>(p, shared);                                  \
+    attend_program<D, STAGES>(p, shared);                                               \
   }
 
-MOIRA_ATTEND(64, 2, false, )
-MOIRA_ATTEND(64, 2, true, _w)
-MOIRA_ATTEND(64, 3, false, )
-MOIRA_ATTEND(64, 3, true, _w)
-MOIRA_ATTEND(64, 4, false, )
-MOIRA_ATTEND(64, 4, true, _w)
-MOIRA_ATTEND(128, 2, false, )
-MOIRA_ATTEND(128, 2, true, _w)
-MOIRA_ATTEND(128, 3, false, )
-MOIRA_ATTEND(128, 3, true, _w)
-MOIRA_ATTEND(128, 4, false, )
-MOIRA_ATTEND(128, 4, true, _w)
+MOIRA_ATTEND(64, 2)
+MOIRA_ATTEND(64, 3)
+MOIRA_ATTEND(64, 4)
+MOIRA_ATTEND(128, 2)
+MOIRA_ATTEND(128, 3)
+MOIRA_ATTEND(128, 4)

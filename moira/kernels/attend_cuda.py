@@ -135,9 +135,8 @@ def _context(device_index):
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(device_index, head_dim, stages, warp_copies):
-    """The loaded function ``moira_attend_d<D>_s<S>[_w]`` on a device (its module loaded
-    once; ``_w``: each warp copies its own tokens)."""
+def kernel(device_index, head_dim, stages):
+    """The loaded function ``moira_attend_d<D>_s<S>`` on a device (its module loaded once)."""
     major, minor = torch.cuda.get_device_capability(device_index)
     if major < 8:
         raise ValueError(f"attend.IMPLEMENTATION = 'cuda' needs sm_80 or newer (mma.sync on "
@@ -162,7 +161,7 @@ def kernel(device_index, head_dim, stages, warp_copies):
                              f"lower CUDA_STAGES")
         module = _module(device_index, f"{major}{minor}")
         function = ctypes.c_void_p()
-        name = f"moira_attend_d{head_dim}_s{stages}{'_w' if warp_copies else ''}".encode()
+        name = f"moira_attend_d{head_dim}_s{stages}".encode()
         _check(_driver().cuModuleGetFunction(ctypes.byref(function), module, name),
                f"cuModuleGetFunction({name.decode()})")
         # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: above the default 48 KB
@@ -211,7 +210,7 @@ def check_inputs(query, key_cache, value_cache, head_dim, group, stages):
 
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
            qk_scale_log2, chunk_floor, chunks_per_row, out, partial_out, partial_lse,
-           step_rows, step_programs, short_pages, stages, warp_copies, build_only=False):
+           step_rows, step_programs, short_pages, stages, build_only=False):
     """Launch ``attend_cuda.cu``'s kernel on the current stream: the arguments of
     ``attend.attend`` (the scale already in log2 units, the short-row bound computed)."""
     batch, num_heads, head_dim = query.shape
@@ -220,7 +219,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     check_inputs(query, key_cache, value_cache, head_dim, group, stages)
     device_index = query.device.index if query.device.index is not None \
         else torch.cuda.current_device()
-    function = kernel(device_index, head_dim, stages, bool(warp_copies))
+    function = kernel(device_index, head_dim, stages)
     if build_only:
         return out
     _context(device_index)
