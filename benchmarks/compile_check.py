@@ -14,10 +14,8 @@ Exits non-zero if a kernel fails to compile or spills.
 
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -202,23 +200,19 @@ def main():
 
 
 def build_cuda():
-    """attend_cuda.cu's kernels (``attend.IMPLEMENTATION = "cuda"``) built by nvcc for sm_90,
+    """attend_cuda.cu's kernels (``attend.IMPLEMENTATION = "cuda"``) built by NVRTC for sm_90,
     with ptxas' report per kernel (registers, spilled bytes, shared memory of the launch);
-    nothing where nvcc is absent. Returns the kernels that spill."""
-    if shutil.which("nvcc") is None:
-        print("attend (CUDA)                            skipped: nvcc not on PATH", flush=True)
+    nothing where no libnvrtc is found. Returns the kernels that spill."""
+    if attend_cuda.nvrtc_library() is None:
+        print("attend (CUDA)                            skipped: no libnvrtc", flush=True)
         return []
-    with tempfile.TemporaryDirectory() as folder:
-        done = subprocess.run(attend_cuda.nvcc_command("90", attend_cuda.SOURCE,
-                                                       os.path.join(folder, "attend.cubin"))
-                              + ["-Xptxas", "-v"], capture_output=True, text=True)
-    if done.returncode:
-        sys.exit(f"attend_cuda.cu does not build:\n{done.stderr}")
+    with open(attend_cuda.SOURCE, "rb") as f:
+        _, log = attend_cuda.compile_cubin(f.read(), "90", ["--ptxas-options=-v"])
     spilled = []
     # ptxas: "Compiling entry function 'NAME'", then its spills, then "Used N registers"
     for name, spill, registers in re.findall(
             r"entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers",
-            done.stderr, re.S):
+            log, re.S):
         head_dim, stages = (int(part) for part in
                             re.fullmatch(r"moira_attend_d(\d+)_s(\d)", name).groups())
         print(f"attend (CUDA) D={head_dim} {stages} stages   registers "

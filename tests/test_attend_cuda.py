@@ -1,11 +1,9 @@
 """Attend in CUDA C++ (``attend.IMPLEMENTATION = "cuda"``, attend_cuda.cu) against the
-reference: GPU only, except the struct mirror (needs nvcc) and the refusals. (List entries
+reference: GPU only, except the struct mirror and the build (need libnvrtc) and the refusals. (List entries
 outside the block table: test_attend.py's test, with this implementation as a case.)"""
 
 import ctypes
 import os
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -26,42 +24,44 @@ def cuda_attend(monkeypatch):
     return monkeypatch
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_params_mirror_the_kernels_struct(tmp_path):
+needs_nvrtc = pytest.mark.skipif(attend_cuda.nvrtc_library() is None, reason="needs libnvrtc")
+
+
+def mirror_checks(size_error=0):
+    """static_asserts that the kernel's ``Params`` has ``attend_cuda.Params``' size (plus
+    ``size_error``) and field offsets, and ``shared_bytes`` the launch's values."""
+    checks = [f"static_assert(sizeof(Params) == {ctypes.sizeof(attend_cuda.Params) + size_error},"
+              f' "size");']
+    checks += [f"static_assert(__builtin_offsetof(Params, {name}) == "
+               f'{getattr(attend_cuda.Params, name).offset}, "{name}");'
+               for name, _ in attend_cuda.Params._fields_]
+    checks += [f"static_assert(shared_bytes({d}, {s}) == {attend_cuda.shared_bytes(d, s)}, "
+               f'"shared_bytes({d}, {s})");' for d in attend_cuda.HEAD_DIMS for s in (2, 3, 4)]
+    return "\n".join(checks).encode()
+
+
+@needs_nvrtc
+def test_params_mirror_the_kernels_struct():
     """``attend_cuda.Params`` (ctypes) has the size and every field offset of the kernel's
-    ``Params``, and ``shared_bytes`` the kernel's, read from a host program built from the .cu
-    itself: a field added, removed or reordered on one side only would pass the kernel
-    garbage, and a launch with less shared memory than its layout would write past it."""
-    fields = [name for name, _ in attend_cuda.Params._fields_]
-    program = tmp_path / "offsets.cu"
-    program.write_text(
-        f'#include "{attend_cuda.SOURCE}"\n#include <cstddef>\n#include <cstdio>\n'
-        'int main() {\n  printf("size %zu\\n", sizeof(Params));\n'
-        + "".join(f'  printf("{name} %zu\\n", offsetof(Params, {name}));\n' for name in fields)
-        + "".join(f'  printf("shared_{d}_{s} %d\\n", shared_bytes({d}, {s}));\n'
-                  for d in attend_cuda.HEAD_DIMS for s in (2, 3, 4))
-        + "}\n")
-    binary = tmp_path / "offsets"
-    subprocess.run(["nvcc", "-arch=sm_90", "-o", str(binary), str(program)], check=True,
-                   capture_output=True)
-    printed = dict(line.split() for line in subprocess.run(
-        [str(binary)], check=True, capture_output=True, text=True).stdout.splitlines())
-    assert int(printed.pop("size")) == ctypes.sizeof(attend_cuda.Params)
-    for head_dim in attend_cuda.HEAD_DIMS:  # the launch's shared memory, the kernel's layout
-        for stages in (2, 3, 4):
-            assert int(printed.pop(f"shared_{head_dim}_{stages}")) == \
-                attend_cuda.shared_bytes(head_dim, stages)
-    assert {name: int(offset) for name, offset in printed.items()} == {
-        name: getattr(attend_cuda.Params, name).offset for name in fields}
+    ``Params``, and ``shared_bytes`` the kernel's: the .cu with static_asserts of the mirror's
+    values compiles only if they hold (a field added, removed or reordered on one side only
+    would pass the kernel garbage, and a launch with less shared memory than its layout would
+    write past it). A wrong size must fail to compile."""
+    with open(attend_cuda.SOURCE, "rb") as f:
+        source = f.read()
+    attend_cuda.compile_cubin(source + b"\n" + mirror_checks(), "90")
+    with pytest.raises(RuntimeError, match="size"):
+        attend_cuda.compile_cubin(source + b"\n" + mirror_checks(size_error=8), "90")
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@needs_nvrtc
 def test_build_is_cached_by_source(tmp_path, monkeypatch):
-    """One nvcc run per source and command: the second call reads the cached cubin."""
+    """One NVRTC build per source, architecture and NVRTC version: the second call reads the
+    cached cubin."""
     monkeypatch.setenv("MOIRA_CACHE_DIR", str(tmp_path))
     image = attend_cuda.build("90")
     assert image[:4] == b"\x7fELF" and len(os.listdir(tmp_path)) == 1
-    monkeypatch.setattr(attend_cuda.subprocess, "run", None)  # a second build would fail
+    monkeypatch.setattr(attend_cuda, "compile_cubin", None)  # a second build would fail
     assert attend_cuda.build("90") == image
 
 

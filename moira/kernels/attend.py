@@ -76,8 +76,8 @@ EVEN_CHUNKS = False
 # 4 stages 6.5% faster). Off
 PAGE_IDS_AHEAD = False
 # "triton" (this file's kernel) or "cuda" (attend_cuda.cu: the same program with CUDA_STAGES
-# pages' K and V in flight by cp.async, each warp copying the tokens it computes; built by nvcc
-# on first use). Why: Triton keeps one K/V tile per program in flight and none while it
+# pages' K and V in flight by cp.async, each warp copying the tokens it computes; built by
+# NVRTC on first use). Why: Triton keeps one K/V tile per program in flight and none while it
 # computes, and FlashInfer's pipelined decode kernel is 4-11% faster at equal row lengths.
 # Timed (bench_kernels.py's moira_cuda<S> arms): +6 to +30% as first built and +3 to +10%
 # with its copies rewritten (session 33); with the tiles swizzled, copies by warp and the next

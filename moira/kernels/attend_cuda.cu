@@ -17,11 +17,14 @@
 // the copies and both ldmatrix forms are free of bank conflicts. The 4 warps' (max, sum,
 // output) merge through shared memory at the end.
 
-#include <cuda_bf16.h>
-#include <math_constants.h>
-#include <stdint.h>
+// No #include: NVRTC builds this file (attend_cuda.py) with torch's own libnvrtc, whose built-in
+// headers lack cuda_bf16.h, so a bf16 is handled as its 16 bits and converted by PTX.
 
 namespace {
+
+typedef unsigned short bf16;  // a bfloat16's bits
+typedef unsigned int u32;
+typedef long long i64;
 
 constexpr int PAGE = 64;
 constexpr int WARPS = 4;
@@ -36,27 +39,29 @@ __host__ __device__ constexpr int shared_bytes(int d, int stages) {
 
 // mirrored field by field by attend_cuda.Params (ctypes); strides in elements
 struct Params {
-  const __nv_bfloat16* query;
-  const __nv_bfloat16* key_cache;
-  const __nv_bfloat16* value_cache;
+  const bf16* query;
+  const bf16* key_cache;
+  const bf16* value_cache;
   const int* block_table;
   const int* seq_lens;
   const int* page_lists;
   const int* page_counts;
-  __nv_bfloat16* out;
+  bf16* out;
   float* partial_out;
   float* partial_lse;
-  int64_t stride_qb, stride_qh;
-  int64_t stride_kp, stride_kt, stride_kh;
-  int64_t stride_vp, stride_vt, stride_vh;
-  int64_t stride_bt, stride_pb, stride_ph, stride_cb, stride_ch;
-  int64_t stride_ob, stride_oh, stride_od;
+  i64 stride_qb, stride_qh;
+  i64 stride_kp, stride_kt, stride_kh;
+  i64 stride_vp, stride_vt, stride_vh;
+  i64 stride_bt, stride_pb, stride_ph, stride_cb, stride_ch;
+  i64 stride_ob, stride_oh, stride_od;
   int num_kv_heads, max_pages, group, chunk_floor, chunks_per_row;
   int step_rows, step_programs, short_pages;
   float qk_scale_log2;
 };
 
 __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 
 __device__ __forceinline__ void cp_async16(void* shared, const void* global, int bytes) {
   // bytes < 16 zero-fills the rest: 0 for a token past seq_len or a page outside the table
@@ -72,21 +77,21 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING));
 }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* shared) {
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* shared) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
 }
 
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* shared) {
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* shared) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
 }
 
 // d += a b: a 16x16 bf16 (row), b 16x8 bf16 (col), d 16x8 float32
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
+__device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0,
+                                    u32 b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
       "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
@@ -101,10 +106,19 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float low, float high, float& rounded_sum) {
-  const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
-  rounded_sum += __low2float(pair) + __high2float(pair);
-  return *reinterpret_cast<const uint32_t*>(&pair);
+// two floats rounded to bf16 (round to nearest even) in one word, `low` in the low half; adds
+// the rounded values to rounded_sum
+__device__ __forceinline__ u32 pack_bf16(float low, float high, float& rounded_sum) {
+  u32 pair;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(pair) : "f"(high), "f"(low));
+  rounded_sum += __uint_as_float(pair << 16) + __uint_as_float(pair & 0xffff0000u);
+  return pair;
+}
+
+__device__ __forceinline__ bf16 to_bf16(float x) {  // round to nearest even
+  bf16 bits;
+  asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(bits) : "f"(x));
+  return bits;
 }
 
 // Element offset of 16-byte chunk `chunk` of row `row` in a K or V tile. The XOR swizzle
@@ -121,8 +135,8 @@ template <int D, int STAGES>
 __device__ __forceinline__ void attend_program(const Params& p, unsigned char* shared) {
   constexpr int TILE = PAGE * D;  // one page's K (or V), rows of D elements
   // [STAGES][K, V][64][D], each row's 16-byte chunk c at chunk c ^ (row % 8) (swizzled)
-  __nv_bfloat16* tiles = reinterpret_cast<__nv_bfloat16*>(shared);
-  int64_t* page_ids = reinterpret_cast<int64_t*>(shared + STAGES * 2 * TILE * 2);
+  bf16* tiles = reinterpret_cast<bf16*>(shared);
+  i64* page_ids = reinterpret_cast<i64*>(shared + STAGES * 2 * TILE * 2);
   int* page_tokens = reinterpret_cast<int*>(page_ids + STAGED_IDS);  // tokens read per page
 
   const int row = blockIdx.x, chunk_id = blockIdx.y;
@@ -141,23 +155,23 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
   const int seq_len = p.seq_lens[b];
   const int* row_pages = p.page_lists + b * p.stride_pb + head * p.stride_ph;
   const int* row_table = p.block_table + b * p.stride_bt;
-  const __nv_bfloat16* keys = p.key_cache + head * p.stride_kh;
-  const __nv_bfloat16* values = p.value_cache + head * p.stride_vh;
+  const bf16* keys = p.key_cache + head * p.stride_kh;
+  const bf16* values = p.value_cache + head * p.stride_vh;
 
   // Q as A fragments, rows g and g + 8 (query heads of the group; zero past G)
-  uint32_t q[D / 16][4];
-  const __nv_bfloat16* query = p.query + b * p.stride_qb + int64_t(head) * p.group * p.stride_qh;
+  u32 q[D / 16][4];
+  const bf16* query = p.query + b * p.stride_qb + i64(head) * p.group * p.stride_qh;
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int qrow = g + 8 * (i % 2), col = kk * 16 + 2 * t + 8 * (i / 2);
       q[kk][i] = qrow < p.group
-          ? *reinterpret_cast<const uint32_t*>(query + qrow * p.stride_qh + col) : 0u;
+          ? *reinterpret_cast<const u32*>(query + qrow * p.stride_qh + col) : 0u;
     }
   }
 
-  float running_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
+  float running_max[2] = {-infinity(), -infinity()};
   float running_sum[2] = {0.f, 0.f};  // this lane's columns; the quad's sum at the end
   float acc[D / 8][4];
 #pragma unroll
@@ -176,9 +190,9 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
   constexpr int PASSES = 16 / TOKENS_PER_PASS;
   const int piece_token = warp * 16 + lane / PIECES_PER_TOKEN;
   const int piece_chunk = lane % PIECES_PER_TOKEN;
-  const __nv_bfloat16* k_base = keys + piece_token * p.stride_kt + piece_chunk * 8;
-  const __nv_bfloat16* v_base = values + piece_token * p.stride_vt + piece_chunk * 8;
-  const int64_t k_pass = TOKENS_PER_PASS * p.stride_kt, v_pass = TOKENS_PER_PASS * p.stride_vt;
+  const bf16* k_base = keys + piece_token * p.stride_kt + piece_chunk * 8;
+  const bf16* v_base = values + piece_token * p.stride_vt + piece_chunk * 8;
+  const i64 k_pass = TOKENS_PER_PASS * p.stride_kt, v_pass = TOKENS_PER_PASS * p.stride_vt;
   // Swizzled offsets as a lane's own offset XOR a constant per pass (or per 16 columns
   // below): a pass adds tokens with no carry into row & 7 (TOKENS_PER_PASS is 2 or 4 over a
   // warp's rows 16 w + {0, 1} / {0..3}), so the swizzle of its rows is the
@@ -187,11 +201,11 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
 
   auto load_page = [&](int i, int stage) {  // page i of the segment into a stage
     // a page outside the table has id 0 and no tokens: its addresses are valid, none is read
-    const int64_t page = page_ids[i];
+    const i64 page = page_ids[i];
     const int tokens = page_tokens[i];
-    const __nv_bfloat16* k_src = k_base + page * p.stride_kp;
-    const __nv_bfloat16* v_src = v_base + page * p.stride_vp;
-    __nv_bfloat16* k_tile = tiles + stage * 2 * TILE;
+    const bf16* k_src = k_base + page * p.stride_kp;
+    const bf16* v_src = v_base + page * p.stride_vp;
+    bf16* k_tile = tiles + stage * 2 * TILE;
 #pragma unroll
     for (int pass = 0; pass < PASSES; ++pass) {
       const int bytes = piece_token + pass * TOKENS_PER_PASS < tokens ? 16 : 0;
@@ -208,24 +222,24 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
   const int v_lane = swizzled<D>(matrix % 2 * 8 + matrix_row, matrix / 2);
 
   auto attend_page = [&](int stage, int tokens) {  // this warp's 16 tokens of a staged page
-    const __nv_bfloat16* k_tile = tiles + stage * 2 * TILE + warp * 16 * D;
-    const __nv_bfloat16* v_tile = k_tile + TILE;
+    const bf16* k_tile = tiles + stage * 2 * TILE + warp * 16 * D;
+    const bf16* v_tile = k_tile + TILE;
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // tokens 0-7, 8-15
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       // K rows (tokens) x 8 dims: (0-7, lo), (0-7, hi), (8-15, lo), (8-15, hi)
-      uint32_t k[4];
+      u32 k[4];
       ldmatrix_x4(k, k_tile + (k_lane ^ kk * 16));
       mma(s[0], q[kk], k[0], k[1]);
       mma(s[1], q[kk], k[2], k[3]);
     }
-    float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
+    float tile_max[2] = {-infinity(), -infinity()};
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int token = warp * 16 + n * 8 + 2 * t + i % 2;
-        s[n][i] = token < tokens ? s[n][i] * p.qk_scale_log2 : -CUDART_INF_F;
+        s[n][i] = token < tokens ? s[n][i] * p.qk_scale_log2 : -infinity();
         tile_max[i / 2] = fmaxf(tile_max[i / 2], s[n][i]);
       }
     }
@@ -235,7 +249,7 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
       const float new_max = fmaxf(running_max[r], tile_max[r]);
-      const float shift = new_max == -CUDART_INF_F ? 0.f : new_max;  // nothing read yet
+      const float shift = new_max == -infinity() ? 0.f : new_max;  // nothing read yet
       rescale[r] = exp2_approx(running_max[r] - shift);
       running_max[r] = new_max;
       running_sum[r] *= rescale[r];
@@ -246,7 +260,7 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
       }
     }
     // the weights as the A fragment of P V (S's accumulator layout is A's, two k halves)
-    uint32_t weights[4];
+    u32 weights[4];
     weights[0] = pack_bf16(s[0][0], s[0][1], running_sum[0]);
     weights[1] = pack_bf16(s[0][2], s[0][3], running_sum[1]);
     weights[2] = pack_bf16(s[1][0], s[1][1], running_sum[0]);
@@ -265,7 +279,7 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
 #pragma unroll
     for (int nn = 0; nn < D / 16; ++nn) {
       // V rows (tokens) x 8 dims, transposed: (0-7, lo), (8-15, lo), (0-7, hi), (8-15, hi)
-      uint32_t v[4];
+      u32 v[4];
       ldmatrix_x4_trans(v, v_tile + (v_lane ^ nn * 16));
       mma(acc[2 * nn], weights, v[0], v[1]);
       mma(acc[2 * nn + 1], weights, v[2], v[3]);
@@ -338,13 +352,13 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     }
   }
   __syncthreads();
-  const int64_t slot = (int64_t(row) * p.chunks_per_row + chunk_id) * p.group;
+  const i64 slot = (i64(row) * p.chunks_per_row + chunk_id) * p.group;
   for (int e = threadIdx.x; e < p.group * D; e += THREADS) {
     const int qrow = e / D, d = e % D;
-    float row_max = -CUDART_INF_F;
+    float row_max = -infinity();
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) row_max = fmaxf(row_max, warp_max[w * 16 + qrow]);
-    const float shift = row_max == -CUDART_INF_F ? 0.f : row_max;
+    const float shift = row_max == -infinity() ? 0.f : row_max;
     float total = 0.f, value = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) {
@@ -354,13 +368,13 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     }
     const float result = total == 0.f ? 0.f : value / total;  // no keys: zeros, lse -inf
     if (chunks == 1) {
-      p.out[b * p.stride_ob + (int64_t(head) * p.group + qrow) * p.stride_oh + d * p.stride_od] =
-          __float2bfloat16_rn(result);
+      p.out[b * p.stride_ob + (i64(head) * p.group + qrow) * p.stride_oh + d * p.stride_od] =
+          to_bf16(result);
     } else {
       p.partial_out[(slot + qrow) * D + d] = result;
       if (d == 0) {
         p.partial_lse[slot + qrow] =
-            total == 0.f ? -CUDART_INF_F : (row_max + log2f(total)) * 0.6931471805599453f;
+            total == 0.f ? -infinity() : (row_max + log2f(total)) * 0.6931471805599453f;
       }
     }
   }
@@ -371,7 +385,7 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
 // Programs per SM that the shared memory allows (228 KB per SM, 1 KB of it reserved per
 // program), at most 4: the register budget is set so the registers allow as many (at 2 stages
 // and D = 128, 3 programs where 175 registers would have allowed 2).
-constexpr int programs_per_sm(int d, int stages) {
+__host__ __device__ constexpr int programs_per_sm(int d, int stages) {
   const int fit = 233472 / (shared_bytes(d, stages) + 1024);
   return fit < 4 ? fit : 4;
 }

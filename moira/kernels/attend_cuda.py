@@ -1,24 +1,26 @@
 """Attend in CUDA C++ (``attend.IMPLEMENTATION = "cuda"``): ``attend_cuda.cu``'s kernel, built
-with ``nvcc`` on first use and launched through the CUDA driver API (ctypes), so it needs no
-compiled extension and no package beyond torch.
+by NVRTC on first use and launched through the CUDA driver API (ctypes), so it needs no
+compiled extension, no CUDA toolkit and no package beyond torch (whose CUDA builds install
+``libnvrtc``, the ``nvidia-cuda-nvrtc`` wheel).
 
 The kernel is Attend's Triton kernel with a deeper K/V pipeline (the .cu file says why); the
 same plan, partials and outputs, so Merge and the rest of the step are unchanged. A tuning
-option, off by default (untimed); it covers the default Attend only (``PAGES_AHEAD``,
+option, off by default; it covers the default Attend only (``PAGES_AHEAD``,
 ``FA3_TILE_ORDER``, ``EVEN_CHUNKS``, float32 weight sums and the balanced schedule are the
 Triton kernel's).
 
 The binary (a cubin for the GPU's architecture) is cached under ``$MOIRA_CACHE_DIR`` (default
-``~/.cache/moira``), keyed by the source and the build command. Build it before a CUDA graph
-is captured (a warm-up step does): a module cannot be loaded while a stream captures.
+``~/.cache/moira``), keyed by the source, the options and NVRTC's version. Build it before a
+CUDA graph is captured (a warm-up step does): a module cannot be loaded while a stream
+captures.
 """
 
 import ctypes
 import functools
+import glob
 import hashlib
 import os
-import shutil
-import subprocess
+import sys
 import tempfile
 
 import torch
@@ -55,29 +57,98 @@ def shared_bytes(head_dim, stages):
     return stages * 2 * PAGE_SIZE * head_dim * 2 + STAGED_IDS * (8 + 4)
 
 
-def nvcc_command(arch, source, target):
-    return ["nvcc", "-cubin", f"-arch=sm_{arch}", "-O3", "-o", target, source]
+def nvrtc_library():
+    """The path or name of a loadable libnvrtc, or None: the ``nvidia-cuda-nvrtc`` wheel's (the
+    one of torch's CUDA version first), else a CUDA toolkit's ($CUDA_HOME, /usr/local/cuda, the
+    loader's path)."""
+    folders = [os.path.join(folder, "nvidia", "*", "lib") for folder in sys.path]
+    folders += [os.path.join(root, "lib64") for root in (os.environ.get("CUDA_HOME"),
+                                                        "/usr/local/cuda") if root]
+    found = [path for folder in folders
+             for path in sorted(glob.glob(os.path.join(folder, "libnvrtc.so.*")))]
+    major = (torch.version.cuda or "").split(".")[0]
+    found.sort(key=lambda path: not path.endswith(f".so.{major}"))  # stable: torch's first
+    for candidate in found + ["libnvrtc.so"]:
+        try:
+            ctypes.CDLL(candidate)
+        except OSError:
+            continue
+        return candidate
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _nvrtc():
+    """libnvrtc's entry points used here, typed (nvrtcResult is an int)."""
+    library = nvrtc_library()
+    if library is None:
+        raise RuntimeError("attend.IMPLEMENTATION = 'cuda' builds its kernel with NVRTC, and no "
+                           "libnvrtc was found: pip install nvidia-cuda-nvrtc (torch's CUDA "
+                           "builds bring it) or use 'triton'")
+    nvrtc = ctypes.CDLL(library)
+    program, size = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
+    for name, argtypes in (
+            ("nvrtcVersion", (ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int))),
+            ("nvrtcCreateProgram", (program, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
+                                    ctypes.c_void_p, ctypes.c_void_p)),
+            ("nvrtcCompileProgram", (ctypes.c_void_p, ctypes.c_int,
+                                     ctypes.POINTER(ctypes.c_char_p))),
+            ("nvrtcGetProgramLogSize", (ctypes.c_void_p, size)),
+            ("nvrtcGetProgramLog", (ctypes.c_void_p, ctypes.c_char_p)),
+            ("nvrtcGetCUBINSize", (ctypes.c_void_p, size)),
+            ("nvrtcGetCUBIN", (ctypes.c_void_p, ctypes.c_char_p)),
+            ("nvrtcDestroyProgram", (program,))):
+        function = getattr(nvrtc, name)
+        function.argtypes, function.restype = argtypes, ctypes.c_int
+    return nvrtc
+
+
+def nvrtc_version():
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return major.value, minor.value
+
+
+def compile_cubin(source, arch, options=()):
+    """``(cubin, log)``: CUDA C++ ``source`` (bytes) compiled by NVRTC for ``sm_<arch>`` (e.g.
+    "90") with more NVRTC ``options`` (e.g. ``--ptxas-options=-v``, whose report is the
+    log); a RuntimeError with the log if it does not compile."""
+    nvrtc, program = _nvrtc(), ctypes.c_void_p()
+    if nvrtc.nvrtcCreateProgram(ctypes.byref(program), source, b"attend_cuda.cu", 0, None,
+                                None):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    try:
+        flags = [f"--gpu-architecture=sm_{arch}".encode()] + [o.encode() for o in options]
+        failed = nvrtc.nvrtcCompileProgram(program, len(flags),
+                                           (ctypes.c_char_p * len(flags))(*flags))
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(program, log)
+        log = log.value.decode(errors="replace")
+        if failed:
+            raise RuntimeError(f"NVRTC failed on {SOURCE} for sm_{arch}:\n{log}")
+        nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetCUBIN(program, cubin)
+        return cubin.raw, log
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
 
 
 def build(arch):
     """The cubin of ``attend_cuda.cu`` for ``sm_<arch>`` (e.g. "90"): cached, else built."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        raise RuntimeError("attend.IMPLEMENTATION = 'cuda' builds its kernel with nvcc, which "
-                           "is not on PATH: install the CUDA toolkit or use 'triton'")
     with open(SOURCE, "rb") as f:
         source = f.read()
-    key = hashlib.sha256(source + " ".join(nvcc_command(arch, "", "")).encode()).hexdigest()
+    key = hashlib.sha256(source + f"sm_{arch} nvrtc {nvrtc_version()}".encode()).hexdigest()
     cache = os.environ.get("MOIRA_CACHE_DIR", os.path.expanduser("~/.cache/moira"))
     path = os.path.join(cache, f"attend-sm{arch}-{key[:16]}.cubin")
     if not os.path.exists(path):
+        cubin, _ = compile_cubin(source, arch)
         os.makedirs(cache, exist_ok=True)
         handle, partial = tempfile.mkstemp(suffix=".cubin", dir=cache)
-        os.close(handle)
-        done = subprocess.run(nvcc_command(arch, SOURCE, partial), capture_output=True, text=True)
-        if done.returncode:
-            os.remove(partial)
-            raise RuntimeError(f"nvcc failed on {SOURCE}:\n{done.stderr}")
+        with os.fdopen(handle, "wb") as f:
+            f.write(cubin)
         os.replace(partial, path)  # atomic: concurrent builders each write a whole file
     with open(path, "rb") as f:
         return f.read()
