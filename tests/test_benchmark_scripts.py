@@ -706,6 +706,12 @@ def test_engine_checks_never_ask_vllm_for_a_graph_mode_it_would_turn_into_eager(
     with pytest.raises(SystemExit) as exit_info:
         checks.main()
     assert exit_info.value.code == 2 and "needs torch.compile" in capsys.readouterr().err
+    # a kernel setting the engines do not know is a usage error too, naming the known ones
+    monkeypatch.setattr(sys, "argv", ["vllm_checks.py", "moira", "--kernel-setting",
+                                      "attend.IMPLEMENTATION=cudnn"])
+    with pytest.raises(SystemExit) as exit_info:
+        checks.main()
+    assert exit_info.value.code == 2 and "attend.CUDA_STAGES" in capsys.readouterr().err
 
 
 def test_top2_gap_is_the_best_minus_the_second_log_prob():
