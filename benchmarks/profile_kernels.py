@@ -21,14 +21,13 @@ import moira
 
 sys.path.insert(0, "benchmarks")
 from tune_kernels import GROUP, HEAD_DIM, KV_HEADS, step_inputs  # noqa: E402
-from vllm_tpot import apply_kernel_settings, parse_kernel_settings  # noqa: E402
+from vllm_tpot import (add_kernel_settings, apply_kernel_settings,  # noqa: E402
+                        parse_kernel_settings)
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--kernel-setting", action="append", default=[],
-                        help="a tuning constant of moira/kernels/<MODULE>.py, e.g. "
-                             "attend.NUM_STAGES=3 (repeatable)")
+    add_kernel_settings(parser)
     parser.add_argument("--shapes", default="131072x4,8192x32",
                         help="comma-separated CONTEXTxBATCH, profiled in that order")
     args = parser.parse_args()

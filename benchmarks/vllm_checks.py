@@ -182,16 +182,12 @@ def main():
                              "(session 24), so never compare its tokens")
     parser.add_argument("--gpu-memory", type=float, default=0.85,
                         help="vLLM's gpu_memory_utilization (lower it to share the GPU)")
-    parser.add_argument("--kernel-setting", action="append", default=[],
-                        metavar="MODULE.NAME=INT",
-                        help="a tuning constant of moira/kernels/<MODULE>.py, as vllm_tpot.py's "
-                             "(e.g. attend.IMPLEMENTATION=cuda; repeatable): a candidate "
-                             "checked before it becomes the default (the engine runs in this "
-                             "process, so the kernels see it)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check.json"))
-    args = parser.parse_args()
-    from vllm_tpot import apply_kernel_settings, parse_kernel_settings  # it imports this file
+    # vllm_tpot imports this file: its helpers are imported here, not at the top
+    from vllm_tpot import add_kernel_settings, apply_kernel_settings, parse_kernel_settings
 
+    add_kernel_settings(parser)
+    args = parser.parse_args()
     kernel_settings = parse_kernel_settings(parser, args.kernel_setting)
     if args.prefill_rows_alone and (args.mode == "dense" or args.backend == "FLASH_ATTN"):
         parser.error("--prefill-rows-alone is a setting of Moira's backend; dense runs ignore it")

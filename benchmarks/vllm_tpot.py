@@ -94,6 +94,16 @@ KERNEL_SETTINGS = {"estimate": ("QUERY_HEAD_AHEAD", "TARGET_PROGRAMS", "PAGES_PE
 WORD_SETTINGS = {"attend.IMPLEMENTATION": ("triton", "cuda")}
 
 
+def add_kernel_settings(parser):
+    """The ``--kernel-setting`` option (read with ``parse_kernel_settings``)."""
+    parser.add_argument("--kernel-setting", action="append", default=[],
+                        metavar="MODULE.NAME=INT",
+                        help="a tuning constant of moira/kernels/<MODULE>.py, e.g. "
+                             "estimate.MAX_REGISTERS=96 or attend.IMPLEMENTATION=cuda "
+                             "(repeatable), to try a candidate before it becomes the default "
+                             "(an engine runs in this process, so the kernels see it)")
+
+
 def parse_kernel_settings(parser, items):
     """``["module.NAME=INT", ...]`` -> ``{"module.NAME": int}`` (the ``*_AHEAD`` options as
     bools, ``WORD_SETTINGS`` as their words), or a usage error."""
@@ -160,12 +170,7 @@ def main():
                         help="the engine's max_model_len (default: the longest shape + the "
                              "tokens + 64; 131072 sizes the block table as serve_bench.sh's "
                              "server, 2,048 pages per row)")
-    parser.add_argument("--kernel-setting", action="append", default=[],
-                        metavar="MODULE.NAME=INT",
-                        help="moira: a tuning constant of moira/kernels/<MODULE>.py for this "
-                             "engine, e.g. estimate.MAX_REGISTERS=96 (repeatable), to time a "
-                             "candidate before it becomes the default (the engine runs in this "
-                             "process, so the kernels see it)")
+    add_kernel_settings(parser)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tpot.json"))
     args = parser.parse_args()
     kernel_settings = parse_kernel_settings(parser, args.kernel_setting)
