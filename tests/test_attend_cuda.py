@@ -27,14 +27,28 @@ def cuda_attend(monkeypatch):
 needs_nvrtc = pytest.mark.skipif(attend_cuda.nvrtc_library() is None, reason="needs libnvrtc")
 
 
-def mirror_checks(size_error=0):
-    """static_asserts that the kernel's ``Params`` has ``attend_cuda.Params``' size (plus
-    ``size_error``) and field offsets, and ``shared_bytes`` the launch's values."""
-    checks = [f"static_assert(sizeof(Params) == {ctypes.sizeof(attend_cuda.Params) + size_error},"
-              f' "size");']
-    checks += [f"static_assert(__builtin_offsetof(Params, {name}) == "
-               f'{getattr(attend_cuda.Params, name).offset}, "{name}");'
-               for name, _ in attend_cuda.Params._fields_]
+C_TYPES = {ctypes.c_int64: "long long", ctypes.c_int: "int", ctypes.c_float: "float"}
+
+
+def mirror_checks(extra_fields=0):
+    """C++ that compiles only if the kernel's ``Params`` has ``attend_cuda.Params``' size,
+    field offsets and types (pointers as pointers) and exactly its number of fields plus
+    ``extra_fields`` (an aggregate initializer with one value per field), and ``shared_bytes``
+    the launch's values."""
+    fields = attend_cuda.Params._fields_
+    checks = ["template <class A, class B> struct same { static constexpr bool value = false; };",
+              "template <class A> struct same<A, A> { static constexpr bool value = true; };",
+              "template <class A> struct pointer { static constexpr bool value = false; };",
+              "template <class A> struct pointer<A*> { static constexpr bool value = true; };",
+              f'static_assert(sizeof(Params) == {ctypes.sizeof(attend_cuda.Params)}, "size");']
+    for name, kind in fields:
+        checks.append(f"static_assert(__builtin_offsetof(Params, {name}) == "
+                      f'{getattr(attend_cuda.Params, name).offset}, "offset of {name}");')
+        test = (f"pointer<decltype(Params::{name})>" if kind is ctypes.c_void_p
+                else f"same<decltype(Params::{name}), {C_TYPES[kind]}>")
+        checks.append(f'static_assert({test}::value, "type of {name}");')
+    values = ["nullptr" if kind is ctypes.c_void_p else "0" for _, kind in fields]
+    checks.append(f"__device__ Params every_field{{{', '.join(values + ['0'] * extra_fields)}}};")
     checks += [f"static_assert(shared_bytes({d}, {s}) == {attend_cuda.shared_bytes(d, s)}, "
                f'"shared_bytes({d}, {s})");' for d in attend_cuda.HEAD_DIMS for s in (2, 3, 4)]
     return "\n".join(checks).encode()
@@ -42,27 +56,42 @@ def mirror_checks(size_error=0):
 
 @needs_nvrtc
 def test_params_mirror_the_kernels_struct():
-    """``attend_cuda.Params`` (ctypes) has the size and every field offset of the kernel's
-    ``Params``, and ``shared_bytes`` the kernel's: the .cu with static_asserts of the mirror's
-    values compiles only if they hold (a field added, removed or reordered on one side only
-    would pass the kernel garbage, and a launch with less shared memory than its layout would
-    write past it). A wrong size must fail to compile."""
+    """``attend_cuda.Params`` (ctypes) mirrors the kernel's ``Params`` (size, each field's
+    offset and type, the number of fields) and ``shared_bytes`` the kernel's layout: the .cu
+    with static_asserts of the mirror compiles only if they hold (a field added, removed,
+    retyped or reordered on one side only would pass the kernel garbage, and a launch with
+    less shared memory than its layout would write past it). One field more than the mirror
+    must fail to compile."""
     with open(attend_cuda.SOURCE, "rb") as f:
         source = f.read()
     attend_cuda.compile_cubin(source + b"\n" + mirror_checks(), "90")
-    with pytest.raises(RuntimeError, match="size"):
-        attend_cuda.compile_cubin(source + b"\n" + mirror_checks(size_error=8), "90")
+    with pytest.raises(RuntimeError, match="too many initializer"):
+        attend_cuda.compile_cubin(source + b"\n" + mirror_checks(extra_fields=1), "90")
+    retyped = source.replace(b"int num_kv_heads, max_pages, group, chunk_floor",
+                             b"int num_kv_heads, max_pages, group; float chunk_floor; int")
+    assert retyped != source
+    with pytest.raises(RuntimeError, match="type of chunk_floor"):
+        attend_cuda.compile_cubin(retyped + b"\n" + mirror_checks(), "90")
 
 
 @needs_nvrtc
 def test_build_is_cached_by_source(tmp_path, monkeypatch):
     """One NVRTC build per source, architecture and NVRTC version: the second call reads the
-    cached cubin."""
-    monkeypatch.setenv("MOIRA_CACHE_DIR", str(tmp_path))
+    cached cubin, and a changed source is built anew."""
+    monkeypatch.setenv("MOIRA_CACHE_DIR", str(tmp_path / "cache"))
     image = attend_cuda.build("90")
-    assert image[:4] == b"\x7fELF" and len(os.listdir(tmp_path)) == 1
+    assert image[:4] == b"\x7fELF" and b"moira_attend_d128_s2" in image
+    assert len(os.listdir(tmp_path / "cache")) == 1
+    compile_cubin = attend_cuda.compile_cubin
     monkeypatch.setattr(attend_cuda, "compile_cubin", None)  # a second build would fail
     assert attend_cuda.build("90") == image
+    changed = tmp_path / "attend_cuda.cu"
+    with open(attend_cuda.SOURCE) as f:
+        changed.write_text(f.read() + "\n// changed\n")
+    monkeypatch.setattr(attend_cuda, "SOURCE", str(changed))
+    monkeypatch.setattr(attend_cuda, "compile_cubin", compile_cubin)
+    attend_cuda.build("90")
+    assert len(os.listdir(tmp_path / "cache")) == 2
 
 
 def test_refusals_name_the_fix(cuda_attend):

@@ -61,14 +61,15 @@ def nvrtc_library():
     """The path or name of a loadable libnvrtc, or None: the ``nvidia-cuda-nvrtc`` wheel's (the
     one of torch's CUDA version first), else a CUDA toolkit's ($CUDA_HOME, /usr/local/cuda, the
     loader's path)."""
-    folders = [os.path.join(folder, "nvidia", "*", "lib") for folder in sys.path]
+    folders = [os.path.join(folder, "nvidia", "*", "lib") for folder in sys.path
+               if os.path.isabs(folder)]  # not "": the working directory
     folders += [os.path.join(root, "lib64") for root in (os.environ.get("CUDA_HOME"),
                                                         "/usr/local/cuda") if root]
     found = [path for folder in folders
              for path in sorted(glob.glob(os.path.join(folder, "libnvrtc.so.*")))]
     major = (torch.version.cuda or "").split(".")[0]
     found.sort(key=lambda path: not path.endswith(f".so.{major}"))  # stable: torch's first
-    for candidate in found + ["libnvrtc.so"]:
+    for candidate in found + [f"libnvrtc.so.{major}"] * bool(major) + ["libnvrtc.so"]:
         try:
             ctypes.CDLL(candidate)
         except OSError:
@@ -114,9 +115,10 @@ def compile_cubin(source, arch, options=()):
     "90") with more NVRTC ``options`` (e.g. ``--ptxas-options=-v``, whose report is the
     log); a RuntimeError with the log if it does not compile."""
     nvrtc, program = _nvrtc(), ctypes.c_void_p()
-    if nvrtc.nvrtcCreateProgram(ctypes.byref(program), source, b"attend_cuda.cu", 0, None,
-                                None):
-        raise RuntimeError("nvrtcCreateProgram failed")
+    failed = nvrtc.nvrtcCreateProgram(ctypes.byref(program), source, b"attend_cuda.cu", 0,
+                                      None, None)
+    if failed:
+        raise RuntimeError(f"nvrtcCreateProgram failed: nvrtcResult {failed}")
     try:
         flags = [f"--gpu-architecture=sm_{arch}".encode()] + [o.encode() for o in options]
         failed = nvrtc.nvrtcCompileProgram(program, len(flags),
@@ -128,10 +130,15 @@ def compile_cubin(source, arch, options=()):
         log = log.value.decode(errors="replace")
         if failed:
             raise RuntimeError(f"NVRTC failed on {SOURCE} for sm_{arch}:\n{log}")
-        nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size))
-        cubin = ctypes.create_string_buffer(size.value)
-        nvrtc.nvrtcGetCUBIN(program, cubin)
-        return cubin.raw, log
+        cubin = b""
+        if not nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size)):
+            buffer = ctypes.create_string_buffer(size.value)
+            if not nvrtc.nvrtcGetCUBIN(program, buffer):
+                cubin = buffer.raw
+        if not cubin.startswith(b"\x7fELF"):  # never cached: every later load would fail
+            raise RuntimeError(f"NVRTC returned no cubin for sm_{arch} (an architecture "
+                               f"this NVRTC cannot assemble?):\n{log}")
+        return cubin, log
     finally:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
 
@@ -149,6 +156,7 @@ def build(arch):
         handle, partial = tempfile.mkstemp(suffix=".cubin", dir=cache)
         with os.fdopen(handle, "wb") as f:
             f.write(cubin)
+        os.chmod(partial, 0o644)  # mkstemp's 0600 would shut other users out of a shared cache
         os.replace(partial, path)  # atomic: concurrent builders each write a whole file
     with open(path, "rb") as f:
         return f.read()
