@@ -1,6 +1,7 @@
 """Attend in CUDA C++ (``attend.IMPLEMENTATION = "cuda"``, attend_cuda.cu) against the
-reference: GPU only, except the struct mirror and the build (need libnvrtc) and the refusals. (List entries
-outside the block table: test_attend.py's test, with this implementation as a case.)"""
+reference: GPU only, except the struct mirror and the build (they need libnvrtc) and the
+refusals. (List entries outside the block table: test_attend.py's test, with this
+implementation as a case.)"""
 
 import ctypes
 import os
