@@ -21,6 +21,16 @@ BISECTION_BITS = 24
 MAX_PAGES_PER_SEQ = 32768
 """Longest row Select keeps on chip (2M tokens)."""
 
+MAX_WAYS = 256
+"""Largest K_B: a bisection pass compares K_B thresholds with every page of the row on chip."""
+
+MAX_GRID_Y = 65535
+"""CUDA's limit on a grid's second dimension: Attend's programs per row."""
+
+MAX_PROGRAMS = 1 << 20
+"""Ceiling on the program counts and the chunk size a config may ask for (the workspace's
+partials are sized by them; the kernels plan in int32)."""
+
 SUPPORTED_HEAD_DIMS = (64, 128)
 """Head dims the kernels are built and tested for."""
 
@@ -109,6 +119,8 @@ class MoiraConfig:
                 f"gamma must lie in (0, 1] (the fraction of attention mass to keep; 1.0 keeps "
                 f"every page), got {self.gamma!r}"
             )
+        if isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool):
+            object.__setattr__(self, "top_k", int(self.top_k))  # e.g. numpy's int64
         if self.top_k is not None and (
             isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 2
         ):
@@ -140,24 +152,37 @@ class MoiraConfig:
         for name in ("chunk_pages", "floor_rows", "min_chunks_per_row", "min_programs",
                      "max_chunks_per_row", "programs"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            # the chunks per row are a grid's second dimension (at most 65,535 on CUDA); the
+            # others size the workspace's partials and the kernels' int32 plans
+            limit = MAX_GRID_Y if name.endswith("_chunks_per_row") else MAX_PROGRAMS
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+                raise ValueError(f"{name} must be an int in [1, {limit}], got {value!r}")
         if self.max_chunks_per_row < self.min_chunks_per_row:
             raise ValueError(f"max_chunks_per_row ({self.max_chunks_per_row}) must be at least "
                              f"min_chunks_per_row ({self.min_chunks_per_row})")
         ways = self.bisection_ways
-        if not ways or any(len(entry) != 2 for entry in ways):
+        if isinstance(ways, list):  # a frozen (hashable) config holds tuples
+            ways = tuple(tuple(entry) if isinstance(entry, list) else entry for entry in ways)
+            object.__setattr__(self, "bisection_ways", ways)
+        if (not isinstance(ways, (tuple, list)) or not ways
+                or any(not isinstance(entry, (tuple, list)) or len(entry) != 2
+                       for entry in ways)):
             raise ValueError(
                 f"bisection_ways must be a non-empty tuple of (max_pages, K_B) pairs, got {ways!r}"
             )
         bounds = [bound for bound, _ in ways]
-        if bounds != sorted(bounds) or len(set(bounds)) != len(bounds) or bounds[0] < 1:
+        if (any(isinstance(bound, bool) or not isinstance(bound, int) for bound in bounds)
+                or bounds != sorted(bounds) or len(set(bounds)) != len(bounds) or bounds[0] < 1):
             raise ValueError(
-                f"bisection_ways must list strictly increasing positive max_pages, got {ways!r}"
+                f"bisection_ways must list strictly increasing positive int max_pages, got "
+                f"{ways!r}"
             )
         for _, k_b in ways:
-            if not isinstance(k_b, int) or k_b < 2 or k_b & (k_b - 1):
-                raise ValueError(f"bisection_ways: K_B must be a power of two >= 2, got {k_b!r}")
+            if (isinstance(k_b, bool) or not isinstance(k_b, int) or not 2 <= k_b <= MAX_WAYS
+                    or k_b & (k_b - 1)):
+                raise ValueError(f"bisection_ways: K_B must be a power of two in [2, {MAX_WAYS}] "
+                                 f"(a pass holds K_B thresholds x the row's pages on chip), got "
+                                 f"{k_b!r}")
             if BISECTION_BITS % int(math.log2(k_b)):
                 raise ValueError(
                     f"bisection_ways: log2(K_B) must divide {BISECTION_BITS} so the passes "

@@ -14,7 +14,11 @@ Tensor conventions (vLLM's):
 - ``summaries``: ``[num_pages, num_kv_heads, 2, head_dim]`` (0 = mean, 1 = population variance
   of the page's keys), float32, bf16 or fp16.
 - ``page_lists``: ``[batch, num_kv_heads, max_pages]`` int32 *logical* page indices;
-  ``page_counts``: ``[batch, num_kv_heads]`` int32, the valid prefix of each list.
+  ``page_counts``: ``[batch, num_kv_heads]`` int32, the valid prefix of each list (at most
+  its width: not checked).
+
+The caller keeps the ids in range, as for FlashAttention and FlashInfer (checking them would
+sync): physical page ids in ``[0, num_pages)``, slots in ``[0, num_pages * 64)``.
 
 Nothing on the decode path reads GPU memory from the host or sizes a launch from a value in
 GPU memory, so with a ``DecodeWorkspace`` a whole step can be captured in a CUDA graph and
@@ -144,6 +148,7 @@ def _check_step(query, key_cache, value_cache, block_table, seq_lens):
 
 
 def _check_summaries(summaries, key_cache):
+    _check_tensors(summaries=summaries)
     num_pages, _, num_kv_heads, head_dim = key_cache.shape
     expected = (num_pages, num_kv_heads, 2, head_dim)
     _require(tuple(summaries.shape) == expected,
@@ -192,9 +197,14 @@ class DecodeWorkspace:
 
     def __init__(self, max_batch, max_pages_per_seq, num_heads, num_kv_heads, head_dim, *,
                  device, config=None):
+        _require(config is None or isinstance(config, MoiraConfig),
+                 f"config must be a MoiraConfig, got {type(config).__name__}: pass "
+                 f"MoiraConfig(...)")
         self.config = config or MoiraConfig()
-        _require(isinstance(max_batch, int) and max_batch >= 1,
-                 f"max_batch must be a positive int, got {max_batch!r}")
+        for name, value in (("max_batch", max_batch), ("num_heads", num_heads),
+                            ("num_kv_heads", num_kv_heads)):
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                     f"{name} must be a positive int, got {value!r}")
         _require(isinstance(max_pages_per_seq, int) and 1 <= max_pages_per_seq <= MAX_PAGES_PER_SEQ,
                  f"max_pages_per_seq must be an int in [1, {MAX_PAGES_PER_SEQ}], got "
                  f"{max_pages_per_seq!r}")
@@ -409,7 +419,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     _check_table_width(block_table)
     _check_config_fits(config, workspace)
     if workspace is None:
-        workspace = DecodeWorkspace(batch, block_table.shape[1] or 1, num_heads, num_kv_heads,
+        workspace = DecodeWorkspace(batch, block_table.shape[1], num_heads, num_kv_heads,
                                     head_dim, device=query.device, config=config)
     workspace.check_fits(batch, num_heads, num_kv_heads, head_dim, block_table.shape[1],
                          query.device)
@@ -419,6 +429,8 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
 
 
 def _check_table_width(block_table):
+    _require(block_table.shape[1] >= 1,
+             "block_table has no columns: a request needs at least one page")
     _require(block_table.shape[1] <= MAX_PAGES_PER_SEQ,
              f"block_table has {block_table.shape[1]} pages per request; Moira supports up to "
              f"{MAX_PAGES_PER_SEQ} ({MAX_PAGES_PER_SEQ * PAGE_SIZE:,} tokens): trim the table to "
@@ -427,6 +439,10 @@ def _check_table_width(block_table):
 
 def _check_config_fits(config, workspace):
     """A workspace carries its own config; a different one passed beside it would be ignored."""
+    _require(config is None or isinstance(config, MoiraConfig),
+             f"config must be a MoiraConfig, got {type(config).__name__}: pass MoiraConfig(...)")
+    _require(workspace is None or isinstance(workspace, DecodeWorkspace),
+             f"workspace must be a DecodeWorkspace, got {type(workspace).__name__}")
     if config is not None and workspace is not None and config != workspace.config:
         raise ValueError(f"config {config} differs from the workspace's {workspace.config}: "
                          f"pass only the workspace, or build it with this config "
@@ -523,7 +539,6 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
                  "keep_fractions")
         gamma, gammas = None, gamma
     max_pages = block_table.shape[1]
-    _require(max_pages >= 1, "block_table has no columns: a request needs at least one page")
     _check_table_width(block_table)
     _check_config_fits(config, workspace)
     if workspace is None:

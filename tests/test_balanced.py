@@ -58,5 +58,5 @@ def test_balanced_schedule_through_the_step_with_page_stats():
 def test_schedule_is_validated():
     with pytest.raises(ValueError, match="schedule must be 'rows'"):
         MoiraConfig(schedule="fast")
-    with pytest.raises(ValueError, match="programs must be a positive int"):
+    with pytest.raises(ValueError, match="programs must be an int in"):
         MoiraConfig(programs=0)

@@ -53,6 +53,11 @@ def test_chunk_floor_shrinks_for_small_batches():
     ("programmatic_launch", "yes"), ("step_programs", -1), ("step_programs", 1.5),
     ("step_programs", True), ("max_chunks_per_row", 0), ("max_chunks_per_row", 31),
     ("step_programs", 89478486),  # * 24 pages = 2**31 + 16: the int32 floor would overflow
+    # sizes a workspace or a grid could not hold, and K_B beyond what a pass holds on chip
+    ("min_programs", 2**40), ("programs", 2**21), ("chunk_pages", 2**21),
+    ("max_chunks_per_row", 65536), ("bisection_ways", ((32768, 2**24),)),
+    ("bisection_ways", ((float("nan"), 4),)), ("bisection_ways", (("256", 4),)),
+    ("bisection_ways", ((True, 4),)), ("bisection_ways", (4,)),
 ])
 def test_bad_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -67,6 +72,8 @@ def test_gamma_accepts_numpy_floats():
     import numpy as np
 
     assert MoiraConfig(gamma=np.float32(0.5)).gamma == 0.5  # e.g. from a NumPy sweep
+    top_k = MoiraConfig(top_k=np.int64(4)).top_k  # numpy's ints too, held as int
+    assert top_k == 4 and type(top_k) is int
     with pytest.raises(ValueError, match="gamma"):
         MoiraConfig(gamma=np.float32(1.5))
 

@@ -470,10 +470,31 @@ def test_bad_inputs_raise_value_error(name, change, match):
      "differs from the workspace's"),
     (dict(config=moira.MoiraConfig(top_k=4),
           keep_fractions=torch.full((2,), 0.5, device=DEVICE)), "keep_fractions and the config"),
+    (dict(config="balanced"), "config must be a MoiraConfig"),
+    (dict(workspace=True), "workspace must be a DecodeWorkspace"),
+    (dict(summaries=None), "summaries must be a torch.Tensor"),
+    (dict(block_table=torch.zeros(1, 0, dtype=torch.int32, device=DEVICE)), "no columns"),
 ])
 def test_bad_options_raise_value_error(kwargs, match):
+    step = good_step()
+    for name in ("summaries", "block_table"):  # tensors of the step given as options
+        if name in kwargs:
+            step[name] = kwargs.pop(name)
     with pytest.raises(ValueError, match=match):
-        call(good_step(), **kwargs)
+        call(step, **kwargs)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(num_kv_heads=0), "num_kv_heads must be a positive int"),
+    (dict(num_heads=8.0), "num_heads must be a positive int"),
+    (dict(max_batch=True), "max_batch must be a positive int"),
+    (dict(config={"gamma": 0.9}), "config must be a MoiraConfig"),
+])
+def test_bad_workspace_arguments_raise_value_error(changes, match):
+    arguments = dict(max_batch=1, max_pages_per_seq=8, num_heads=8, num_kv_heads=2, head_dim=64,
+                     device=DEVICE) | changes
+    with pytest.raises(ValueError, match=match):
+        moira.DecodeWorkspace(**arguments)
 
 
 def test_non_cuda_device_raises(monkeypatch):

@@ -7,7 +7,7 @@ from helpers import DEVICE, make_cache
 
 import moira
 from moira.integrations.vllm.settings import (MoiraSettings, cache_write_in_estimate,
-                                              decode_rows_skipped, explain, fa3_rows,
+                                              check_cache_dtype, decode_rows_skipped, explain, fa3_rows,
                                               full_read_pages, planning_batch, split_decodes,
                                               summary_bytes)
 from moira.integrations.vllm.state import (DenseCheck, ImposedFractions, LayerState,
@@ -82,6 +82,9 @@ def test_the_cache_write_joins_estimate_only_in_steps_without_an_fa3_call():
     ({"moira": {"stats_interval": -1}}, {}, "stats_interval must be"),
     ({"moira": {"stats_interval": True}}, {}, "stats_interval must be"),
     ({"moira": "gamma=0.9"}, {}, "must be a JSON object"),
+    ({"moira": []}, {}, "must be a JSON object"),  # only null means unset
+    ({"moira": {"imposed_fraction": {}}}, {}, "needs at least one context length"),
+    ({"moira": {"min_programs": 10**12}}, {}, "min_programs must be an int in"),
     ({"moira": {"imposed_fraction": 1.5}}, {}, "imposed_fraction must be a fraction"),
     (None, {"MOIRA_IMPOSED_FRACTION": "8k:0.4"}, "use a fraction or tokens:fraction"),
     ({"moira": {"imposed_fraction": 0.3, "top_k": 8}}, {}, "top_k or imposed_fraction"),
@@ -100,7 +103,7 @@ def test_the_cache_write_joins_estimate_only_in_steps_without_an_fa3_call():
     ({"moira": {"programmatic_launch": True, "schedule": "balanced"}}, {},
      "programmatic_launch chains"),
     ({"moira": {"calibration": "c.json", "top_k": 8}}, {}, "does not combine with top_k"),
-    ({"moira": {"floor_rows": 0}}, {}, "floor_rows must be a positive int"),
+    ({"moira": {"floor_rows": 0}}, {}, "floor_rows must be an int in"),
     (None, {"MOIRA_MIN_PROGRAMS": "many"}, "MOIRA_MIN_PROGRAMS='many' is not a number"),
     (None, {"MOIRA_FUSED_CACHE_WRITE": "yes"}, "use 0 or 1"),
     ({"moira": {"fused_cache_write": 1}}, {}, "fused_cache_write must be true or false"),
@@ -166,12 +169,22 @@ def test_imposed_fractions_follow_the_context_length():
     assert fractions.data_ptr() == imposed.buffer.data_ptr()  # a view of the persistent buffer
 
 
+def test_a_cache_dtype_other_than_the_models_names_the_flag():
+    check_cache_dtype("auto", torch.float16)
+    check_cache_dtype(None, torch.bfloat16)
+    check_cache_dtype("bfloat16", torch.bfloat16)
+    with pytest.raises(ValueError, match="--kv-cache-dtype bfloat16 differs from the model's "
+                                         "dtype float16"):
+        check_cache_dtype("bfloat16", torch.float16)
+
+
 def test_rejections_say_what_to_change():
     reasons = explain(["block_size not supported", "kv_cache_dtype not supported",
                        "attention type encoder not supported", "compute capability not supported",
                        "KV connector not supported"])
     assert "--block-size 64" in reasons[0]
     assert "FP8" in reasons[1] and "--kv-cache-dtype auto" in reasons[1]
+    assert "--dtype bfloat16" in explain(["dtype not supported"])[0]
     assert "decoder self-attention only" in reasons[2]
     assert reasons[3] == "compute capability not supported"
     assert "drop the connector" in reasons[4]

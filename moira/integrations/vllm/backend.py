@@ -35,8 +35,8 @@ from ... import reference
 from ...config import CACHE_DTYPE_NAMES, MAX_PAGES_PER_SEQ, PAGE_SIZE, SUPPORTED_HEAD_DIMS
 from ...decode import DecodeWorkspace, sparse_decode, update_summaries
 from ...kernels import launch
-from .settings import (SUPPORTED_KV_CACHE_DTYPES, MoiraSettings,
-                       cache_write_in_estimate, decode_rows_skipped, explain, fa3_rows,
+from .settings import (SUPPORTED_KV_CACHE_DTYPES, MoiraSettings, cache_write_in_estimate,
+                       check_cache_dtype, decode_rows_skipped, explain, fa3_rows,
                        full_read_pages, planning_batch, split_decodes)
 from .state import DenseCheck, ImposedFractions, LayerState, PageStatsLog
 
@@ -308,6 +308,8 @@ class MoiraAttentionImpl(FlashAttentionImpl):
                          sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
                          kv_sharing_target_layer_name, sinks, **kwargs)
         config = _current_config()
+        if config is not None:
+            check_cache_dtype(kv_cache_dtype, config.model_config.dtype)
         self.settings = MoiraSettings.from_sources(config.additional_config if config else None,
                                                    os.environ)
         self.num_layers = config.model_config.get_total_num_hidden_layers() if config else 1

@@ -169,6 +169,9 @@ class MoiraSettings:
         """``imposed_fraction`` as ``((context_tokens, mean_fraction), ...)``, sorted."""
         given = self.imposed_fraction
         pairs = given.items() if isinstance(given, dict) else [(1, given)]
+        if not pairs:
+            raise ValueError("moira imposed_fraction: a mapping needs at least one context "
+                             "length, e.g. {\"8192\": 0.42}; or give one fraction for all")
         knots = []
         for tokens, fraction in pairs:
             try:
@@ -194,7 +197,8 @@ class MoiraSettings:
     def from_sources(cls, additional_config: Mapping | None,
                      environ: Mapping[str, str]) -> MoiraSettings:
         """``additional_config["moira"]`` first, then ``MOIRA_*`` variables, then defaults."""
-        given = (additional_config or {}).get("moira") or {}
+        given = (additional_config or {}).get("moira")
+        given = {} if given is None else given  # only null means unset: [] or 0 is a mistake
         if not isinstance(given, Mapping):
             raise ValueError(f"additional_config['moira'] must be a JSON object of settings, "
                              f'e.g. {{"moira": {{"gamma": 0.98}}}}, got {given!r}')
@@ -246,7 +250,11 @@ _FIXES = {
     "block_size not supported": (
         "Moira reads 64-token pages: start vLLM with --block-size 64"),
     "kv_cache_dtype not supported": (
-        "Moira does not support an FP8 KV cache yet: use --kv-cache-dtype auto (bf16/fp16)"),
+        "Moira reads bf16 or fp16 KV caches only (no FP8 or other quantized cache yet): use "
+        "--kv-cache-dtype auto"),
+    "dtype not supported": (
+        "Moira's kernels read bf16 or fp16 queries and caches: start vLLM with --dtype bfloat16 "
+        "(or float16)"),
     "head_size not supported": (
         f"Moira has kernels for head dims {SUPPORTED_HEAD_DIMS} only; use another attention "
         "backend for this model"),
@@ -260,6 +268,17 @@ _FIXES = {
         "disaggregated prefill, KV offloading) writes pages past it: drop the connector or use "
         "another attention backend"),
 }
+
+
+def check_cache_dtype(kv_cache_dtype, model_dtype) -> None:
+    """A ValueError if ``--kv-cache-dtype`` names a dtype other than the model's (a
+    ``torch.dtype``): the kernels read the query and the cache in one dtype, and would
+    otherwise refuse the first decode step with no word of the flag."""
+    model = str(model_dtype).removeprefix("torch.")
+    if kv_cache_dtype not in (None, "auto") and kv_cache_dtype != model:
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} differs from the model's dtype "
+                         f"{model}: Moira reads the query and the KV cache in one dtype; use "
+                         f"--kv-cache-dtype auto")
 
 
 def explain(reasons: list[str]) -> list[str]:
