@@ -201,6 +201,10 @@ def test_calibration_measures_each_heads_tail(lm, tmp_path):
     path.write_text('{"gamma": 0.98}')
     with pytest.raises(ValueError, match="not a `moira calibrate` result"):
         calibration.load(str(path))
+    for table in ("[[1.0, 1.0], [1.0]]", '[[1.0, "x"]]', "[]", "[1.0, 2.0]"):  # ragged, ...
+        path.write_text(f'{{"tail_ratios": {table}}}')
+        with pytest.raises(ValueError, match="table of numbers"):
+            calibration.load(str(path))
 
 
 def test_calibrated_arms_use_per_head_targets(lm):

@@ -77,6 +77,7 @@ def test_the_cache_write_joins_estimate_only_in_steps_without_an_fa3_call():
     ({"moira": {"gamma": 1.5}}, {}, "gamma must lie in"),
     ({"moira": {"gamma": 0}}, {}, "gamma must lie in"),
     (None, {"MOIRA_GAMMA": "high"}, "MOIRA_GAMMA='high' is not a number"),
+    (None, {"MOIRA_TOP_K": "8.0"}, "MOIRA_TOP_K='8.0' is not a whole number"),
     ({"moira": {"top_k": 1}}, {}, "top_k must be None"),
     ({"moira": {"gama": 0.9}}, {}, r"unknown key\(s\) \['gama'\]"),
     ({"moira": {"stats_interval": -1}}, {}, "stats_interval must be"),
@@ -104,7 +105,7 @@ def test_the_cache_write_joins_estimate_only_in_steps_without_an_fa3_call():
      "programmatic_launch chains"),
     ({"moira": {"calibration": "c.json", "top_k": 8}}, {}, "does not combine with top_k"),
     ({"moira": {"floor_rows": 0}}, {}, "floor_rows must be an int in"),
-    (None, {"MOIRA_MIN_PROGRAMS": "many"}, "MOIRA_MIN_PROGRAMS='many' is not a number"),
+    (None, {"MOIRA_MIN_PROGRAMS": "many"}, "MOIRA_MIN_PROGRAMS='many' is not a whole number"),
     (None, {"MOIRA_FUSED_CACHE_WRITE": "yes"}, "use 0 or 1"),
     ({"moira": {"fused_cache_write": 1}}, {}, "fused_cache_write must be true or false"),
 ])

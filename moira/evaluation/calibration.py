@@ -90,7 +90,14 @@ def load(path: str, num_layers: int | None = None, num_kv_heads: int | None = No
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"moira calibration {path!r}: not a `moira calibrate` result "
                          f"({error})") from None
-    shape = (len(ratios), len(ratios[0]) if ratios else 0)
+    if (not isinstance(ratios, list) or not ratios
+            or any(not isinstance(row, list) or len(row) != len(ratios[0]) for row in ratios)
+            or any(isinstance(r, bool) or not isinstance(r, (int, float))
+                   for row in ratios for r in row)):
+        raise ValueError(f"moira calibration {path!r}: tail_ratios must be a [layers][kv_heads] "
+                         f"table of numbers, one row per layer of equal length: recalibrate "
+                         f"(`moira calibrate`)")
+    shape = (len(ratios), len(ratios[0]))
     if ((num_layers is not None and shape[0] != num_layers)
             or (num_kv_heads is not None and shape[1] != num_kv_heads)):
         raise ValueError(f"moira calibration {path!r} is for {shape[0]} layers x {shape[1]} KV "

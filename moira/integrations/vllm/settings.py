@@ -234,12 +234,12 @@ class MoiraSettings:
                         raise ValueError(f"{variable}={text!r}: use a fraction or "
                                          f"tokens:fraction,tokens:fraction") from None
                     continue
+                whole = key in ("top_k", "dense_below_tokens", *SPLIT_SETTINGS)
                 try:
-                    values[key] = (int(text) if key in ("top_k", "dense_below_tokens",
-                                                        *SPLIT_SETTINGS)
-                                   else float(text))
+                    values[key] = int(text) if whole else float(text)
                 except ValueError:
-                    raise ValueError(f"{variable}={text!r} is not a number") from None
+                    raise ValueError(f"{variable}={text!r} is not "
+                                     f"{'a whole number' if whole else 'a number'}") from None
         if isinstance(values.get("gamma"), int) and not isinstance(values["gamma"], bool):
             values["gamma"] = float(values["gamma"])  # JSON's 1 means 1.0
         return cls(**values)
