@@ -161,12 +161,11 @@ class MoiraConfig:
             raise ValueError(f"max_chunks_per_row ({self.max_chunks_per_row}) must be at least "
                              f"min_chunks_per_row ({self.min_chunks_per_row})")
         ways = self.bisection_ways
-        if isinstance(ways, list):  # a frozen (hashable) config holds tuples
+        if isinstance(ways, (tuple, list)):  # held as tuples (hashable), also from JSON lists
             ways = tuple(tuple(entry) if isinstance(entry, list) else entry for entry in ways)
             object.__setattr__(self, "bisection_ways", ways)
-        if (not isinstance(ways, (tuple, list)) or not ways
-                or any(not isinstance(entry, (tuple, list)) or len(entry) != 2
-                       for entry in ways)):
+        if (not isinstance(ways, tuple) or not ways
+                or any(not isinstance(entry, tuple) or len(entry) != 2 for entry in ways)):
             raise ValueError(
                 f"bisection_ways must be a non-empty tuple of (max_pages, K_B) pairs, got {ways!r}"
             )

@@ -64,6 +64,12 @@ def test_bad_values_raise_naming_the_field(field, value):
         MoiraConfig(**{field: value})
 
 
+def test_bisection_ways_from_json_lists_are_held_as_tuples():
+    config = MoiraConfig(bisection_ways=[[256, 8], [4096, 4]])
+    assert config.bisection_ways == ((256, 8), (4096, 4)) and hash(config) == hash(
+        MoiraConfig(bisection_ways=((256, 8), (4096, 4))))
+
+
 def test_the_largest_step_programs_for_the_chunk_floor_is_accepted():
     assert MoiraConfig(step_programs=89478485).step_programs == 89478485  # * 24 < 2**31
 
