@@ -381,8 +381,8 @@ def cache_layout(arm):
 
 def config_fields(arm):
     """``MoiraConfig`` fields of an arm that runs ``moira`` under another configuration
-    (``moira_eq4``, ``moira_t128``, ``moira_c<N>``; ``moira_ahead<P><S>``: the default
-    configuration, ``attend_settings``; ``moira_packed[_hnd]``: the default on other caches,
+    (``moira_eq4``, ``moira_t128``, ``moira_c<N>``; ``moira_ahead<P><S>``, ``moira_cuda<S>``:
+    the default configuration, ``attend_settings``; ``moira_packed[_hnd]``: the default on other caches,
     ``cache_layout``; ``moira_packed_hnd_c<N>_ahead<P><S>``: all three); None for any other
     arm."""
     if arm == "moira_eq4":
@@ -439,7 +439,7 @@ def main():
     if unknown:  # a misspelt or retired arm would time nothing and say nothing
         parser.error(f"unknown arms {', '.join(sorted(unknown))}; known: "
                      f"{', '.join(sorted(ARMS))}, moira_c<N>, moira_packed[_hnd], "
-                     f"moira[_packed[_hnd]][_c<N>][_cuda<S>[w]|_ahead<P><S>[w<warps>]] "
+                     f"moira[_packed[_hnd]][_c<N>][_cuda<S>|_ahead<P><S>[w<warps>]] "
                      f"(moira_t256 is moira_t128 since session 15)")
     shapes = {**SHAPES, **EXTRA_SHAPES}
     unknown_shapes = [name for name in args.shapes.split(",") if name not in shapes]

@@ -194,11 +194,18 @@ def _check(result, what):
 
 
 @functools.lru_cache(maxsize=None)
+def _device(device_index):
+    """The driver's handle (CUdevice) of a device ordinal."""
+    device = ctypes.c_int()
+    _check(_driver().cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
+    return device.value
+
+
+@functools.lru_cache(maxsize=None)
 def _primary_context(device_index):
     """The device's primary context (the one torch's runtime uses), retained once."""
-    device, context = ctypes.c_int(), ctypes.c_void_p()
-    _check(_driver().cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
-    _check(_driver().cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
+    context = ctypes.c_void_p()
+    _check(_driver().cuDevicePrimaryCtxRetain(ctypes.byref(context), _device(device_index)),
            "cuDevicePrimaryCtxRetain")
     return context.value
 
@@ -229,9 +236,7 @@ def kernel(device_index, head_dim, stages):
         _context(device_index)
         limit = ctypes.c_int()
         # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
-        device = ctypes.c_int()
-        _check(_driver().cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
-        _check(_driver().cuDeviceGetAttribute(ctypes.byref(limit), 97, device),
+        _check(_driver().cuDeviceGetAttribute(ctypes.byref(limit), 97, _device(device_index)),
                "cuDeviceGetAttribute")
         if shared_bytes(head_dim, stages) > limit.value:
             raise ValueError(f"attend.CUDA_STAGES = {stages} needs "
