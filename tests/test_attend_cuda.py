@@ -32,10 +32,12 @@ C_TYPES = {ctypes.c_int64: "long long", ctypes.c_int: "int", ctypes.c_float: "fl
 
 
 def mirror_checks(extra_fields=0):
-    """C++ that compiles only if the kernel's ``Params`` has ``attend_cuda.Params``' size,
-    field offsets and types (pointers as pointers) and exactly its number of fields plus
-    ``extra_fields`` (an aggregate initializer with one value per field), and ``shared_bytes``
-    the launch's values."""
+    """C++20 that compiles only if the kernel's ``Params`` has ``attend_cuda.Params``' size,
+    field names in order (designated initializers must follow the declaration order), field
+    types (pointers as pointers) and exactly its number of fields plus ``extra_fields`` (an
+    aggregate initializer with one value per field), and ``shared_bytes`` the launch's values.
+    Names, order and types fix the offsets (both sides follow the platform's C layout);
+    ``__builtin_offsetof`` is not used: NVRTC 13.0 does not know it."""
     fields = attend_cuda.Params._fields_
     checks = ["template <class A, class B> struct same { static constexpr bool value = false; };",
               "template <class A> struct same<A, A> { static constexpr bool value = true; };",
@@ -43,12 +45,12 @@ def mirror_checks(extra_fields=0):
               "template <class A> struct pointer<A*> { static constexpr bool value = true; };",
               f'static_assert(sizeof(Params) == {ctypes.sizeof(attend_cuda.Params)}, "size");']
     for name, kind in fields:
-        checks.append(f"static_assert(__builtin_offsetof(Params, {name}) == "
-                      f'{getattr(attend_cuda.Params, name).offset}, "offset of {name}");')
         test = (f"pointer<decltype(Params::{name})>" if kind is ctypes.c_void_p
                 else f"same<decltype(Params::{name}), {C_TYPES[kind]}>")
         checks.append(f'static_assert({test}::value, "type of {name}");')
     values = ["nullptr" if kind is ctypes.c_void_p else "0" for _, kind in fields]
+    designated = ", ".join(f".{name} = {value}" for (name, _), value in zip(fields, values))
+    checks.append(f"__device__ Params in_order{{{designated}}};")
     checks.append(f"__device__ Params every_field{{{', '.join(values + ['0'] * extra_fields)}}};")
     checks += [f"static_assert(shared_bytes({d}, {s}) == {attend_cuda.shared_bytes(d, s)}, "
                f'"shared_bytes({d}, {s})");' for d in attend_cuda.HEAD_DIMS for s in (2, 3, 4)]
@@ -57,22 +59,32 @@ def mirror_checks(extra_fields=0):
 
 @needs_nvrtc
 def test_params_mirror_the_kernels_struct():
-    """``attend_cuda.Params`` (ctypes) mirrors the kernel's ``Params`` (size, each field's
-    offset and type, the number of fields) and ``shared_bytes`` the kernel's layout: the .cu
-    with static_asserts of the mirror compiles only if they hold (a field added, removed,
-    retyped or reordered on one side only would pass the kernel garbage, and a launch with
-    less shared memory than its layout would write past it). One field more than the mirror
-    must fail to compile."""
+    """``attend_cuda.Params`` (ctypes) mirrors the kernel's ``Params`` (size, field names in
+    order, types, the number of fields) and ``shared_bytes`` the kernel's layout: the .cu with
+    static_asserts and initializers of the mirror compiles only if they hold (a field added,
+    removed, retyped or reordered on one side only would pass the kernel garbage, and a launch
+    with less shared memory than its layout would write past it)."""
     with open(attend_cuda.SOURCE, "rb") as f:
         source = f.read()
-    attend_cuda.compile_cubin(source + b"\n" + mirror_checks(), "90")
+
+    def compile_checked(kernel_source, extra_fields=0):
+        checked = kernel_source + b"\n" + mirror_checks(extra_fields)
+        return attend_cuda.compile_cubin(checked, "90", ["-std=c++20"])
+
+    compile_checked(source)
     with pytest.raises(RuntimeError, match="too many initializer"):
-        attend_cuda.compile_cubin(source + b"\n" + mirror_checks(extra_fields=1), "90")
+        compile_checked(source, extra_fields=1)
     retyped = source.replace(b"int num_kv_heads, max_pages, group, chunk_floor",
                              b"int num_kv_heads, max_pages, group; float chunk_floor; int")
     assert retyped != source
     with pytest.raises(RuntimeError, match="type of chunk_floor"):
-        attend_cuda.compile_cubin(retyped + b"\n" + mirror_checks(), "90")
+        compile_checked(retyped)
+    # two fields of one type swapped: same offsets by type, wrong by name
+    swapped = source.replace(b"const bf16* key_cache;\n  const bf16* value_cache;",
+                             b"const bf16* value_cache;\n  const bf16* key_cache;")
+    assert swapped != source
+    with pytest.raises(RuntimeError, match="out-of-order initializers"):
+        compile_checked(swapped)
 
 
 @needs_nvrtc
