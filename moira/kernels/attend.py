@@ -83,8 +83,10 @@ PAGE_IDS_AHEAD = False
 # with its copies rewritten (session 33); with the tiles swizzled, copies by warp and the next
 # page's copy issued before the current page is computed (session 34, 2 stages): -0.0 to
 # -2.1% at CV 0, -1.3 to -4.9% on spreads, within 0.3% on all pages (ncu at 32k x 16: 123.8
-# against 131.2 us, no excessive shared wavefronts, 1% excessive L2 sectors). Short of the
-# 3% at CV 0 on three shapes set beforehand for an engine trial: "triton"
+# against 131.2 us, no excessive shared wavefronts, 1% excessive L2 sectors). Session 35
+# (NVRTC build, two runs on one host): -2.3 to +0.6% at CV 0, -1.4 to -4.9% on spreads and
+# real-like lists, flat in spread where Triton is not. "triton" until an engine pair (TPOT)
+# and vllm_checks.py with "cuda" say it is no worse in vLLM
 IMPLEMENTATION = "triton"
 # pages in flight per CUDA program (2-4; shared memory allows 3 / 2 / 1 programs per SM at
 # D = 128). Session 34: 2 stages beat 3 on spreads by 2-5% and tied at CV 0 (3 ahead at
