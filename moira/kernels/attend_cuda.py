@@ -86,6 +86,14 @@ def _nvrtc():
         raise RuntimeError("attend.IMPLEMENTATION = 'cuda' builds its kernel with NVRTC, and no "
                            "libnvrtc was found: pip install nvidia-cuda-nvrtc (torch's CUDA "
                            "builds bring it) or use 'triton'")
+    # NVRTC dlopens its builtins library by name, and 13.0's wheel does not find it beside
+    # itself unless a CUDA build of torch has loaded it already: load it first
+    folder = os.path.dirname(library)  # "" for a name the loader resolves
+    for builtins in glob.glob(os.path.join(folder, "libnvrtc-builtins.so.*")) if folder else ():
+        try:
+            ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            pass  # then NVRTC's own lookup, whose failure compile_cubin reports
     nvrtc = ctypes.CDLL(library)
     program, size = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
     for name, argtypes in (
