@@ -5,7 +5,9 @@ For every shape (context x batch) and every spread of list lengths (CV of the pe
 KV head) page counts at a mean of 22% of each row's pages, plus a "real-like" spread: 8 layers
 with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page lists:
 
-- ``moira``          Attend + Merge on vLLM's cache layout (NHD, ``[pages, 64, Hkv, D]``).
+- ``moira``          Attend + Merge on vLLM's cache layout (NHD, ``[pages, 64, Hkv, D]``), as
+                     configured by default: since session 36 the CUDA Attend
+                     (``attend.IMPLEMENTATION = "auto"``), the Triton one in earlier files.
 - ``moira_balanced`` the same lists with ``MoiraConfig(schedule="balanced")``: all rows'
                      pages split evenly over P programs (``moira/kernels/balanced.py``).
 - ``moira_hnd``      the same on the head-major layout the folded peers need.
@@ -28,6 +30,8 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
                      attend_cuda.cu) and S pages in flight per program (``CUDA_STAGES``,
                      2-4), e.g. ``moira_cuda2``; after a packed layout or a floor too,
                      e.g. ``moira_packed_hnd_c32_cuda3``.
+- ``moira_triton``   ``moira`` with the Triton Attend (``attend.IMPLEMENTATION = "triton"``;
+                     also after a packed layout or a floor, ``moira_c32_triton``).
 - ``fa3_varlen``     vLLM's FA3 (``vllm_flash_attn``, ``fa_version=3``), each (request, KV head)
                      row its own sequence over the HND cache viewed as ``[pages*Hkv, 64, 1, D]``;
                      scheduler metadata built beforehand on the GPU (``fa3_metadata``, timed
@@ -370,7 +374,7 @@ ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_eq4", "moira_t128", "fa3_
 # the configured arms of ``moira``: vLLM's packed caches, a chunk floor, the CUDA Attend or
 # Attend's page ids a tile ahead, or several of them
 CONFIGURED_ARM = re.compile(r"moira(_packed(?:_hnd)?)?(?:_c([1-9][0-9]*))?"
-                            r"(?:_cuda([2-4])|_ahead([124])([1-9])(?:w([48]))?)?")
+                            r"(?:_cuda([2-4])|_(triton)|_ahead([124])([1-9])(?:w([48]))?)?")
 
 
 def cache_layout(arm):
@@ -398,18 +402,22 @@ def config_fields(arm):
 
 def attend_settings(arm):
     """Attend's module constants under which a configured arm launches
-    (``[_c<N>]_cuda<S>``: the CUDA Attend with S pages in flight; ``[_c<N>]_ahead<P><S>
+    (``[_c<N>]_cuda<S>``: the CUDA Attend with S pages in flight; ``[_c<N>]_triton``: the
+    Triton Attend; ``[_c<N>]_ahead<P><S>
     [w<warps>]``: page ids a tile ahead, P pages per tile, S stages, that many warps); {} for
     any other arm."""
     configured = CONFIGURED_ARM.fullmatch(arm)
     if not configured:
         return {}
-    cuda_stages, pages, stages, warps = configured.groups()[2:]
+    cuda_stages, triton, pages, stages, warps = configured.groups()[2:]
     if cuda_stages:
         return dict(IMPLEMENTATION="cuda", CUDA_STAGES=int(cuda_stages))
+    if triton:
+        return dict(IMPLEMENTATION="triton")
     if not pages:
         return {}
-    settings = dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(pages), NUM_STAGES=int(stages))
+    settings = dict(IMPLEMENTATION="triton", PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(pages),
+                    NUM_STAGES=int(stages))
     return settings | ({"NUM_WARPS": int(warps)} if warps else {})
 
 
@@ -439,7 +447,7 @@ def main():
     if unknown:  # a misspelt or retired arm would time nothing and say nothing
         parser.error(f"unknown arms {', '.join(sorted(unknown))}; known: "
                      f"{', '.join(sorted(ARMS))}, moira_c<N>, moira_packed[_hnd], "
-                     f"moira[_packed[_hnd]][_c<N>][_cuda<S>|_ahead<P><S>[w<warps>]] "
+                     f"moira[_packed[_hnd]][_c<N>][_cuda<S>|_triton|_ahead<P><S>[w<warps>]] "
                      f"(moira_t256 is moira_t128 since session 15)")
     shapes = {**SHAPES, **EXTRA_SHAPES}
     unknown_shapes = [name for name in args.shapes.split(",") if name not in shapes]

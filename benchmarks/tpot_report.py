@@ -250,15 +250,15 @@ def single_pairs_table(pair_runs):
     return "\n".join(lines)
 
 
-def single_pairs_plot(pair_runs, path):
-    """The short-shape pairs as bars: per (model, shape) and arm, the mean TPOT against the
-    pair's dense engine (each pair a dot), with the issue's 2% bar for batch 1."""
+def single_pairs_plot(pair_runs, path, shapes=SHORT):
+    """The pairs as bars: per (model, shape) and arm, the mean TPOT against the pair's dense
+    engine (each pair a dot); at the short shapes with the issue's 2% bar for batch 1."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    _, cells, present = short_pair_cells(pair_runs)
+    _, cells, present = short_pair_cells(pair_runs, shapes)
     keys = short_pair_keys(cells)
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(keys), 4))
     width = 0.8 / len(present)
@@ -273,12 +273,13 @@ def single_pairs_plot(pair_runs, path):
                    label=None if arm in labelled else label)
             labelled.add(arm)
             ax.plot([x] * len(rels), rels, "k.", markersize=4)
-    ax.axhline(2.0, color="0.4", linestyle="--", linewidth=0.8)
+    if shapes is SHORT:
+        ax.axhline(2.0, color="0.4", linestyle="--", linewidth=0.8)
     ax.axhline(0.0, color="0", linewidth=0.6)
     ax.set_xticks(range(len(keys)), [f"{model}\n{shape}" for model, shape in keys], fontsize=7)
     ax.set_ylabel("TPOT against the pair's dense FA3 (%)")
-    ax.set_title("interleaved pairs, H200, vLLM 0.26\n(dots: pairs; dashed: issue 5's 2% bar)",
-                 fontsize=8)
+    ax.set_title("interleaved pairs, H200, vLLM 0.26\n(dots: pairs"
+                 + ("; dashed: issue 5's 2% bar)" if shapes is SHORT else ")"), fontsize=8)
     ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -289,9 +290,10 @@ def short_pair_keys(cells):
     return sorted({(m, s) for m, s, _ in cells}, key=lambda k: (k[0], SHAPES.index(k[1])))
 
 
-def short_pair_cells(pair_runs):
+def short_pair_cells(pair_runs, shapes=SHORT):
     """``(dense_cells, cells, present)``: dense TPOTs per (model, shape), one (ms, TPOT / dense
-    - 1) per pair per (model, shape, arm), and the arms present with their labels."""
+    - 1) per pair per (model, shape in ``shapes``, arm), and the arms present with their
+    labels."""
     arms = [(0.98, "Moira, every row selecting"),
             ("fallback", "Moira, rows of ≤ N tokens read in full"),
             (0.99, "Moira at γ = 0.99's reads (tpot_pairs.sh arm g099)"),
@@ -309,7 +311,7 @@ def short_pair_cells(pair_runs):
             ("nofcw", "rows of ≤ N tokens read in full, K/V written by vLLM's kernel")]
     # variants combined (e.g. "pdl+split"): a column each, named by their arms
     known = {arm for arm, _ in arms} | {"dense"}
-    arms += [(kind, f"Moira, {kind}") for kind in sorted(
+    arms += [(kind, PAIR_VARIANT_LABELS.get(kind, f"Moira, {kind}")) for kind in sorted(
         {kind for runs in pair_runs for _, kind in runs if kind not in known}, key=str)]
     dense_cells, cells = {}, {}
     for runs in pair_runs:
@@ -324,7 +326,7 @@ def short_pair_cells(pair_runs):
                 if run is None or (arm == 0.98 and run is runs.get((model, "fallback"))):
                     continue  # load() stands the fallback run in for the γ column
                 for shape, ms in tpot_by_shape(run).items():
-                    if shape in SHORT and shape in dense_ms:
+                    if shape in shapes and shape in dense_ms:
                         cells.setdefault((model, shape, arm), []).append(
                             (ms, ms / dense_ms[shape] - 1))
     present = [(arm, label + (floor_note(pair_runs, arm) if arm in (0.98, "fallback") else ""))
@@ -417,18 +419,16 @@ def main():
                              "(benchmarks/tpot_pairs.sh): per-pair and mean speedups")
     parser.add_argument("--plot", metavar="PATH",
                         help="where the PNG goes (default <first folder>.png); with --pairs, "
-                             "only at the short shapes (batch 1 to 4), and only if given")
+                             "only if given")
     args = parser.parse_args()
     if args.pairs:
         pair_runs = [load([folder]) for folder in args.folders]
         short = all(shape in SHORT for runs in pair_runs for run in runs.values()
                     for shape in tpot_by_shape(run))
-        if args.plot and not short:
-            parser.error("--plot with --pairs draws the short shapes (batch 1 to 4) only")
         text = (single_pairs_table if short else pairs_table)(pair_runs)
         print(text)
         if args.plot:
-            single_pairs_plot(pair_runs, args.plot)
+            single_pairs_plot(pair_runs, args.plot, SHORT if short else SHAPES)
         if args.readme:
             source = ", ".join(f"`{repo_path(folder)}/`" for folder in args.folders)
             write_section(args.readme, args.section, text + "\n\nGenerated by "

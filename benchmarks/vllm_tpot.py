@@ -91,7 +91,7 @@ KERNEL_SETTINGS = {"estimate": ("QUERY_HEAD_AHEAD", "TARGET_PROGRAMS", "PAGES_PE
                    "attend": ("PAGE_IDS_AHEAD", "PAGES_PER_ITER", "NUM_STAGES", "NUM_WARPS",
                               "MAX_REGISTERS", "IMPLEMENTATION", "CUDA_STAGES")}
 # the settings that take a word, not an int
-WORD_SETTINGS = {"attend.IMPLEMENTATION": ("triton", "cuda")}
+WORD_SETTINGS = {"attend.IMPLEMENTATION": ("auto", "triton", "cuda")}
 
 
 def add_kernel_settings(parser):

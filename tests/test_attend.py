@@ -228,7 +228,11 @@ def test_a_row_of_exactly_short_row_pages_gets_the_finer_floor():
 @pytest.mark.parametrize("group", [1, 4, 7, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "packed", "hnd"])
-def test_attend_matches_reference(group, head_dim, layout):
+# "auto": the CUDA Attend on a GPU (bfloat16), Triton's kernel on the CPU
+@pytest.mark.parametrize("implementation",
+                         ["auto", pytest.param("triton", marks=pytest.mark.cuda)])
+def test_attend_matches_reference(monkeypatch, group, head_dim, layout, implementation):
+    monkeypatch.setattr(attend_module, "IMPLEMENTATION", implementation)
     num_kv_heads, num_pages = 2, 120
     keys, values = make_cache(num_pages, num_kv_heads, head_dim, layout=layout)
     # one token, one full page, a partial second page, rows that split unevenly
@@ -254,6 +258,7 @@ def mixed_rows(num_kv_heads=2, group=4, head_dim=64):
 def test_several_pages_per_tile(monkeypatch, pages_per_iter):
     """The tuning knob that loads several listed pages per inner-loop tile: chunks whose length
     is not a multiple of it, partial last pages, empty and full rows."""
+    monkeypatch.setattr(attend_module, "IMPLEMENTATION", "triton")  # its knob
     monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
     check_attend(*mixed_rows(), SMALL_SPLIT)
 
@@ -311,6 +316,7 @@ def poison_unread_slots(keys, values, table, seq_lens):
 def test_register_ceiling(monkeypatch, pages_per_iter, registers):
     """MAX_REGISTERS (a tuning option): builds under a register ceiling (96 spills 8 bytes on
     sm_90) compute the same; the interpreter ignores the ceiling, the GPU run checks it."""
+    monkeypatch.setattr(attend_module, "IMPLEMENTATION", "triton")  # its knob
     monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
     monkeypatch.setattr(attend_module, "MAX_REGISTERS", registers)
     check_attend(*mixed_rows(), SMALL_SPLIT)

@@ -5,6 +5,7 @@ implementation as a case.)"""
 
 import ctypes
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -123,8 +124,54 @@ def test_refusals_name_the_fix(cuda_attend):
         with pytest.raises(ValueError, match="CUDA tensors"):
             moira.attend(*args, config=SMALL_SPLIT)
     cuda_attend.setattr(attend_module, "IMPLEMENTATION", "cutlass")
-    with pytest.raises(ValueError, match="'triton' or 'cuda'"):
+    with pytest.raises(ValueError, match="'auto', 'triton' or 'cuda'"):
         moira.attend(*args, config=SMALL_SPLIT)
+
+
+def test_auto_runs_the_cuda_attend_where_it_can(monkeypatch):
+    """"auto" (the default) resolves to the CUDA Attend on a GPU for bfloat16 at D = 64 / 128
+    with the Triton kernel's options at their defaults, and to the Triton kernel for the CPU,
+    float16, D = 96 or one of its options; "cuda" with such an option is refused."""
+    assert attend_module.IMPLEMENTATION == "auto"
+    on_gpu = DEVICE == "cuda" and attend_cuda.nvrtc_library() is not None
+    for head_dim in (64, 128):
+        query, keys, values, *_ = mixed_rows(head_dim=head_dim)
+        assert attend_module.implementation(query, keys, values) == ("cuda" if on_gpu
+                                                                     else "triton")
+    assert attend_module.implementation(query.half(), keys.half(), values.half()) == "triton"
+    wide_keys, wide_values = make_cache(8, 2, 96)
+    assert attend_module.implementation(make_query(2, 8, 96), wide_keys, wide_values) \
+        == "triton"
+    monkeypatch.setattr(attend_module, "EVEN_CHUNKS", True)
+    assert attend_module.implementation(query, keys, values) == "triton"
+    monkeypatch.setattr(attend_module, "IMPLEMENTATION", "cuda")
+    with pytest.raises(ValueError, match="EVEN_CHUNKS"):
+        attend_module.implementation(query, keys, values)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """``attend_cuda._device_runs`` asked about a made-up GPU (its cache emptied around)."""
+    properties = SimpleNamespace(major=9, shared_memory_per_block_optin=100 * 1024)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties)
+    attend_cuda._device_runs.cache_clear()
+    yield properties
+    attend_cuda._device_runs.cache_clear()
+
+
+def test_auto_needs_sm80_the_shared_memory_and_nvrtc(monkeypatch, fake_gpu):
+    """Where "auto" cannot build or launch the CUDA Attend it takes the Triton kernel: a GPU
+    older than sm_80, too little shared memory for the stages, no libnvrtc (warned)."""
+    monkeypatch.setattr(attend_cuda, "nvrtc_library", lambda: "libnvrtc.so.13")
+    assert attend_cuda._device_runs(0, 128, 2)
+    assert not attend_cuda._device_runs(0, 128, 4)  # 131 KB of stages, 100 KB allowed
+    fake_gpu.major = 7
+    assert not attend_cuda._device_runs(0, 64, 2)
+    fake_gpu.major = 9
+    monkeypatch.setattr(attend_cuda, "nvrtc_library", lambda: None)
+    attend_cuda._device_runs.cache_clear()  # its answers are per GPU, and this one changed
+    with pytest.warns(RuntimeWarning, match="nvidia-cuda-nvrtc"):
+        assert not attend_cuda._device_runs(0, 64, 2)
 
 
 @cuda
@@ -182,6 +229,7 @@ def test_close_to_the_triton_kernel(monkeypatch):
     query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows(group=4,
                                                                                head_dim=128)
     args = (query, keys, values, table, seq_lens, page_lists, page_counts)
+    monkeypatch.setattr(attend_module, "IMPLEMENTATION", "triton")
     triton_out = moira.attend(*args, config=SMALL_SPLIT)
     monkeypatch.setattr(attend_module, "IMPLEMENTATION", "cuda")
     cuda_out = moira.attend(*args, config=SMALL_SPLIT)

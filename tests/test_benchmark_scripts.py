@@ -580,16 +580,17 @@ def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
     assert bench.config_fields("moira_c0") is None and bench.config_fields("moira") is None
     # Attend's page ids a tile ahead: the default configuration under other module constants
     assert bench.config_fields("moira_ahead13") == {}
-    assert bench.attend_settings("moira_ahead13") == dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=1,
-                                                          NUM_STAGES=3)
-    assert bench.attend_settings("moira_ahead13w8") == dict(PAGE_IDS_AHEAD=True, PAGES_PER_ITER=1,
-                                                            NUM_STAGES=3, NUM_WARPS=8)
+    triton = dict(IMPLEMENTATION="triton")  # the option is the Triton kernel's
+    assert bench.attend_settings("moira_ahead13") == triton | dict(
+        PAGE_IDS_AHEAD=True, PAGES_PER_ITER=1, NUM_STAGES=3)
+    assert bench.attend_settings("moira_ahead13w8") == triton | dict(
+        PAGE_IDS_AHEAD=True, PAGES_PER_ITER=1, NUM_STAGES=3, NUM_WARPS=8)
     assert bench.attend_settings("moira_c12") == {} and bench.config_fields("moira_ahead3") is None
     assert bench.config_fields("moira_ahead13w5") is None
     # both: the floor in the workspace's configuration, the page ids in Attend's constants
     assert bench.config_fields("moira_c32_ahead14") == {"chunk_pages": 32}
-    assert bench.attend_settings("moira_c32_ahead14") == dict(PAGE_IDS_AHEAD=True,
-                                                              PAGES_PER_ITER=1, NUM_STAGES=4)
+    assert bench.attend_settings("moira_c32_ahead14") == triton | dict(
+        PAGE_IDS_AHEAD=True, PAGES_PER_ITER=1, NUM_STAGES=4)
     assert bench.config_fields("moira_ahead13_c32") is None
     # on vLLM's packed K|V caches, alone or before the options
     assert bench.config_fields("moira_packed") == {} and bench.cache_layout("moira_packed") \
@@ -606,8 +607,13 @@ def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
     assert bench.attend_settings("moira_cuda3") == dict(IMPLEMENTATION="cuda", CUDA_STAGES=3)
     assert bench.config_fields("moira_packed_hnd_c32_cuda4") == {"chunk_pages": 32}
     assert bench.attend_settings("moira_packed_hnd_c32_cuda4")["CUDA_STAGES"] == 4
+    # the Triton Attend (the default until session 36), alone or after a layout and a floor
+    assert bench.config_fields("moira_triton") == {}
+    assert bench.attend_settings("moira_triton") == triton
+    assert bench.config_fields("moira_packed_c32_triton") == {"chunk_pages": 32}
+    assert bench.attend_settings("moira_packed_c32_triton") == triton
     for unknown in ("moira_cuda", "moira_cuda5", "moira_cuda3_ahead13", "moira_ahead13_cuda3",
-                    "moira_cuda3w", "moira_cuda3w4"):
+                    "moira_cuda3w", "moira_cuda3w4", "moira_triton_cuda2", "moira_triton2"):
         assert bench.config_fields(unknown) is None and bench.attend_settings(unknown) == {}
     from moira.kernels import attend as attend_module
     default = (attend_module.PAGE_IDS_AHEAD, attend_module.NUM_STAGES)
@@ -805,19 +811,24 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
     assert text.splitlines()[2].endswith("| 5.02 | +0.4% | **+0.4%** |")
 
 
-def test_tpot_report_refuses_a_pairs_plot_at_the_batch_shapes(tmp_path, monkeypatch, capsys):
+def test_tpot_report_plots_pairs_at_the_batch_shapes(tmp_path, monkeypatch, capsys):
+    """--pairs --plot at batch shapes: each arm's TPOT against its pair's dense engine, no 2%
+    bar (batch 1's); the kernel-settings arm a bar of its own."""
     report = load("tpot_report")
-    for name, backend, tpot in (("dense", "dense", 12.9), ("moira", "moira", 9.4)):
-        run = dict(model="llama-3.1-8b", gamma=0.98, backend=backend,
+    for name, tpot, settings in (("dense", 12.9, None), ("moira", 9.4, None),
+                                 ("kern", 9.3, {"attend.IMPLEMENTATION": "cuda"})):
+        run = dict(model="llama-3.1-8b", gamma=0.98, backend=name if name == "dense" else "moira",
+                   kernel_settings=settings,
                    results=[dict(shape="8k32", tpot_ms=tpot, imposed_read_fraction=0.42)])
         (tmp_path / f"{name}.json").write_text(json.dumps(run))
+    _, cells, present = report.short_pair_cells([report.load([str(tmp_path)])], report.SHAPES)
+    assert [arm for arm, _ in present] == [0.98, "kern"]
+    assert cells[("llama-3.1-8b", "8k32", "kern")] == [(9.3, pytest.approx(9.3 / 12.9 - 1))]
     monkeypatch.setattr(sys, "argv", ["tpot_report.py", "--pairs", str(tmp_path), "--plot",
                                       str(tmp_path / "pairs.png")])
-    with pytest.raises(SystemExit) as exit_info:
-        report.main()
-    assert exit_info.value.code == 2
-    assert "short shapes (batch 1 to 4) only" in capsys.readouterr().err
-    assert not (tmp_path / "pairs.png").exists()
+    report.main()
+    assert "| 1.39× | **1.39×** |" in capsys.readouterr().out
+    assert (tmp_path / "pairs.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_split_report_applies_the_batch_1_rule_to_the_mean_of_the_runs(tmp_path):

@@ -75,19 +75,23 @@ EVEN_CHUNKS = False
 # unchanged. A program's rate matters only in grids smaller than the GPU (C = 32 at 8k x 32:
 # 4 stages 6.5% faster). Off
 PAGE_IDS_AHEAD = False
-# "triton" (this file's kernel) or "cuda" (attend_cuda.cu: the same program with CUDA_STAGES
-# pages' K and V in flight by cp.async, each warp copying the tokens it computes; built by
-# NVRTC on first use). Why: Triton keeps one K/V tile per program in flight and none while it
-# computes, and FlashInfer's pipelined decode kernel is 4-11% faster at equal row lengths.
-# Timed (bench_kernels.py's moira_cuda<S> arms): +6 to +30% as first built and +3 to +10%
-# with its copies rewritten (session 33); with the tiles swizzled, copies by warp and the next
-# page's copy issued before the current page is computed (session 34, 2 stages): -0.0 to
-# -2.1% at CV 0, -1.3 to -4.9% on spreads, within 0.3% on all pages (ncu at 32k x 16: 123.8
-# against 131.2 us, no excessive shared wavefronts, 1% excessive L2 sectors). Session 35
-# (NVRTC build, two runs on one host): -2.3 to +0.6% at CV 0, -1.4 to -4.9% on spreads and
-# real-like lists, flat in spread where Triton is not. "triton" until an engine pair (TPOT)
-# and vllm_checks.py with "cuda" say it is no worse in vLLM
-IMPLEMENTATION = "triton"
+# "auto" (the default), "triton" (this file's kernel) or "cuda" (attend_cuda.cu: the same
+# program with CUDA_STAGES pages' K and V in flight by cp.async, each warp copying the tokens it
+# computes; built by NVRTC on first use). "auto" runs "cuda" where it can (CUDA tensors on
+# sm_80+, bfloat16, head_dim 64 / 128, G <= 16, 16-byte aligned strides, NVRTC found, this
+# file's options at their defaults, schedule "rows") and "triton" elsewhere (the CPU's
+# interpreter, float16, other head dims, the balanced schedule); "cuda" refuses what it cannot
+# run. Why: Triton keeps one K/V tile per program in flight and none while it computes, and
+# FlashInfer's pipelined decode kernel is 4-11% faster at equal row lengths. Timed
+# (bench_kernels.py's moira_cuda<S> arms): +6 to +30% as first built, +3 to +10% with its
+# copies rewritten (session 33); with the tiles swizzled, copies by warp and the next page's
+# copy issued before the current page is computed (session 34, 2 stages): -0.0 to -2.1% at
+# CV 0, -1.3 to -4.9% on spreads. Session 35 (NVRTC build, two runs on one host): -2.3 to
+# +0.6% at CV 0, -1.4 to -4.9% on spreads and real-like lists, flat in spread where Triton is
+# not. Session 36, in vLLM (tpot_pairs.sh, Llama-3.1-8B geometry, gamma 0.98): TPOT -1.3 /
+# -1.1 / -1.0 / -1.6% at 8k x 32, 16k x 32, 32k x 16, 130k x 4, and vllm_checks.py as close
+# to exact as Triton (no element over one bf16 ulp at its head's scale); "auto" since then
+IMPLEMENTATION = "auto"
 # pages in flight per CUDA program (2-4; shared memory allows 3 / 2 / 1 programs per SM at
 # D = 128). Session 34: 2 stages beat 3 on spreads by 2-5% and tied at CV 0 (3 ahead at
 # 16k x 32 only, by 2%); 4 was 24-41% slower in session 33
@@ -299,6 +303,25 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
         tl.store(partial_lse + slot, lse, mask=groups < GROUP)
 
 
+def implementation(query, key_cache, value_cache):
+    """The Attend that runs a call, "triton" or "cuda": ``IMPLEMENTATION`` with "auto" resolved
+    (a ValueError for an unknown name, or for "cuda" with an option only Triton has)."""
+    if IMPLEMENTATION not in ("auto", "triton", "cuda"):
+        raise ValueError(f"attend.IMPLEMENTATION must be 'auto', 'triton' or 'cuda', got "
+                         f"{IMPLEMENTATION!r}")
+    triton_only = dict(PAGE_IDS_AHEAD=PAGE_IDS_AHEAD, FA3_TILE_ORDER=FA3_TILE_ORDER,
+                       EVEN_CHUNKS=EVEN_CHUNKS, SUM_ROUNDED_WEIGHTS=not SUM_ROUNDED_WEIGHTS)
+    if IMPLEMENTATION == "cuda" and any(triton_only.values()):
+        raise ValueError(f"attend.IMPLEMENTATION = 'cuda' has none of the Triton kernel's "
+                         f"options: set {', '.join(k for k, v in triton_only.items() if v)} "
+                         f"back to the default, or use 'triton' or 'auto'")
+    if IMPLEMENTATION == "auto":
+        runs = not any(triton_only.values()) and attend_cuda.runs(
+            query, key_cache, value_cache, CUDA_STAGES)
+        return "cuda" if runs else "triton"
+    return IMPLEMENTATION
+
+
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
            scale, chunk_floor, chunks_per_row, out, partial_out, partial_lse, step_rows=0,
            step_programs=0, programmatic_launch=False):
@@ -309,13 +332,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    if IMPLEMENTATION == "cuda":
-        others = dict(PAGE_IDS_AHEAD=PAGE_IDS_AHEAD, FA3_TILE_ORDER=FA3_TILE_ORDER,
-                      EVEN_CHUNKS=EVEN_CHUNKS, SUM_ROUNDED_WEIGHTS=not SUM_ROUNDED_WEIGHTS)
-        if any(others.values()):
-            raise ValueError(f"attend.IMPLEMENTATION = 'cuda' has none of the Triton kernel's "
-                             f"options: set {', '.join(k for k, v in others.items() if v)} "
-                             f"back to the default, or use 'triton'")
+    if implementation(query, key_cache, value_cache) == "cuda":
         return attend_cuda.attend(
             query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
             qk_scale_log2=scale * math.log2(math.e), chunk_floor=chunk_floor,
@@ -323,9 +340,6 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
             partial_lse=partial_lse, step_rows=step_rows, step_programs=step_programs,
             short_pages=short_row_pages(chunk_floor, step_rows, step_programs),
             stages=CUDA_STAGES, build_only=launch.building_only())
-    if IMPLEMENTATION != "triton":
-        raise ValueError(f"attend.IMPLEMENTATION must be 'triton' or 'cuda', got "
-                         f"{IMPLEMENTATION!r}")
     launch.on(_attend_kernel, (batch * num_kv_heads, chunks_per_row))(
         query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
         out, partial_out, partial_lse,

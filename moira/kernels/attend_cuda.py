@@ -4,10 +4,10 @@ compiled extension, no CUDA toolkit and no package beyond torch (whose CUDA buil
 ``libnvrtc``, the ``nvidia-cuda-nvrtc`` wheel).
 
 The kernel is Attend's Triton kernel with a deeper K/V pipeline (the .cu file says why); the
-same plan, partials and outputs, so Merge and the rest of the step are unchanged. A tuning
-option, off by default; it covers the default Attend only (``PAGES_AHEAD``,
-``FA3_TILE_ORDER``, ``EVEN_CHUNKS``, float32 weight sums and the balanced schedule are the
-Triton kernel's).
+same plan, partials and outputs, so Merge and the rest of the step are unchanged. It runs by
+default where it can (``attend.IMPLEMENTATION = "auto"``, ``runs``); it covers the default
+Attend only (``PAGE_IDS_AHEAD``, ``FA3_TILE_ORDER``, ``EVEN_CHUNKS``, float32 weight sums and
+the balanced schedule are the Triton kernel's).
 
 The binary (a cubin for the GPU's architecture) is cached under ``$MOIRA_CACHE_DIR`` (default
 ``~/.cache/moira``), keyed by the source, the options and NVRTC's version. Build it before a
@@ -22,6 +22,7 @@ import hashlib
 import os
 import sys
 import tempfile
+import warnings
 
 import torch
 
@@ -298,6 +299,33 @@ def check_inputs(query, key_cache, value_cache, head_dim, group, stages):
             raise ValueError(f"attend.IMPLEMENTATION = 'cuda' needs {name} aligned to "
                              f"{2 * unit} bytes in every stride (strides {tensor.stride()}): "
                              f"use 'triton'")
+
+
+def runs(query, key_cache, value_cache, stages):
+    """Whether this kernel can run a call (``attend.IMPLEMENTATION = "auto"``): False for what
+    ``check_inputs`` or ``kernel`` would refuse, and where no libnvrtc is found (warned once)."""
+    num_kv_heads, head_dim = key_cache.shape[2], query.shape[2]
+    try:
+        check_inputs(query, key_cache, value_cache, head_dim, query.shape[1] // num_kv_heads,
+                     stages)
+    except ValueError:
+        return False
+    return _device_runs(query.device.index if query.device.index is not None
+                        else torch.cuda.current_device(), head_dim, stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_runs(device_index, head_dim, stages):
+    properties = torch.cuda.get_device_properties(device_index)
+    if properties.major < 8 or shared_bytes(head_dim, stages) > \
+            properties.shared_memory_per_block_optin:
+        return False
+    if nvrtc_library() is None:
+        warnings.warn("Moira's CUDA Attend needs libnvrtc (pip install nvidia-cuda-nvrtc; "
+                      "torch's CUDA builds bring it) and none was found: Attend runs its "
+                      "Triton kernel, 1-5% slower", RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,

@@ -146,9 +146,9 @@ def attend_balanced(query, key_cache, value_cache, block_table, seq_lens, page_l
                     page_counts, *, scale, min_pages, programs, out, partial_out, partial_lse):
     """Launch ``programs`` programs over all rows' pages. ``partial_out``
     ``[>= (programs + rows) * G * D]`` and ``partial_lse`` ``[>= (programs + rows) * G]``."""
-    if attend_module.IMPLEMENTATION != "triton":  # the CUDA Attend runs the rows schedule
+    if attend_module.IMPLEMENTATION == "cuda":  # the CUDA Attend runs the rows schedule
         raise ValueError("attend.IMPLEMENTATION = 'cuda' runs with schedule='rows': set "
-                         "MoiraConfig.schedule='rows' or use 'triton'")
+                         "MoiraConfig.schedule='rows' or use 'auto' or 'triton'")
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
