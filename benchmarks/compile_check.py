@@ -23,8 +23,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moira.kernels import (attend, attend_cuda, estimate, imposed, merge, select,  # noqa: E402
-                           summarize)
+from moira.kernels import (attend, attend_cuda, cuda_build, estimate,  # noqa: E402
+                           estimate_cuda, imposed, merge, select, summarize)
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -200,26 +200,29 @@ def main():
 
 
 def build_cuda():
-    """attend_cuda.cu's kernels (``attend.IMPLEMENTATION = "cuda"``) built by NVRTC for sm_90,
-    with ptxas' report per kernel (registers, spilled bytes, shared memory of the launch);
-    nothing where no libnvrtc is found. Returns the kernels that spill."""
-    if attend_cuda.nvrtc_library() is None:
-        print("attend (CUDA)                            skipped: no libnvrtc", flush=True)
+    """The CUDA kernels (``attend_cuda.cu``, ``estimate_cuda.cu``: ``IMPLEMENTATION = "cuda"``)
+    built by NVRTC for sm_90, with ptxas' report per kernel (registers, spilled bytes; Attend's
+    shared memory of the launch); nothing where no libnvrtc is found. Returns the kernels that
+    spill."""
+    if cuda_build.nvrtc_library() is None:
+        print("CUDA kernels                             skipped: no libnvrtc", flush=True)
         return []
-    with open(attend_cuda.SOURCE, "rb") as f:
-        _, log = attend_cuda.compile_cubin(f.read(), "90", ["--ptxas-options=-v"])
     spilled = []
-    # ptxas: "Compiling entry function 'NAME'", then its spills, then "Used N registers"
-    for name, spill, registers in re.findall(
-            r"entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers",
-            log, re.S):
-        head_dim, stages = (int(part) for part in
-                            re.fullmatch(r"moira_attend_d(\d+)_s(\d)", name).groups())
-        print(f"attend (CUDA) D={head_dim} {stages} stages   registers "
-              f"{registers}  spilled bytes {spill}  shared "
-              f"{attend_cuda.shared_bytes(head_dim, stages)}", flush=True)
-        if int(spill):
-            spilled.append(f"{name} (CUDA)")
+    for source in (attend_cuda.SOURCE, estimate_cuda.SOURCE):
+        with open(cuda_build.source_path(source), "rb") as f:
+            _, log = cuda_build.compile_cubin(f.read(), "90", ["--ptxas-options=-v"],
+                                              name=source)
+        # ptxas: "Compiling entry function 'NAME'", then its spills, then "Used N registers"
+        for name, spill, registers in re.findall(
+                r"entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers",
+                log, re.S):
+            attend_build = re.fullmatch(r"moira_attend_d(\d+)_s(\d)", name)
+            shared = (f"  shared {attend_cuda.shared_bytes(*map(int, attend_build.groups()))}"
+                      if attend_build else "")
+            print(f"{name} (CUDA)   registers {registers}  spilled bytes {spill}{shared}",
+                  flush=True)
+            if int(spill):
+                spilled.append(f"{name} (CUDA)")
     return spilled
 
 

@@ -24,6 +24,7 @@ import triton
 import moira
 from moira.kernels import attend as attend_module
 from moira.kernels import estimate as estimate_module
+from moira.kernels import estimate_cuda
 from moira.kernels import select as select_module
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -34,9 +35,10 @@ SHAPES = [(8192, 32), (32768, 16), (65536, 8), (131072, 4)]
 EXTRA_SHAPES = [(16384, 32)]  # timed only when named in --shapes (256-page rows: Select's warps)
 PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # --kinds ("exact": Estimate's exact-page forms alone; "registers": Estimate's and Attend's
-# register ceilings; "query": Estimate's query of the next head loaded ahead)
-KINDS = ("estimate", "exact", "registers", "query", "select", "attend", "tiles", "balanced",
-         "fractions", "step", "wide")
+# register ceilings; "query": Estimate's query of the next head loaded ahead; "cuda":
+# Estimate in CUDA C++ at several grid sizes, checked against the Triton kernel first)
+KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
+         "balanced", "fractions", "step", "wide")
 
 
 def bench(fn):
@@ -153,6 +155,27 @@ def main():
         for exact in ["chained", "side by side"] * 2 \
                 if kinds & {"estimate", "exact"} else []:
             time_estimate(f"exact pages {exact}", EXACT_PAGES=exact)
+
+        # Estimate in CUDA C++ (estimate.IMPLEMENTATION = "cuda", session 36): its log-masses
+        # against the Triton kernel's on this shape's first copy, then timed at several grids
+        # (estimate_cuda.TARGET_PROGRAMS) between two timings of the Triton default
+        if "cuda" in kinds:
+            copy, rolled = rotation[0]
+            outputs = {}
+            for implementation in ("triton", "cuda"):
+                masses = torch.full_like(log_masses, float("nan"))
+                with patched(estimate_module, IMPLEMENTATION=implementation):
+                    estimate_module.estimate(query, keys, copy, rolled, seq_lens, scale, masses)
+                outputs[implementation] = masses[..., :pages]
+            difference = (outputs["cuda"] - outputs["triton"]).abs().max().item()
+            record("check", shape, f"cuda - triton max |log-mass| {difference:.2e}", 0.0)
+            if not difference < 1e-3:  # NaN too: a page one of them did not write
+                raise SystemExit(f"the CUDA Estimate differs from Triton's by {difference}")
+            for label, cuda_programs in [("default", None)] + [
+                    (f"cuda programs={n}", n) for n in (330, 660, 1320, 2640)] + [
+                    ("default again", None)]:
+                with patched(estimate_cuda, TARGET_PROGRAMS=cuda_programs or 660):
+                    time_estimate(label, **({"IMPLEMENTATION": "cuda"} if cuda_programs else {}))
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)

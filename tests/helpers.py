@@ -1,5 +1,7 @@
 """Shared builders and the flash-attention tolerance rule."""
 
+import ctypes
+
 import torch
 
 from moira import MoiraConfig
@@ -67,3 +69,30 @@ def assert_attention_close(out, out_ref, out_lowp):
     error = (out.float() - out_ref).abs().max().item()
     baseline = (out_lowp.float() - out_ref).abs().max().item()
     assert error <= 2 * baseline + atol, f"error {error:.3e} > 2 x bf16 reference {baseline:.3e}"
+
+
+C_TYPES = {ctypes.c_int64: "long long", ctypes.c_int: "int", ctypes.c_float: "float"}
+
+
+def struct_mirror_checks(params, extra_fields=0):
+    """C++20 lines, to append to a kernel's .cu, that compile only if its ``Params`` has the
+    ctypes mirror ``params``' size, field names in order (designated initializers must follow
+    the declaration order), field types (pointers as pointers) and exactly its number of
+    fields plus ``extra_fields`` (an aggregate initializer with one value per field). Names,
+    order and types fix the offsets (both sides follow the platform's C layout);
+    ``__builtin_offsetof`` is not used: NVRTC 13.0 does not know it."""
+    fields = params._fields_
+    checks = ["template <class A, class B> struct same { static constexpr bool value = false; };",
+              "template <class A> struct same<A, A> { static constexpr bool value = true; };",
+              "template <class A> struct pointer { static constexpr bool value = false; };",
+              "template <class A> struct pointer<A*> { static constexpr bool value = true; };",
+              f'static_assert(sizeof(Params) == {ctypes.sizeof(params)}, "size");']
+    for name, kind in fields:
+        test = (f"pointer<decltype(Params::{name})>" if kind is ctypes.c_void_p
+                else f"same<decltype(Params::{name}), {C_TYPES[kind]}>")
+        checks.append(f'static_assert({test}::value, "type of {name}");')
+    values = ["nullptr" if kind is ctypes.c_void_p else "0" for _, kind in fields]
+    designated = ", ".join(f".{name} = {value}" for (name, _), value in zip(fields, values))
+    checks.append(f"__device__ Params in_order{{{designated}}};")
+    checks.append(f"__device__ Params every_field{{{', '.join(values + ['0'] * extra_fields)}}};")
+    return checks

@@ -3,19 +3,18 @@ reference: GPU only, except the struct mirror and the build (they need libnvrtc)
 refusals. (List entries outside the block table: test_attend.py's test, with this
 implementation as a case.)"""
 
-import ctypes
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import DEVICE, SMALL_SPLIT, make_cache, make_query, make_table
+from helpers import (DEVICE, SMALL_SPLIT, make_cache, make_query, make_table,
+                     struct_mirror_checks)
 from test_attend import check_attend, mixed_rows, poison_unread_slots, random_lists
 
 import moira
 from moira import MoiraConfig
 from moira.kernels import attend as attend_module
-from moira.kernels import attend_cuda
+from moira.kernels import attend_cuda, cuda_build
 
 cuda = pytest.mark.cuda
 
@@ -26,33 +25,13 @@ def cuda_attend(monkeypatch):
     return monkeypatch
 
 
-needs_nvrtc = pytest.mark.skipif(attend_cuda.nvrtc_library() is None, reason="needs libnvrtc")
-
-
-C_TYPES = {ctypes.c_int64: "long long", ctypes.c_int: "int", ctypes.c_float: "float"}
+needs_nvrtc = pytest.mark.skipif(cuda_build.nvrtc_library() is None, reason="needs libnvrtc")
 
 
 def mirror_checks(extra_fields=0):
-    """C++20 that compiles only if the kernel's ``Params`` has ``attend_cuda.Params``' size,
-    field names in order (designated initializers must follow the declaration order), field
-    types (pointers as pointers) and exactly its number of fields plus ``extra_fields`` (an
-    aggregate initializer with one value per field), and ``shared_bytes`` the launch's values.
-    Names, order and types fix the offsets (both sides follow the platform's C layout);
-    ``__builtin_offsetof`` is not used: NVRTC 13.0 does not know it."""
-    fields = attend_cuda.Params._fields_
-    checks = ["template <class A, class B> struct same { static constexpr bool value = false; };",
-              "template <class A> struct same<A, A> { static constexpr bool value = true; };",
-              "template <class A> struct pointer { static constexpr bool value = false; };",
-              "template <class A> struct pointer<A*> { static constexpr bool value = true; };",
-              f'static_assert(sizeof(Params) == {ctypes.sizeof(attend_cuda.Params)}, "size");']
-    for name, kind in fields:
-        test = (f"pointer<decltype(Params::{name})>" if kind is ctypes.c_void_p
-                else f"same<decltype(Params::{name}), {C_TYPES[kind]}>")
-        checks.append(f'static_assert({test}::value, "type of {name}");')
-    values = ["nullptr" if kind is ctypes.c_void_p else "0" for _, kind in fields]
-    designated = ", ".join(f".{name} = {value}" for (name, _), value in zip(fields, values))
-    checks.append(f"__device__ Params in_order{{{designated}}};")
-    checks.append(f"__device__ Params every_field{{{', '.join(values + ['0'] * extra_fields)}}};")
+    """``struct_mirror_checks`` of ``attend_cuda.Params``, and ``shared_bytes`` the launch's
+    values."""
+    checks = struct_mirror_checks(attend_cuda.Params, extra_fields)
     checks += [f"static_assert(shared_bytes({d}, {s}) == {attend_cuda.shared_bytes(d, s)}, "
                f'"shared_bytes({d}, {s})");' for d in attend_cuda.HEAD_DIMS for s in (2, 3, 4)]
     return "\n".join(checks).encode()
@@ -65,12 +44,12 @@ def test_params_mirror_the_kernels_struct():
     static_asserts and initializers of the mirror compiles only if they hold (a field added,
     removed, retyped or reordered on one side only would pass the kernel garbage, and a launch
     with less shared memory than its layout would write past it)."""
-    with open(attend_cuda.SOURCE, "rb") as f:
+    with open(cuda_build.source_path(attend_cuda.SOURCE), "rb") as f:
         source = f.read()
 
     def compile_checked(kernel_source, extra_fields=0):
         checked = kernel_source + b"\n" + mirror_checks(extra_fields)
-        return attend_cuda.compile_cubin(checked, "90", ["-std=c++20"])
+        return cuda_build.compile_cubin(checked, "90", ["-std=c++20"])
 
     compile_checked(source)
     with pytest.raises(RuntimeError, match="too many initializer"):
@@ -86,26 +65,6 @@ def test_params_mirror_the_kernels_struct():
     assert swapped != source
     with pytest.raises(RuntimeError, match="out-of-order initializers"):
         compile_checked(swapped)
-
-
-@needs_nvrtc
-def test_build_is_cached_by_source(tmp_path, monkeypatch):
-    """One NVRTC build per source, architecture and NVRTC version: the second call reads the
-    cached cubin, and a changed source is built anew."""
-    monkeypatch.setenv("MOIRA_CACHE_DIR", str(tmp_path / "cache"))
-    image = attend_cuda.build("90")
-    assert image[:4] == b"\x7fELF" and b"moira_attend_d128_s2" in image
-    assert len(os.listdir(tmp_path / "cache")) == 1
-    compile_cubin = attend_cuda.compile_cubin
-    monkeypatch.setattr(attend_cuda, "compile_cubin", None)  # a second build would fail
-    assert attend_cuda.build("90") == image
-    changed = tmp_path / "attend_cuda.cu"
-    with open(attend_cuda.SOURCE) as f:
-        changed.write_text(f.read() + "\n// changed\n")
-    monkeypatch.setattr(attend_cuda, "SOURCE", str(changed))
-    monkeypatch.setattr(attend_cuda, "compile_cubin", compile_cubin)
-    attend_cuda.build("90")
-    assert len(os.listdir(tmp_path / "cache")) == 2
 
 
 def test_refusals_name_the_fix(cuda_attend):
@@ -133,7 +92,7 @@ def test_auto_runs_the_cuda_attend_where_it_can(monkeypatch):
     with the Triton kernel's options at their defaults, and to the Triton kernel for the CPU,
     float16, D = 96 or one of its options; "cuda" with such an option is refused."""
     assert attend_module.IMPLEMENTATION == "auto"
-    on_gpu = DEVICE == "cuda" and attend_cuda.nvrtc_library() is not None
+    on_gpu = DEVICE == "cuda" and cuda_build.nvrtc_library() is not None
     for head_dim in (64, 128):
         query, keys, values, *_ = mixed_rows(head_dim=head_dim)
         assert attend_module.implementation(query, keys, values) == ("cuda" if on_gpu
@@ -162,13 +121,13 @@ def fake_gpu(monkeypatch):
 def test_auto_needs_sm80_the_shared_memory_and_nvrtc(monkeypatch, fake_gpu):
     """Where "auto" cannot build or launch the CUDA Attend it takes the Triton kernel: a GPU
     older than sm_80, too little shared memory for the stages, no libnvrtc (warned)."""
-    monkeypatch.setattr(attend_cuda, "nvrtc_library", lambda: "libnvrtc.so.13")
+    monkeypatch.setattr(cuda_build, "nvrtc_library", lambda: "libnvrtc.so.13")
     assert attend_cuda._device_runs(0, 128, 2)
     assert not attend_cuda._device_runs(0, 128, 4)  # 131 KB of stages, 100 KB allowed
     fake_gpu.major = 7
     assert not attend_cuda._device_runs(0, 64, 2)
     fake_gpu.major = 9
-    monkeypatch.setattr(attend_cuda, "nvrtc_library", lambda: None)
+    monkeypatch.setattr(cuda_build, "nvrtc_library", lambda: None)
     attend_cuda._device_runs.cache_clear()  # its answers are per GPU, and this one changed
     with pytest.warns(RuntimeWarning, match="nvidia-cuda-nvrtc"):
         assert not attend_cuda._device_runs(0, 64, 2)

@@ -1241,7 +1241,10 @@ def test_vllm_tpot_kernel_settings_are_checked(monkeypatch):
     assert tpot.parse_kernel_settings(parser, ["attend.IMPLEMENTATION=cuda",
                                                "attend.CUDA_STAGES=4"]) \
         == {"attend.IMPLEMENTATION": "cuda", "attend.CUDA_STAGES": 4}
-    for bad in ("estimate.TILE_STAGES=2", "estimate.NEXT_TILE_AHEAD=1",
+    assert tpot.parse_kernel_settings(parser, ["estimate.IMPLEMENTATION=cuda",
+                                               "estimate_cuda.TARGET_PROGRAMS=1320"]) \
+        == {"estimate.IMPLEMENTATION": "cuda", "estimate_cuda.TARGET_PROGRAMS": 1320}
+    for bad in ("estimate.TILE_STAGES=2", "estimate.IMPLEMENTATION=fast", "estimate.NEXT_TILE_AHEAD=1",
                 "select.SHARES_IN_CHUNKS_FROM=1024", "estimate.MAX_REGISTERS=many",
                 "MAX_REGISTERS=96",
                 "merge.NUM_WARPS=4", "attend.NUM_WARPS", "attend.IMPLEMENTATION=cutlass",

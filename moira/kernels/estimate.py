@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..config import PAGE_SIZE
-from . import launch
+from . import estimate_cuda, launch
 from .summarize import summarize_page
 
 # tuned on the H200 (benchmarks/NOTES.md)
@@ -85,6 +85,26 @@ EXACT_FORMS = ("chained", "side by side")
 # Timed (session 26, tune_kernels.py --kinds query): 3% faster at 8k x 32, 7% at 32k x 16 to
 # 128k x 4 (19.1 -> 17.9 us there). Off: each head's query loaded as its turn comes
 QUERY_HEAD_AHEAD = True
+# "triton" (this file's kernel), "cuda" (estimate_cuda.cu: the same step, with each warp's
+# summary loads all in flight at once and pages summed over lanes by shuffles; bfloat16,
+# head_dim 64 / 128, G <= 8) or "auto" ("cuda" where it can run, else "triton", as Attend's
+# IMPLEMENTATION). Why: this kernel is latency-bound at about twice its bytes' time (NOTES,
+# sessions 25-26, 34). Built and tested on the CPU in session 36 (NVRTC: 86 registers at
+# G = 4, no spill); not yet run on a GPU, so "triton" (this file's options, QUERY_HEAD_AHEAD,
+# EXACT_PAGES, the register ceiling, TARGET_PROGRAMS, are the Triton kernel's)
+IMPLEMENTATION = "triton"
+
+
+def implementation(query, key_cache, summaries, block_table, seq_lens, new_kv):
+    """The Estimate that runs a call, "triton" or "cuda": ``IMPLEMENTATION`` with "auto"
+    resolved (a ValueError for an unknown name)."""
+    if IMPLEMENTATION not in ("auto", "triton", "cuda"):
+        raise ValueError(f"estimate.IMPLEMENTATION must be 'auto', 'triton' or 'cuda', got "
+                         f"{IMPLEMENTATION!r}")
+    if IMPLEMENTATION == "auto":
+        runs = estimate_cuda.runs(query, key_cache, summaries, block_table, seq_lens, new_kv)
+        return "cuda" if runs else "triton"
+    return IMPLEMENTATION
 
 
 def max_registers(group):
@@ -286,6 +306,10 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     decode step needs no separate cache-write launch."""
     if EXACT_PAGES not in EXACT_FORMS:
         raise ValueError(f"estimate.EXACT_PAGES is {EXACT_PAGES!r}: use one of {EXACT_FORMS}")
+    if implementation(query, key_cache, summaries, block_table, seq_lens, new_kv) == "cuda":
+        return estimate_cuda.estimate(query, key_cache, summaries, block_table, seq_lens, scale,
+                                      log_masses, dense_below_pages, new_kv,
+                                      build_only=launch.building_only())
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads

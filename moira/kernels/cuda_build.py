@@ -1,0 +1,239 @@
+"""CUDA C++ kernels built at run time: NVRTC compiles a ``.cu`` file of this folder for the
+GPU's architecture (cached on disk), and the CUDA driver API (ctypes) loads and launches it.
+So a CUDA kernel needs no compiled extension, no CUDA toolkit and no package beyond torch, whose
+CUDA builds install ``libnvrtc`` (the ``nvidia-cuda-nvrtc`` wheel). Used by ``attend_cuda``
+and ``estimate_cuda``.
+
+The binaries (cubins) are cached under ``$MOIRA_CACHE_DIR`` (default ``~/.cache/moira``), keyed
+by the source, the architecture and NVRTC's version. Build a kernel before a CUDA graph is
+captured (a warm-up step does): a module cannot be loaded while a stream captures.
+"""
+
+import ctypes
+import functools
+import glob
+import hashlib
+import os
+import sys
+import tempfile
+
+import torch
+
+def nvrtc_library():
+    """The path or name of a loadable libnvrtc, or None: the ``nvidia-cuda-nvrtc`` wheel's (the
+    one of torch's CUDA version first), else a CUDA toolkit's ($CUDA_HOME, /usr/local/cuda, the
+    loader's path)."""
+    folders = [os.path.join(folder, "nvidia", "*", "lib") for folder in sys.path
+               if os.path.isabs(folder)]  # not "": the working directory
+    folders += [os.path.join(root, "lib64") for root in (os.environ.get("CUDA_HOME"),
+                                                        "/usr/local/cuda") if root]
+    found = [path for folder in folders
+             for path in sorted(glob.glob(os.path.join(folder, "libnvrtc.so.*")))]
+    major = (torch.version.cuda or "").split(".")[0]
+    found.sort(key=lambda path: not path.endswith(f".so.{major}"))  # stable: torch's first
+    for candidate in found + [f"libnvrtc.so.{major}"] * bool(major) + ["libnvrtc.so"]:
+        try:
+            ctypes.CDLL(candidate)
+        except OSError:
+            continue
+        return candidate
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _nvrtc():
+    """libnvrtc's entry points used here, typed (nvrtcResult is an int)."""
+    library = nvrtc_library()
+    if library is None:
+        raise RuntimeError("Moira's CUDA kernels are built by NVRTC, and no libnvrtc was "
+                           "found: pip install nvidia-cuda-nvrtc (torch's CUDA builds bring "
+                           "it), or set the kernel's IMPLEMENTATION to 'triton'")
+    # NVRTC dlopens its builtins library by name, and 13.0's wheel does not find it beside
+    # itself unless a CUDA build of torch has loaded it already: load it first
+    folder = os.path.dirname(library)  # "" for a name the loader resolves
+    for builtins in glob.glob(os.path.join(folder, "libnvrtc-builtins.so.*")) if folder else ():
+        try:
+            ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            pass  # then NVRTC's own lookup, whose failure compile_cubin reports
+    nvrtc = ctypes.CDLL(library)
+    program, size = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
+    for name, argtypes in (
+            ("nvrtcVersion", (ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int))),
+            ("nvrtcCreateProgram", (program, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
+                                    ctypes.c_void_p, ctypes.c_void_p)),
+            ("nvrtcCompileProgram", (ctypes.c_void_p, ctypes.c_int,
+                                     ctypes.POINTER(ctypes.c_char_p))),
+            ("nvrtcGetProgramLogSize", (ctypes.c_void_p, size)),
+            ("nvrtcGetProgramLog", (ctypes.c_void_p, ctypes.c_char_p)),
+            ("nvrtcGetCUBINSize", (ctypes.c_void_p, size)),
+            ("nvrtcGetCUBIN", (ctypes.c_void_p, ctypes.c_char_p)),
+            ("nvrtcDestroyProgram", (program,))):
+        function = getattr(nvrtc, name)
+        function.argtypes, function.restype = argtypes, ctypes.c_int
+    return nvrtc
+
+
+def nvrtc_version():
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return major.value, minor.value
+
+
+def compile_cubin(source, arch, options=(), name="moira.cu"):
+    """``(cubin, log)``: CUDA C++ ``source`` (bytes) compiled by NVRTC for ``sm_<arch>`` (e.g.
+    "90") with more NVRTC ``options`` (e.g. ``--ptxas-options=-v``, whose report is the
+    log); a RuntimeError with the log if it does not compile. ``name``: the file named in
+    NVRTC's messages."""
+    nvrtc, program = _nvrtc(), ctypes.c_void_p()
+    failed = nvrtc.nvrtcCreateProgram(ctypes.byref(program), source, name.encode(), 0,
+                                      None, None)
+    if failed:
+        raise RuntimeError(f"nvrtcCreateProgram failed: nvrtcResult {failed}")
+    try:
+        flags = [f"--gpu-architecture=sm_{arch}".encode()] + [o.encode() for o in options]
+        failed = nvrtc.nvrtcCompileProgram(program, len(flags),
+                                           (ctypes.c_char_p * len(flags))(*flags))
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(program, log)
+        log = log.value.decode(errors="replace")
+        if failed:
+            raise RuntimeError(f"NVRTC failed on {name} for sm_{arch}:\n{log}")
+        cubin = b""
+        if not nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size)):
+            buffer = ctypes.create_string_buffer(size.value)
+            if not nvrtc.nvrtcGetCUBIN(program, buffer):
+                cubin = buffer.raw
+        if not cubin.startswith(b"\x7fELF"):  # never cached: every later load would fail
+            raise RuntimeError(f"NVRTC returned no cubin for sm_{arch} (an architecture "
+                               f"this NVRTC cannot assemble?):\n{log}")
+        return cubin, log
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+def source_path(file_name):
+    """The path of a ``.cu`` file of this folder."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), file_name)
+
+
+def build(file_name, arch):
+    """The cubin of this folder's ``file_name`` (e.g. "attend_cuda.cu") for ``sm_<arch>``
+    (e.g. "90"): cached, else built."""
+    with open(source_path(file_name), "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(source + f"sm_{arch} nvrtc {nvrtc_version()}".encode()).hexdigest()
+    cache = os.environ.get("MOIRA_CACHE_DIR", os.path.expanduser("~/.cache/moira"))
+    stem = os.path.splitext(file_name)[0]
+    path = os.path.join(cache, f"{stem}-sm{arch}-{key[:16]}.cubin")
+    if not os.path.exists(path):
+        cubin, _ = compile_cubin(source, arch, name=file_name)
+        os.makedirs(cache, exist_ok=True)
+        handle, partial = tempfile.mkstemp(suffix=".cubin", dir=cache)
+        with os.fdopen(handle, "wb") as f:
+            f.write(cubin)
+        os.chmod(partial, 0o644)  # mkstemp's 0600 would shut other users out of a shared cache
+        os.replace(partial, path)  # atomic: concurrent builders each write a whole file
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@functools.lru_cache(maxsize=None)
+def driver():
+    """libcuda's entry points used here, typed (CUresult is an int; handles are pointers)."""
+    driver = ctypes.CDLL("libcuda.so.1")
+    handle, out, text, uint = (ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                               ctypes.c_char_p, ctypes.c_uint)
+    for name, argtypes in (
+            ("cuModuleLoadData", (out, text)),
+            ("cuDeviceGet", (ctypes.POINTER(ctypes.c_int), ctypes.c_int)),
+            ("cuDevicePrimaryCtxRetain", (out, ctypes.c_int)),
+            ("cuCtxGetCurrent", (out,)),
+            ("cuCtxSetCurrent", (handle,)),
+            ("cuDeviceGetAttribute", (ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int)),
+            ("cuModuleGetFunction", (out, handle, text)),
+            ("cuFuncSetAttribute", (handle, ctypes.c_int, ctypes.c_int)),
+            ("cuLaunchKernel", (handle, uint, uint, uint, uint, uint, uint, uint, handle,
+                                ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)),
+            ("cuGetErrorString", (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)))):
+        function = getattr(driver, name)
+        function.argtypes, function.restype = argtypes, ctypes.c_int
+    return driver
+
+
+def check(result, what):
+    if result:
+        text = ctypes.c_char_p()
+        driver().cuGetErrorString(result, ctypes.byref(text))
+        raise RuntimeError(f"{what} failed: CUDA error {result} "
+                           f"({(text.value or b'?').decode()})")
+
+
+@functools.lru_cache(maxsize=None)
+def device(device_index):
+    """The driver's handle (CUdevice) of a device ordinal."""
+    device = ctypes.c_int()
+    check(driver().cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
+    return device.value
+
+
+@functools.lru_cache(maxsize=None)
+def primary_context(device_index):
+    """The device's primary context (the one torch's runtime uses), retained once."""
+    context = ctypes.c_void_p()
+    check(driver().cuDevicePrimaryCtxRetain(ctypes.byref(context), device(device_index)),
+           "cuDevicePrimaryCtxRetain")
+    return context.value
+
+
+def make_current(device_index):
+    """Make the device's primary context current on this thread if it is not: the driver API
+    loads and launches in the calling thread's current context, which a thread that has not
+    used the runtime on this device lacks."""
+    context, current = primary_context(device_index), ctypes.c_void_p()
+    check(driver().cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+    if current.value != context:
+        check(driver().cuCtxSetCurrent(ctypes.c_void_p(context)), "cuCtxSetCurrent")
+
+
+@functools.lru_cache(maxsize=None)
+def module(device_index, file_name, arch):
+    """``file_name``'s module loaded on a device (once)."""
+    image = build(file_name, arch)
+    module = ctypes.c_void_p()
+    check(driver().cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
+    return module
+
+
+def function(device_index, file_name, name, dynamic_shared=0):
+    """The kernel ``name`` of ``file_name``'s module on a device (built and loaded on first
+    use, which must not be inside a CUDA graph capture), allowed ``dynamic_shared`` bytes of
+    dynamic shared memory."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"Moira's CUDA kernel {name} loads at its first launch, which must "
+                           f"not be inside a CUDA graph capture: run one step eagerly before "
+                           f"capturing")
+    major, minor = torch.cuda.get_device_capability(device_index)
+    with torch.cuda.device(device_index):
+        torch.cuda.init()
+        make_current(device_index)
+        loaded = module(device_index, file_name, f"{major}{minor}")
+        handle = ctypes.c_void_p()
+        check(driver().cuModuleGetFunction(ctypes.byref(handle), loaded, name.encode()),
+              f"cuModuleGetFunction({name})")
+        if dynamic_shared > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(driver().cuFuncSetAttribute(handle, 8, dynamic_shared), "cuFuncSetAttribute")
+    return handle
+
+
+def launch(handle, grid, threads, dynamic_shared, device, params):
+    """Launch a loaded kernel whose one argument is the ctypes structure ``params`` on the
+    current stream of ``device`` (a torch.device); captured like any launch on that stream."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    make_current(index)
+    arguments = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+    stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+    check(driver().cuLaunchKernel(handle, *grid, threads, 1, 1, dynamic_shared, stream,
+                                  arguments, None), "cuLaunchKernel")

@@ -1,0 +1,357 @@
+// Estimate in CUDA C++ (estimate.IMPLEMENTATION = "cuda"; built and launched by
+// estimate_cuda.py through cuda_build.py).
+//
+// The same step as estimate.py's Triton kernel and the same grid, (rows, 2 + J): program 1 of
+// a row writes this step's token into the cache and summarizes the current page when the
+// token filled it; programs 0 and 1 compute the sink's and the current page's log-masses
+// exactly from their keys; the J others share the row's tiles of middle pages and apply mvar
+// (Eq. 2) to their summaries. What differs is how an mvar program reads: each warp takes
+// LOADS pages per pass, every lane issuing one 16-byte load per page (lanes 0-15 of a page
+// the mean's 128 channels, 16-31 the variance's; two pages per load at D = 64), all LOADS in
+// flight at once, and the next tile's block-table entries load while this tile computes. A
+// lane's partial sums (LOADS pages x G heads, at most 32) are summed over the page's lanes by
+// a reduce-scatter of shuffles, which leaves each lane one (page, head) total to store. Why:
+// the Triton kernel is latency-bound (NOTES, sessions 25-26, 34: 28% occupancy, DRAM at 33%
+// of peak at 131k x 4, each program a chain of dependent loads), 2x its bytes' time.
+
+// No #include: NVRTC builds this file with torch's own libnvrtc, whose built-in headers lack
+// cuda_bf16.h, so a bf16 is handled as its 16 bits.
+
+namespace {
+
+typedef unsigned short bf16;  // a bfloat16's bits
+typedef unsigned int u32;
+typedef long long i64;
+
+constexpr int PAGE = 64;
+constexpr int WARPS = 4;
+constexpr int THREADS = 32 * WARPS;
+constexpr unsigned FULL = 0xffffffffu;
+constexpr float LOG_PAGE = 4.1588830833596715f;  // log(64): mvar's log |P|
+
+// mirrored field by field by estimate_cuda.Params (ctypes); strides in elements, the head
+// dim's stride 1
+struct Params {
+  const bf16* query;
+  bf16* key_cache;
+  bf16* summaries;
+  const int* block_table;
+  const int* seq_lens;
+  float* log_masses;
+  const bf16* new_keys;
+  const bf16* new_values;
+  bf16* value_cache;
+  const i64* slot_mapping;
+  i64 stride_qb, stride_qh;
+  i64 stride_kp, stride_kt, stride_kh;
+  i64 stride_sp, stride_sh, stride_ss;
+  i64 stride_bt, stride_lr, stride_lg;
+  i64 stride_knb, stride_knh, stride_vnb, stride_vnh;
+  i64 stride_vp, stride_vt, stride_vh;
+  int num_kv_heads, max_pages, group, dense_below_pages, mvar_programs, num_slots;
+  float scale;
+};
+
+__device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
+
+__device__ __forceinline__ float to_float(bf16 x) { return __uint_as_float(u32(x) << 16); }
+
+__device__ __forceinline__ bf16 to_bf16(float x) {  // round to nearest even
+  bf16 bits;
+  asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(bits) : "f"(x));
+  return bits;
+}
+
+// the 8 bf16 of a 16-byte load as floats (element 0 in the low half of word 0)
+__device__ __forceinline__ void unpack8(const uint4& v, float (&x)[8]) {
+  const u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    x[2 * i] = __uint_as_float(words[i] << 16);
+    x[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+
+// Request b's new key and value of KV head `head` into their slot (a negative slot, vLLM's
+// padding, is not written); the caller's barrier makes them visible to the block.
+template <int D>
+__device__ void write_new_token(const Params& p, int b, int head) {
+  if (b >= p.num_slots) return;
+  const i64 slot = p.slot_mapping[b];
+  if (slot < 0) return;
+  const i64 page = slot / PAGE;
+  const i64 offset = slot % PAGE;
+  for (int d = threadIdx.x; d < D; d += THREADS) {
+    p.key_cache[page * p.stride_kp + offset * p.stride_kt + head * p.stride_kh + d] =
+        p.new_keys[b * p.stride_knb + head * p.stride_knh + d];
+    p.value_cache[page * p.stride_vp + offset * p.stride_vt + head * p.stride_vh + d] =
+        p.new_values[b * p.stride_vnb + head * p.stride_vnh + d];
+  }
+}
+
+// The mean and population variance of a full page's keys, per channel (two passes, as
+// summarize.py: no cancellation), rounded to bf16.
+template <int D>
+__device__ void summarize_page(const Params& p, i64 physical, int head) {
+  const int d = threadIdx.x;
+  if (d >= D) return;
+  const bf16* keys = p.key_cache + physical * p.stride_kp + head * p.stride_kh + d;
+  float sum = 0.f;
+  for (int t = 0; t < PAGE; ++t) sum += to_float(keys[t * p.stride_kt]);
+  const float mean = sum / PAGE;
+  float squares = 0.f;
+  for (int t = 0; t < PAGE; ++t) {
+    const float centered = to_float(keys[t * p.stride_kt]) - mean;
+    squares += centered * centered;
+  }
+  bf16* dst = p.summaries + physical * p.stride_sp + head * p.stride_sh + d;
+  dst[0] = to_bf16(mean);
+  dst[p.stride_ss] = to_bf16(squares / PAGE);
+}
+
+// The exact log-mass of page `page` for the group's heads: log sum_t exp(s q_g . k_t) over
+// its valid tokens. Thread pairs take a token (each half of the channels).
+template <int D, int GP>
+__device__ void exact_page(const Params& p, int row, int b, int head, int page, int seq_len,
+                           const int* row_table) {
+  __shared__ float query[GP][D];  // the group's queries, scaled, float32
+  __shared__ float partial[WARPS][GP];
+  for (int i = threadIdx.x; i < GP * D; i += THREADS) {
+    const int g = i / D, d = i % D;
+    query[g][d] = g < p.group
+        ? to_float(p.query[b * p.stride_qb + (i64(head) * p.group + g) * p.stride_qh + d]) *
+              p.scale
+        : 0.f;
+  }
+  __syncthreads();
+  const int token = threadIdx.x / 2, half = threadIdx.x % 2;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const bool valid = token < seq_len - page * PAGE;  // at least token 0 of a page in the row
+  float logits[GP];
+#pragma unroll
+  for (int g = 0; g < GP; ++g) logits[g] = 0.f;
+  if (valid) {
+    const i64 physical = row_table[page];
+    const bf16* keys = p.key_cache + physical * p.stride_kp + token * p.stride_kt +
+                       head * p.stride_kh + half * (D / 2);
+#pragma unroll
+    for (int c = 0; c < D / 2; c += 8) {
+      float k[8];
+      unpack8(*reinterpret_cast<const uint4*>(keys + c), k);
+#pragma unroll
+      for (int g = 0; g < GP; ++g)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) logits[g] += k[j] * query[g][half * (D / 2) + c + j];
+    }
+  }
+  float peak[GP], total[GP];
+#pragma unroll
+  for (int g = 0; g < GP; ++g) {
+    logits[g] += __shfl_xor_sync(FULL, logits[g], 1);  // both halves: the token's logit
+    logits[g] = valid ? logits[g] : -infinity();
+    peak[g] = logits[g];
+#pragma unroll
+    for (int o = 2; o < 32; o *= 2) peak[g] = fmaxf(peak[g], __shfl_xor_sync(FULL, peak[g], o));
+  }
+  if (lane == 0)
+#pragma unroll
+    for (int g = 0; g < GP; ++g) partial[warp][g] = peak[g];
+  __syncthreads();
+#pragma unroll
+  for (int g = 0; g < GP; ++g) {
+    peak[g] = partial[0][g];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) peak[g] = fmaxf(peak[g], partial[w][g]);
+    // one thread of a token's pair counts it (a page has a valid token: peak is finite)
+    total[g] = valid && half == 0 ? expf(logits[g] - peak[g]) : 0.f;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) total[g] += __shfl_xor_sync(FULL, total[g], o);
+  }
+  __syncthreads();  // every warp has read the maxima
+  if (lane == 0)
+#pragma unroll
+    for (int g = 0; g < GP; ++g) partial[warp][g] = total[g];
+  __syncthreads();
+  if (threadIdx.x < p.group) {
+    const int g = threadIdx.x;
+    float sum = 0.f;
+    for (int w = 0; w < WARPS; ++w) sum += partial[w][g];  // g < GP: a dynamic index in smem
+    float peak_g = peak[0];
+#pragma unroll
+    for (int h = 1; h < GP; ++h) peak_g = h == g ? peak[h] : peak_g;
+    p.log_masses[row * p.stride_lr + g * p.stride_lg + page] = peak_g + logf(sum);
+  }
+}
+
+// Sums the lanes' partials over the lanes of a page (offsets below LANES), halving the values
+// a lane keeps at each level: a lane that has O set keeps the upper half. With N values left
+// at 1, the remaining levels add whole.
+template <int N, int O>
+__device__ __forceinline__ void reduce_scatter(float* values, int lane) {
+  if constexpr (O > 0) {
+    if constexpr (N > 1) {
+      const bool upper = lane & O;
+#pragma unroll
+      for (int j = 0; j < N / 2; ++j) {
+        const float send = upper ? values[j] : values[j + N / 2];
+        const float keep = upper ? values[j + N / 2] : values[j];
+        values[j] = keep + __shfl_xor_sync(FULL, send, O);
+      }
+      reduce_scatter<N / 2, O / 2>(values, lane);
+    } else {
+      values[0] += __shfl_xor_sync(FULL, values[0], O);
+      reduce_scatter<1, O / 2>(values, lane);
+    }
+  }
+}
+
+template <int D, int GP>
+struct MvarShape {
+  static constexpr int LANES = D / 4;               // 16-byte chunks of a page's two summaries
+  static constexpr int PAGES_PER_LOAD = 32 / LANES;  // 1 at D = 128, 2 at D = 64
+  static constexpr int LOADS = GP >= 8 ? 4 : 8;     // in flight per lane per pass
+  static constexpr int VALUES = LOADS * GP;         // a lane's partial sums, at most 32
+  static constexpr int WARP_PAGES = LOADS * PAGES_PER_LOAD;
+  static constexpr int TILE = WARPS * WARP_PAGES;   // pages per program per pass
+  static constexpr int KEPT = VALUES > LANES ? VALUES / LANES : 1;  // totals left per lane
+  // the reduction's last levels, where a total is already whole and lanes hold copies
+  static constexpr int COPIES_MASK = VALUES < LANES ? LANES / VALUES - 1 : 0;
+};
+
+template <int D, int GP>
+__device__ void mvar_pages(const Params& p, int row, int b, int head, int pages_in_row,
+                           int last, const int* row_table, int program) {
+  typedef MvarShape<D, GP> S;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int in_page = lane % S::LANES;
+  const int sub = lane / S::LANES;  // which page of a load
+  const bool variance = in_page >= D / 8;
+  const int channel = (in_page % (D / 8)) * 8;
+  // mvar's coefficients for this lane's 8 channels: s q (mean), (s q)^2 / 2 (variance)
+  float coef[GP][8];
+#pragma unroll
+  for (int g = 0; g < GP; ++g) {
+    float q[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (g < p.group)
+      unpack8(*reinterpret_cast<const uint4*>(
+                  p.query + b * p.stride_qb + (i64(head) * p.group + g) * p.stride_qh + channel),
+              q);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float scaled = q[j] * p.scale;
+      coef[g][j] = variance ? 0.5f * scaled * scaled : scaled;
+    }
+  }
+  // which (load, head) total this lane ends with: the reduce-scatter's halving, replayed
+  int first_value = 0;
+  {
+    int n = S::VALUES;
+#pragma unroll
+    for (int o = S::LANES / 2; o > 0; o /= 2)
+      if (n > 1) {
+        first_value += (lane & o) ? n / 2 : 0;
+        n /= 2;
+      }
+  }
+  const bool stores = (lane & S::COPIES_MASK) == 0;
+  const bf16* lane_summaries = p.summaries + head * p.stride_sh +
+                               (variance ? p.stride_ss : 0) + channel;
+  float* dst = p.log_masses + row * p.stride_lr;
+
+  const int tiles = cdiv(pages_in_row, S::TILE);
+  const int share = cdiv(tiles, p.mvar_programs);
+  const int first = program * share;
+  const int end = min(first + share, tiles);
+  const int warp_first = warp * S::WARP_PAGES + sub;
+  int ids[S::LOADS];  // physical pages of this pass's middle pages, -1 elsewhere
+#pragma unroll
+  for (int i = 0; i < S::LOADS; ++i) {
+    const int page = first * S::TILE + warp_first + i * S::PAGES_PER_LOAD;
+    ids[i] = first < end && page > 0 && page < last ? row_table[page] : -1;
+  }
+  for (int tile = first; tile < end; ++tile) {
+    uint4 data[S::LOADS];
+#pragma unroll
+    for (int i = 0; i < S::LOADS; ++i)
+      data[i] = ids[i] >= 0
+          ? *reinterpret_cast<const uint4*>(lane_summaries + i64(ids[i]) * p.stride_sp)
+          : make_uint4(0u, 0u, 0u, 0u);
+    // the next tile's entries, in flight while this one computes
+#pragma unroll
+    for (int i = 0; i < S::LOADS; ++i) {
+      const int page = (tile + 1) * S::TILE + warp_first + i * S::PAGES_PER_LOAD;
+      ids[i] = tile + 1 < end && page > 0 && page < last ? row_table[page] : -1;
+    }
+    float values[S::VALUES];
+#pragma unroll
+    for (int i = 0; i < S::LOADS; ++i) {
+      float x[8];
+      unpack8(data[i], x);
+#pragma unroll
+      for (int g = 0; g < GP; ++g) {
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sum += coef[g][j] * x[j];
+        values[i * GP + g] = sum;
+      }
+    }
+    reduce_scatter<S::VALUES, S::LANES / 2>(values, lane);
+    if (stores) {
+#pragma unroll
+      for (int k = 0; k < S::KEPT; ++k) {
+        const int value = first_value + k;
+        const int g = value % GP;
+        const int page = tile * S::TILE + warp_first + (value / GP) * S::PAGES_PER_LOAD;
+        if (g < p.group && page > 0 && page < last)
+          dst[g * p.stride_lg + page] = values[k] + LOG_PAGE;
+      }
+    }
+  }
+}
+
+template <int D, int GP>
+__device__ void estimate_program(const Params& p) {
+  const int row = blockIdx.x;
+  const int block = blockIdx.y;
+  const int b = row / p.num_kv_heads;
+  const int head = row % p.num_kv_heads;
+  const int* row_table = p.block_table + b * p.stride_bt;
+  const int seq_len = p.seq_lens[b];
+  const int pages_in_row = min(cdiv(seq_len, PAGE), p.max_pages);
+  const int last = pages_in_row - 1;
+  if (block == 1) {
+    if (p.num_slots > 0) {  // this step's token first: the current page's keys include it
+      write_new_token<D>(p, b, head);
+      __syncthreads();
+    }
+    if (pages_in_row > 0 && seq_len == pages_in_row * PAGE)  // the step filled the page
+      summarize_page<D>(p, row_table[last], head);
+  }
+  if (pages_in_row <= p.dense_below_pages) return;  // Select keeps the whole row
+  if (block < 2) {
+    // program 0: the sink, program 1: the current page; a single page is program 1's alone
+    if (pages_in_row == 0 || (block == 0 && last == 0)) return;
+    exact_page<D, GP>(p, row, b, head, block == 0 ? 0 : last, seq_len, row_table);
+    return;
+  }
+  mvar_pages<D, GP>(p, row, b, head, pages_in_row, last, row_table, block - 2);
+}
+
+}  // namespace
+
+#define MOIRA_ESTIMATE(D, GP)                                                      \
+  extern "C" __global__ void __launch_bounds__(THREADS)                            \
+      moira_estimate_d##D##_g##GP(const Params p) {                                \
+    estimate_program<D, GP>(p);                                                    \
+  }
+
+MOIRA_ESTIMATE(64, 1)
+MOIRA_ESTIMATE(64, 2)
+MOIRA_ESTIMATE(64, 4)
+MOIRA_ESTIMATE(64, 8)
+MOIRA_ESTIMATE(128, 1)
+MOIRA_ESTIMATE(128, 2)
+MOIRA_ESTIMATE(128, 4)
+MOIRA_ESTIMATE(128, 8)

@@ -1,0 +1,171 @@
+"""Estimate in CUDA C++ (``estimate.IMPLEMENTATION = "cuda"``): ``estimate_cuda.cu``'s kernel,
+built by NVRTC on first use and launched through the CUDA driver API (``cuda_build``).
+
+The same step as the Triton kernel (the token's cache write, the filled page's summary, the
+exact sink and current pages, mvar on the middle pages; the same grid layout and log-masses),
+with an mvar program that keeps all of a warp's summary loads in flight at once and sums each
+page over its lanes by shuffles (the .cu file says why). It reads bfloat16 (query, caches,
+summaries) at head_dim 64 or 128 and up to 8 query heads per KV head; ``runs`` says whether a
+call qualifies ("auto").
+"""
+
+import ctypes
+import functools
+import warnings
+
+import torch
+import triton
+
+from . import cuda_build
+
+SOURCE = "estimate_cuda.cu"  # in this folder (cuda_build.source_path)
+THREADS = 128  # the .cu file's THREADS
+HEAD_DIMS = (64, 128)
+MAX_GROUP = 8
+# mvar programs to launch over the whole batch (the J of each row: about this many over the
+# rows, at most one per tile of the table). Each program keeps 4 warps x 8 pages' summaries in
+# flight and loops over its share of the row's tiles, so fewer programs than the Triton
+# kernel's 2,048 suffice: five blocks of 86 registers fit an SM, 660 on the H200. Not timed
+# yet (benchmarks/NOTES.md, session 36)
+TARGET_PROGRAMS = 660
+
+
+class Params(ctypes.Structure):
+    """``Params`` of estimate_cuda.cu, field by field (the kernel's one argument)."""
+
+    _fields_ = ([(name, ctypes.c_void_p) for name in (
+        "query", "key_cache", "summaries", "block_table", "seq_lens", "log_masses",
+        "new_keys", "new_values", "value_cache", "slot_mapping")]
+        + [(name, ctypes.c_int64) for name in (
+            "stride_qb", "stride_qh", "stride_kp", "stride_kt", "stride_kh", "stride_sp",
+            "stride_sh", "stride_ss", "stride_bt", "stride_lr", "stride_lg", "stride_knb",
+            "stride_knh", "stride_vnb", "stride_vnh", "stride_vp", "stride_vt", "stride_vh")]
+        + [(name, ctypes.c_int) for name in (
+            "num_kv_heads", "max_pages", "group", "dense_below_pages", "mvar_programs",
+            "num_slots")]
+        + [("scale", ctypes.c_float)])
+
+
+def group_pad(group):
+    """The build's group: the query heads per KV head rounded up to a power of two."""
+    return triton.next_power_of_2(group)
+
+
+def tile_pages(head_dim, group):
+    """Pages an mvar program reads per pass (the .cu file's MvarShape::TILE)."""
+    loads = 4 if group_pad(group) >= 8 else 8
+    return 4 * loads * (32 // (head_dim // 4))
+
+
+def programs_per_row(rows, max_pages, head_dim, group):
+    """J: mvar programs per row, about ``TARGET_PROGRAMS`` over the batch and at most one per
+    tile of the block table (so the grid follows the batch shape, not the rows' lengths)."""
+    table_tiles = triton.cdiv(max_pages, tile_pages(head_dim, group))
+    return max(1, min(table_tiles, triton.cdiv(TARGET_PROGRAMS, max(rows, 1))))
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(device_index, head_dim, group):
+    """The loaded function ``moira_estimate_d<D>_g<G padded>`` on a device."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major < 8:
+        raise ValueError(f"estimate.IMPLEMENTATION = 'cuda' needs sm_80 or newer; this GPU "
+                         f"is sm_{major}{minor}: use 'triton'")
+    return cuda_build.function(device_index, SOURCE,
+                               f"moira_estimate_d{head_dim}_g{group_pad(group)}")
+
+
+def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv):
+    """A ValueError naming what the CUDA Estimate cannot read, and the fix."""
+    prefix = "estimate.IMPLEMENTATION = 'cuda'"
+    if query.device.type != "cuda":
+        raise ValueError(f"{prefix} runs on CUDA tensors, got {query.device}: use 'triton' "
+                         f"(the interpreter) on the CPU")
+    head_dim = query.shape[2]
+    group = query.shape[1] // key_cache.shape[2]
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"{prefix} is built for head_dim in {HEAD_DIMS}, got {head_dim}: "
+                         f"use 'triton'")
+    if group > MAX_GROUP:
+        raise ValueError(f"{prefix} takes at most {MAX_GROUP} query heads per KV head, got "
+                         f"{group}: use 'triton'")
+    new_keys, new_values, value_cache, slot_mapping = new_kv or (None,) * 4
+    bf16 = [("query", query), ("key_cache", key_cache), ("summaries", summaries)]
+    if new_kv:
+        bf16 += [("new_keys", new_keys), ("new_values", new_values),
+                 ("value_cache", value_cache)]
+        if slot_mapping.dtype != torch.int64:
+            raise ValueError(f"{prefix} reads slot_mapping as int64, got {slot_mapping.dtype}: "
+                             f"use 'triton'")
+    for name, tensor in bf16:
+        if tensor.dtype != torch.bfloat16:
+            raise ValueError(f"{prefix} reads bfloat16, got {name} {tensor.dtype}: use "
+                             f"'triton'")
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{prefix} needs {name}'s head dim contiguous (strides "
+                             f"{tensor.stride()}): use 'triton'")
+    # 16-byte loads of the query, the keys and the summaries
+    for name, tensor in bf16[:3]:
+        if tensor.data_ptr() % 16 or any(s % 8 for s in tensor.stride()[:-1]):
+            raise ValueError(f"{prefix} needs {name} aligned to 16 bytes in every stride "
+                             f"(strides {tensor.stride()}): use 'triton'")
+    for name, tensor in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if tensor.dtype != torch.int32 or tensor.stride(-1) != 1:
+            raise ValueError(f"{prefix} reads {name} as contiguous int32, got {tensor.dtype} "
+                             f"with strides {tensor.stride()}: use 'triton'")
+
+
+def runs(query, key_cache, summaries, block_table, seq_lens, new_kv):
+    """Whether this kernel can run a call (``estimate.IMPLEMENTATION = "auto"``): False for
+    what ``check_inputs`` or ``kernel`` would refuse, and where no libnvrtc is found."""
+    try:
+        check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv)
+    except ValueError:
+        return False
+    return _device_runs(query.device.index if query.device.index is not None
+                        else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_runs(device_index):
+    if torch.cuda.get_device_properties(device_index).major < 8:
+        return False
+    if cuda_build.nvrtc_library() is None:
+        warnings.warn("Moira's CUDA Estimate needs libnvrtc (pip install nvidia-cuda-nvrtc; "
+                      "torch's CUDA builds bring it) and none was found: Estimate runs its "
+                      "Triton kernel", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
+             dense_below_pages=0, new_kv=None, build_only=False):
+    """Launch ``estimate_cuda.cu``'s kernel on the current stream: ``estimate.estimate``'s
+    arguments and outputs."""
+    check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv)
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    rows = batch * num_kv_heads
+    device_index = query.device.index if query.device.index is not None \
+        else torch.cuda.current_device()
+    function = kernel(device_index, head_dim, group)
+    if build_only or rows == 0:
+        return log_masses
+    max_pages = block_table.shape[1]
+    per_row = programs_per_row(rows, max_pages, head_dim, group)
+    new_keys, new_values, value_cache, slot_mapping = new_kv or (query, query, key_cache,
+                                                                 seq_lens)
+    params = Params(
+        query.data_ptr(), key_cache.data_ptr(), summaries.data_ptr(), block_table.data_ptr(),
+        seq_lens.data_ptr(), log_masses.data_ptr(), new_keys.data_ptr(), new_values.data_ptr(),
+        value_cache.data_ptr(), slot_mapping.data_ptr(),
+        query.stride(0), query.stride(1), *key_cache.stride()[:3], *summaries.stride()[:3],
+        block_table.stride(0), log_masses.stride(0), log_masses.stride(1),
+        new_keys.stride(0), new_keys.stride(1), new_values.stride(0), new_values.stride(1),
+        *value_cache.stride()[:3],
+        num_kv_heads, max_pages, group, dense_below_pages, per_row,
+        slot_mapping.shape[0] if new_kv else 0, scale)
+    cuda_build.launch(function, (rows, 2 + per_row), THREADS, 0, query.device, params)
+    return log_masses
+

@@ -1,0 +1,35 @@
+"""The NVRTC build and its cache (``cuda_build``): CPU only, given a libnvrtc."""
+
+import os
+
+import pytest
+
+from moira.kernels import cuda_build
+
+needs_nvrtc = pytest.mark.skipif(cuda_build.nvrtc_library() is None, reason="needs libnvrtc")
+
+
+@needs_nvrtc
+def test_build_is_cached_by_source(tmp_path, monkeypatch):
+    """One NVRTC build per source, architecture and NVRTC version: the second call reads the
+    cached cubin, and a changed source is built anew."""
+    monkeypatch.setenv("MOIRA_CACHE_DIR", str(tmp_path / "cache"))
+    image = cuda_build.build("attend_cuda.cu", "90")
+    assert image[:4] == b"\x7fELF" and b"moira_attend_d128_s2" in image
+    assert os.listdir(tmp_path / "cache")[0].startswith("attend_cuda-sm90-")
+    compile_cubin = cuda_build.compile_cubin
+    monkeypatch.setattr(cuda_build, "compile_cubin", None)  # a second build would fail
+    assert cuda_build.build("attend_cuda.cu", "90") == image
+    changed = tmp_path / "attend_cuda.cu"
+    with open(cuda_build.source_path("attend_cuda.cu")) as f:
+        changed.write_text(f.read() + "\n// changed\n")
+    monkeypatch.setattr(cuda_build, "source_path", lambda file_name: str(changed))
+    monkeypatch.setattr(cuda_build, "compile_cubin", compile_cubin)
+    cuda_build.build("attend_cuda.cu", "90")
+    assert len(os.listdir(tmp_path / "cache")) == 2
+
+
+@needs_nvrtc
+def test_a_compile_error_names_the_file_and_the_line():
+    with pytest.raises(RuntimeError, match=r"broken\.cu.*sm_90(.|\n)*broken\.cu\(1\)"):
+        cuda_build.compile_cubin(b"this is not C++;\n", "90", name="broken.cu")

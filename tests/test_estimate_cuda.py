@@ -1,0 +1,196 @@
+"""Estimate in CUDA C++ (``estimate.IMPLEMENTATION = "cuda"``, estimate_cuda.cu) against the
+reference: GPU only, except the struct mirror (it needs libnvrtc) and the refusals on the CPU."""
+
+import math
+
+import pytest
+import torch
+from helpers import DEVICE, make_cache, make_query, make_table, poisoned, struct_mirror_checks
+from test_estimate import SEQ_LENS
+
+from moira import reference as ref
+from moira.kernels import cuda_build, estimate_cuda
+from moira.kernels import estimate as estimate_module
+from moira.kernels.estimate import estimate
+
+cuda = pytest.mark.cuda
+needs_nvrtc = pytest.mark.skipif(cuda_build.nvrtc_library() is None, reason="needs libnvrtc")
+
+
+@pytest.fixture
+def cuda_estimate(monkeypatch):
+    monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "cuda")
+    return monkeypatch
+
+
+def estimate_inputs(lengths, group, head_dim, num_kv_heads=2, num_pages=300,
+                    layout="packed", extra_columns=1):
+    """``(query, keys, values, summaries, table, seq_lens)``: bf16 summaries of the full pages,
+    their variances scaled up so mvar's second term matters."""
+    keys, values = make_cache(num_pages, num_kv_heads, head_dim, layout=layout)
+    table, seq_lens = make_table(lengths, num_pages, extra_columns=extra_columns)
+    query = make_query(len(lengths), num_kv_heads * group, head_dim)
+    summaries = ref.summarize(keys.cpu(), table.cpu(), seq_lens.cpu())
+    summaries = (summaries * (1 + torch.rand_like(summaries))).to(torch.bfloat16).to(DEVICE)
+    return query, keys, values, summaries, table, seq_lens
+
+
+def check_log_masses(log_masses, query, keys, summaries, table, seq_lens, scale,
+                     dense_below_pages=0):
+    """Each row's pages as the reference estimates them (float32 from the same bf16 inputs),
+    nothing written past a row or in rows of at most ``dense_below_pages`` pages."""
+    expected = ref.estimate(query.cpu(), keys.cpu(), summaries.cpu(), table.cpu(),
+                            seq_lens.cpu(), scale)
+    got = log_masses.cpu().view_as(expected)
+    for b, length in enumerate(seq_lens.tolist()):
+        pages = ref.num_pages(length, table.shape[1])
+        if pages <= dense_below_pages:
+            assert torch.isnan(got[b]).all()
+            continue
+        torch.testing.assert_close(got[b, :, :, :pages], expected[b, :, :, :pages],
+                                   rtol=1e-5, atol=1e-4)
+        assert torch.isnan(got[b, :, :, pages:]).all()
+
+
+@needs_nvrtc
+def test_params_mirror_the_kernels_struct():
+    """``estimate_cuda.Params`` (ctypes) mirrors the kernel's ``Params``: the .cu with the
+    mirror's static_asserts and initializers compiles, and does not once a field is retyped or
+    two same-typed fields are swapped on the kernel's side."""
+    with open(cuda_build.source_path(estimate_cuda.SOURCE), "rb") as f:
+        source = f.read()
+
+    def compile_checked(kernel_source, extra_fields=0):
+        checks = "\n".join(struct_mirror_checks(estimate_cuda.Params, extra_fields)).encode()
+        return cuda_build.compile_cubin(kernel_source + b"\n" + checks, "90", ["-std=c++20"])
+
+    compile_checked(source)
+    with pytest.raises(RuntimeError, match="too many initializer"):
+        compile_checked(source, extra_fields=1)
+    retyped = source.replace(b"int num_kv_heads, max_pages, group, dense_below_pages",
+                             b"int num_kv_heads, max_pages; float group; int dense_below_pages")
+    assert retyped != source
+    with pytest.raises(RuntimeError, match="type of group"):
+        compile_checked(retyped)
+    swapped = source.replace(b"const bf16* new_keys;\n  const bf16* new_values;",
+                             b"const bf16* new_values;\n  const bf16* new_keys;")
+    assert swapped != source
+    with pytest.raises(RuntimeError, match="out-of-order initializers"):
+        compile_checked(swapped)
+
+
+def test_mvar_tile_is_the_kernels():
+    """Pages per mvar pass (the grid's J follows it): 4 warps x loads x pages per load."""
+    assert estimate_cuda.tile_pages(128, 4) == 32 and estimate_cuda.tile_pages(128, 7) == 16
+    assert estimate_cuda.tile_pages(64, 1) == 64 and estimate_cuda.tile_pages(64, 8) == 32
+    # about TARGET_PROGRAMS over the batch, at most one per tile of the table
+    assert estimate_cuda.programs_per_row(32, 2048, 128, 4) == math.ceil(660 / 32)
+    assert estimate_cuda.programs_per_row(256, 128, 128, 4) == 3
+    assert estimate_cuda.programs_per_row(1, 10, 128, 4) == 1
+
+
+def test_refusals_name_the_fix(monkeypatch):
+    """An unknown implementation; "cuda" on CPU tensors (on the CPU); "auto" takes Triton's
+    kernel where the CUDA one cannot run."""
+    query, keys, _, summaries, table, seq_lens = estimate_inputs([65], 4, 64)
+    log_masses = poisoned(2, 4, table.shape[1], dtype=torch.float32)
+    args = (query, keys, summaries, table, seq_lens, 0.125, log_masses)
+    monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "cutlass")
+    with pytest.raises(ValueError, match="'auto', 'triton' or 'cuda'"):
+        estimate(*args)
+    monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "auto")
+    picked = estimate_module.implementation(query, keys, summaries, table, seq_lens, None)
+    assert picked == ("cuda" if DEVICE == "cuda" and cuda_build.nvrtc_library() else "triton")
+    assert estimate_module.implementation(query, keys, summaries.float(), table, seq_lens,
+                                          None) == "triton"
+    if DEVICE == "cpu":
+        monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "cuda")
+        with pytest.raises(ValueError, match="CUDA tensors"):
+            estimate(*args)
+
+
+@cuda
+def test_unsupported_inputs_are_refused(cuda_estimate):
+    query, keys, _, summaries, table, seq_lens = estimate_inputs([65, 300], 4, 64)
+    log_masses = poisoned(4, 4, table.shape[1], dtype=torch.float32)
+    rest = (table, seq_lens, 0.125, log_masses)
+    with pytest.raises(ValueError, match="bfloat16, got summaries"):
+        estimate(query, keys, summaries.float(), *rest)
+    with pytest.raises(ValueError, match="bfloat16, got query"):
+        estimate(query.half(), keys, summaries, *rest)
+    wide = estimate_inputs([65], 16, 64, num_kv_heads=1)
+    with pytest.raises(ValueError, match="at most 8"):
+        estimate(wide[0], wide[1], wide[3], wide[4], wide[5], 0.125,
+                 poisoned(1, 16, wide[4].shape[1], dtype=torch.float32))
+    with pytest.raises(ValueError, match="int32"):
+        estimate(query, keys, summaries, table.long(), seq_lens, 0.125, log_masses)
+
+
+@cuda
+@pytest.mark.parametrize("group", [1, 4, 7, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("lengths", list(SEQ_LENS))
+def test_cuda_estimate_matches_reference(cuda_estimate, group, head_dim, lengths):
+    """One token, one full page, a partial second page, rows over several tiles; NaN where
+    nothing may be written."""
+    query, keys, _, summaries, table, seq_lens = estimate_inputs(SEQ_LENS[lengths], group,
+                                                                  head_dim)
+    log_masses = poisoned(len(seq_lens) * 2, group, table.shape[1], dtype=torch.float32)
+    scale = 1.3 / math.sqrt(head_dim)
+    estimate(query, keys, summaries, table, seq_lens, scale, log_masses)
+    check_log_masses(log_masses, query, keys, summaries, table, seq_lens, scale)
+
+
+@cuda
+@pytest.mark.parametrize("target_programs", [1, 8, 24, 660])
+@pytest.mark.parametrize("group, head_dim", [(4, 128), (8, 64), (1, 64)])
+def test_programs_share_a_rows_tiles_in_a_wide_table(cuda_estimate, target_programs, group,
+                                                     head_dim):
+    """As in an engine: the table far wider than the rows, each row's mvar programs (1 to
+    several) looping over their share of the row's own tiles, some with none."""
+    cuda_estimate.setattr(estimate_cuda, "TARGET_PROGRAMS", target_programs)
+    lengths = [64 * 70 + 5, 3, 64 * 100, 64 * 33, 64 * 2 + 1]
+    query, keys, _, summaries, table, seq_lens = estimate_inputs(
+        lengths, group, head_dim, num_pages=1700, extra_columns=300)
+    log_masses = poisoned(len(lengths) * 2, group, table.shape[1], dtype=torch.float32)
+    scale = 1 / math.sqrt(head_dim)
+    estimate(query, keys, summaries, table, seq_lens, scale, log_masses)
+    check_log_masses(log_masses, query, keys, summaries, table, seq_lens, scale)
+
+
+@cuda
+@pytest.mark.parametrize("group, head_dim, layout", [(1, 64, "contiguous"), (4, 128, "packed"),
+                                                     (7, 128, "hnd"), (8, 64, "contiguous")])
+def test_new_tokens_written_and_filled_pages_summarized(cuda_estimate, group, head_dim, layout):
+    """With ``new_kv`` the launch writes each row's token (a padded row's slot -1 writes
+    nothing), summarizes a page the token filled (new key included), and estimates from the
+    written cache; rows of at most ``dense_below_pages`` pages are written and summarized but
+    not estimated."""
+    lengths = [64 * 5, 64 * 3 + 1, 40, 64 * 4 + 17, 64, 0]
+    query, keys, values, summaries, table, seq_lens = estimate_inputs(
+        lengths, group, head_dim, num_pages=60, layout=layout)
+    batch, num_kv_heads = len(lengths), keys.shape[2]
+    summaries = ref.summarize(keys.cpu(), table.cpu(), (seq_lens - 1).clamp(min=0).cpu())
+    summaries = summaries.to(torch.bfloat16).to(DEVICE)  # the pages full before the step
+    new_keys, new_values = (torch.randn(batch, num_kv_heads, head_dim, device=DEVICE)
+                            .to(torch.bfloat16) for _ in range(2))
+    slots = torch.tensor([int(table[b, (n - 1) // 64]) * 64 + (n - 1) % 64 if n else -1
+                          for b, n in enumerate(lengths)], dtype=torch.int64, device=DEVICE)
+    expected_keys, expected_values = ref.write_tokens(keys.cpu(), values.cpu(), new_keys.cpu(),
+                                                      new_values.cpu(), slots.cpu())
+    scale = 1 / math.sqrt(head_dim)
+    for dense_below_pages in (0, 4):
+        k, v, s = keys.clone(), values.clone(), summaries.clone()
+        log_masses = poisoned(batch * num_kv_heads, group, table.shape[1], dtype=torch.float32)
+        estimate(query, k, s, table, seq_lens, scale, log_masses,
+                 dense_below_pages=dense_below_pages, new_kv=(new_keys, new_values, v, slots))
+        assert torch.equal(k.cpu(), expected_keys) and torch.equal(v.cpu(), expected_values)
+        for b in (0, 4):  # the token filled page 4 of row 0, page 0 of row 4
+            page = int(table[b, (lengths[b] - 1) // 64])
+            filled = ref.summarize(expected_keys, table.cpu()[b:b + 1], seq_lens.cpu()[b:b + 1])
+            torch.testing.assert_close(s[page].cpu().float(), filled[page],
+                                       rtol=2 ** -7, atol=1e-6)
+        others = torch.ones(s.shape[0], dtype=torch.bool, device=s.device)
+        others[[int(table[0, 4]), int(table[4, 0])]] = False
+        assert torch.equal(s[others], summaries[others])
+        check_log_masses(log_masses, query, k, s, table, seq_lens, scale, dense_below_pages)
