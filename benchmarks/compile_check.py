@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from moira.kernels import (attend, attend_cuda, cuda_build, estimate,  # noqa: E402
-                           estimate_cuda, imposed, merge, select, summarize)
+                           estimate_cuda, imposed, merge, select, select_cuda, summarize)
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -200,17 +200,20 @@ def main():
 
 
 def build_cuda():
-    """The CUDA kernels (``attend_cuda.cu``, ``estimate_cuda.cu``: ``IMPLEMENTATION = "cuda"``)
-    built by NVRTC for sm_90, with ptxas' report per kernel (registers, spilled bytes; Attend's
-    shared memory of the launch); nothing where no libnvrtc is found. Returns the kernels that
-    spill."""
+    """The CUDA kernels (``attend_cuda.cu``, ``estimate_cuda.cu``, ``select_cuda.cu`` at every
+    pages-per-thread and K_B it launches: ``IMPLEMENTATION = "cuda"``) built by NVRTC for
+    sm_90, with ptxas' report per kernel (registers, spilled bytes; Attend's shared memory of
+    the launch); nothing where no libnvrtc is found. Returns the kernels that spill."""
     if cuda_build.nvrtc_library() is None:
         print("CUDA kernels                             skipped: no libnvrtc", flush=True)
         return []
+    builds = [(attend_cuda.SOURCE, ()), (estimate_cuda.SOURCE, ())] + [
+        (select_cuda.SOURCE, (f"-DSELECT_P={pages}", f"-DSELECT_WAYS={ways}"))
+        for pages in (1, 2, 4, 8, select_cuda.MAX_PAGES_PER_THREAD) for ways in select_cuda.WAYS]
     spilled = []
-    for source in (attend_cuda.SOURCE, estimate_cuda.SOURCE):
+    for source, options in builds:
         with open(cuda_build.source_path(source), "rb") as f:
-            _, log = cuda_build.compile_cubin(f.read(), "90", ["--ptxas-options=-v"],
+            _, log = cuda_build.compile_cubin(f.read(), "90", ["--ptxas-options=-v", *options],
                                               name=source)
         # ptxas: "Compiling entry function 'NAME'", then its spills, then "Used N registers"
         for name, spill, registers in re.findall(

@@ -36,7 +36,8 @@ EXTRA_SHAPES = [(16384, 32)]  # timed only when named in --shapes (256-page rows
 PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # --kinds ("exact": Estimate's exact-page forms alone; "registers": Estimate's and Attend's
 # register ceilings; "query": Estimate's query of the next head loaded ahead; "cuda":
-# Estimate in CUDA C++ at several grid sizes, checked against the Triton kernel first)
+# Estimate in CUDA C++ at several grid sizes and Select in CUDA C++, each checked against the
+# Triton kernel first)
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
          "balanced", "fractions", "step", "wide")
 
@@ -216,6 +217,28 @@ def main():
         for bits in [18] if "select" in kinds else []:
             with patched(select_module, BISECTION_BITS=bits):
                 select_modes(f" {bits} bits")
+
+        # Select in CUDA C++ (select.IMPLEMENTATION = "cuda", session 36): its page counts
+        # against the Triton kernel's in both modes (coverage may differ by pages at the
+        # threshold, fixed counts not at all), then both timed, twice in alternation
+        if "cuda" in kinds:
+            estimate_module.estimate(query, keys, summaries, table, seq_lens, scale, log_masses)
+            for mode, kwargs in [("coverage", dict(gamma=0.98, top_k=None)),
+                                 ("top22%", dict(gamma=0.98, top_k=top_k))]:
+                found = {}
+                for implementation in ("triton", "cuda"):
+                    counts.fill_(-1)
+                    with patched(select_module, IMPLEMENTATION=implementation):
+                        select_module.select(log_masses, seq_lens, lists, counts,
+                                             num_kv_heads=KV_HEADS, max_pages=pages, ways=ways,
+                                             **kwargs)
+                    found[implementation] = counts.clone()
+                differing = (found["cuda"] - found["triton"]).abs().max().item()
+                record("check", shape, f"select {mode} cuda - triton max |count| {differing}",
+                       0.0)
+            for label, implementation in [("", "triton"), (" cuda", "cuda")] * 2:
+                with patched(select_module, IMPLEMENTATION=implementation):
+                    select_modes(label)
 
         # the 22% lists from this shape's own estimates (whichever kinds ran before)
         estimate_module.estimate(query, keys, summaries, table, seq_lens, scale, log_masses)

@@ -89,11 +89,13 @@ def cached_prompts(llm, rng, context, batch):
 KERNEL_SETTINGS = {"estimate": ("QUERY_HEAD_AHEAD", "TARGET_PROGRAMS", "PAGES_PER_PROGRAM",
                                 "NUM_WARPS", "MAX_REGISTERS", "IMPLEMENTATION"),
                    "estimate_cuda": ("TARGET_PROGRAMS",),
+                   "select": ("IMPLEMENTATION",),
                    "attend": ("PAGE_IDS_AHEAD", "PAGES_PER_ITER", "NUM_STAGES", "NUM_WARPS",
                               "MAX_REGISTERS", "IMPLEMENTATION", "CUDA_STAGES")}
 # the settings that take a word, not an int
 WORD_SETTINGS = {"attend.IMPLEMENTATION": ("auto", "triton", "cuda"),
-                 "estimate.IMPLEMENTATION": ("auto", "triton", "cuda")}
+                 "estimate.IMPLEMENTATION": ("auto", "triton", "cuda"),
+                 "select.IMPLEMENTATION": ("auto", "triton", "cuda")}
 
 
 def add_kernel_settings(parser):

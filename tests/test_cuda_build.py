@@ -33,3 +33,26 @@ def test_build_is_cached_by_source(tmp_path, monkeypatch):
 def test_a_compile_error_names_the_file_and_the_line():
     with pytest.raises(RuntimeError, match=r"broken\.cu.*sm_90(.|\n)*broken\.cu\(1\)"):
         cuda_build.compile_cubin(b"this is not C++;\n", "90", name="broken.cu")
+
+
+def test_launch_passes_the_drivers_arguments_in_order(monkeypatch):
+    """cuLaunchKernel(f, grid x, y, z, block x, y, z, shared bytes, stream, params, extra),
+    with the structure's address as the one kernel argument (checked without a GPU: a wrong
+    count or order is found only by launching otherwise)."""
+    import ctypes
+    from types import SimpleNamespace
+
+    import torch
+
+    calls = []
+    fake = SimpleNamespace(cuLaunchKernel=lambda *args: calls.append(args) or 0)
+    monkeypatch.setattr(cuda_build, "driver", lambda: fake)
+    monkeypatch.setattr(cuda_build, "make_current", lambda index: None)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device: SimpleNamespace(cuda_stream=1234))
+    params = ctypes.c_int(7)
+    cuda_build.launch("kernel", (5, 3), 128, 4096, torch.device("cuda", 0), params)
+    (args,) = calls
+    assert args[:8] == ("kernel", 5, 3, 1, 128, 1, 1, 4096)
+    assert args[8].value == 1234 and args[10] is None
+    assert args[9][0] == ctypes.addressof(params)

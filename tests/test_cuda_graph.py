@@ -8,6 +8,7 @@ import moira
 from moira.config import PAGE_SIZE
 from moira.kernels import attend as attend_module
 from moira.kernels import estimate as estimate_module
+from moira.kernels import select as select_module
 from moira.synthetic import synthetic_context
 
 pytestmark = pytest.mark.cuda
@@ -21,12 +22,16 @@ pytestmark = pytest.mark.cuda
                                                     (0.95, None,
                                                      "rows, programmatic launch, short rows"),
                                                     (0.95, None, "rows, CUDA Attend"),
-                                                    (0.95, None, "rows, CUDA Estimate")])
+                                                    (0.95, None, "rows, CUDA Estimate"),
+                                                    (0.95, None, "rows, CUDA Select"),
+                                                    (0.98, 12, "rows, CUDA Select")])
 def test_graph_replay_matches_eager(monkeypatch, gamma, top_k, schedule):
     if "CUDA Attend" in schedule:  # attend.IMPLEMENTATION: launched by the driver API
         monkeypatch.setattr(attend_module, "IMPLEMENTATION", "cuda")
     if "CUDA Estimate" in schedule:
         monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "cuda")
+    if "CUDA Select" in schedule:
+        monkeypatch.setattr(select_module, "IMPLEMENTATION", "cuda")
     batch, num_kv_heads, group, head_dim, width = 4, 8, 4, 128, 96
     ctx = synthetic_context(width * PAGE_SIZE, batch=batch, num_kv_heads=num_kv_heads,
                             group=group, head_dim=head_dim, device="cuda", seed=1)

@@ -119,17 +119,18 @@ def source_path(file_name):
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), file_name)
 
 
-def build(file_name, arch):
+def build(file_name, arch, options=()):
     """The cubin of this folder's ``file_name`` (e.g. "attend_cuda.cu") for ``sm_<arch>``
-    (e.g. "90"): cached, else built."""
+    (e.g. "90") with NVRTC ``options`` (e.g. ``("-DSELECT_P=8",)``): cached, else built."""
     with open(source_path(file_name), "rb") as f:
         source = f.read()
-    key = hashlib.sha256(source + f"sm_{arch} nvrtc {nvrtc_version()}".encode()).hexdigest()
+    key = hashlib.sha256(source + f"sm_{arch} nvrtc {nvrtc_version()} {' '.join(options)}"
+                         .encode()).hexdigest()
     cache = os.environ.get("MOIRA_CACHE_DIR", os.path.expanduser("~/.cache/moira"))
     stem = os.path.splitext(file_name)[0]
     path = os.path.join(cache, f"{stem}-sm{arch}-{key[:16]}.cubin")
     if not os.path.exists(path):
-        cubin, _ = compile_cubin(source, arch, name=file_name)
+        cubin, _ = compile_cubin(source, arch, options, name=file_name)
         os.makedirs(cache, exist_ok=True)
         handle, partial = tempfile.mkstemp(suffix=".cubin", dir=cache)
         with os.fdopen(handle, "wb") as f:
@@ -199,18 +200,18 @@ def make_current(device_index):
 
 
 @functools.lru_cache(maxsize=None)
-def module(device_index, file_name, arch):
-    """``file_name``'s module loaded on a device (once)."""
-    image = build(file_name, arch)
+def module(device_index, file_name, arch, options=()):
+    """``file_name``'s module (built with ``options``) loaded on a device, once."""
+    image = build(file_name, arch, options)
     module = ctypes.c_void_p()
     check(driver().cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
     return module
 
 
-def function(device_index, file_name, name, dynamic_shared=0):
-    """The kernel ``name`` of ``file_name``'s module on a device (built and loaded on first
-    use, which must not be inside a CUDA graph capture), allowed ``dynamic_shared`` bytes of
-    dynamic shared memory."""
+def function(device_index, file_name, name, dynamic_shared=0, options=()):
+    """The kernel ``name`` of ``file_name``'s module (built with NVRTC ``options``, a tuple)
+    on a device, built and loaded on first use (which must not be inside a CUDA graph
+    capture), allowed ``dynamic_shared`` bytes of dynamic shared memory."""
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"Moira's CUDA kernel {name} loads at its first launch, which must "
                            f"not be inside a CUDA graph capture: run one step eagerly before "
@@ -219,7 +220,7 @@ def function(device_index, file_name, name, dynamic_shared=0):
     with torch.cuda.device(device_index):
         torch.cuda.init()
         make_current(device_index)
-        loaded = module(device_index, file_name, f"{major}{minor}")
+        loaded = module(device_index, file_name, f"{major}{minor}", tuple(options))
         handle = ctypes.c_void_p()
         check(driver().cuModuleGetFunction(ctypes.byref(handle), loaded, name.encode()),
               f"cuModuleGetFunction({name})")
@@ -229,11 +230,13 @@ def function(device_index, file_name, name, dynamic_shared=0):
 
 
 def launch(handle, grid, threads, dynamic_shared, device, params):
-    """Launch a loaded kernel whose one argument is the ctypes structure ``params`` on the
-    current stream of ``device`` (a torch.device); captured like any launch on that stream."""
+    """Launch a loaded kernel on a ``grid`` of ``(x, y)`` blocks of ``threads`` threads, its one
+    argument the ctypes structure ``params``, on the current stream of ``device`` (a
+    torch.device); captured like any launch on that stream."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     make_current(index)
     arguments = (ctypes.c_void_p * 1)(ctypes.addressof(params))
     stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
-    check(driver().cuLaunchKernel(handle, *grid, threads, 1, 1, dynamic_shared, stream,
-                                  arguments, None), "cuLaunchKernel")
+    grid_x, grid_y = grid
+    check(driver().cuLaunchKernel(handle, grid_x, grid_y, 1, threads, 1, 1, dynamic_shared,
+                                  stream, arguments, None), "cuLaunchKernel")

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ..config import BISECTION_BITS, PAGE_SIZE
-from . import launch
+from . import launch, select_cuda
 
 
 # rows whose [G, lanes] tile of log-masses has at most this many elements compute their G
@@ -46,6 +46,13 @@ from . import launch
 # chain), since a larger tile spills on sm_90 (benchmarks/compile_check.py). 0: always head by
 # head (the form timed before session 7)
 SOFTMAX_TILE = 16384
+# "triton" (this file's kernel), "cuda" (select_cuda.cu: the same rule on up to 512 threads
+# of P pages each, one barrier per pass; G <= 8, tables of up to 8,192 pages, K_B in 2-16)
+# or "auto" ("cuda" where it can run, else "triton", as Attend's IMPLEMENTATION). Why: one
+# program per row leaves 100 of the H200's 132 SMs idle at 131k x 4, where this kernel's
+# straight-line code waits on instruction fetches (9.2 us; NOTES, sessions 27 and 34). Built
+# and tested on the CPU in session 36; not yet run on a GPU, so "triton"
+IMPLEMENTATION = "triton"
 
 
 def num_warps(block):
@@ -201,6 +208,20 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
                     SOFTMAX_TILE)
 
 
+def implementation(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
+                   row_values):
+    """The Select that runs a call, "triton" or "cuda": ``IMPLEMENTATION`` with "auto"
+    resolved (a ValueError for an unknown name)."""
+    if IMPLEMENTATION not in ("auto", "triton", "cuda"):
+        raise ValueError(f"select.IMPLEMENTATION must be 'auto', 'triton' or 'cuda', got "
+                         f"{IMPLEMENTATION!r}")
+    if IMPLEMENTATION == "auto":
+        runs = select_cuda.runs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
+                                row_values)
+        return "cuda" if runs else "triton"
+    return IMPLEMENTATION
+
+
 def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
            top_k, ways, keep_fractions=None, gammas=None, dense_below_pages=0,
            programmatic_launch=False):
@@ -219,6 +240,13 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
     if row_values is not None and row_values.dim() == 1:  # per KV head, for every request
         row_values = row_values.expand(page_counts.shape)
     fractions = keep_fractions is not None
+    if implementation(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
+                      row_values) == "cuda":
+        return select_cuda.select(
+            log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
+            max_pages=max_pages, gamma=gamma, top_k=top_k, ways=ways, row_values=row_values,
+            fractions=fractions, row_gammas=gammas is not None and not fractions,
+            dense_below_pages=dense_below_pages, build_only=launch.building_only())
     launch.on(_select_kernel, (rows,))(
         log_masses, seq_lens, seq_lens if row_values is None else row_values, page_lists,
         page_counts, log_masses.stride(0), log_masses.stride(1), *page_lists.stride()[:2],

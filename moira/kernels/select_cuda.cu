@@ -1,0 +1,319 @@
+// Select in CUDA C++ (select.IMPLEMENTATION = "cuda"; built and launched by select_cuda.py
+// through cuda_build.py).
+//
+// The same rule and outputs as select.py's Triton kernel (its docstring is the
+// specification): per (request, KV head) row, the group-mean softmax share of every page,
+// then K_B-way bisection on the threshold (coverage: the kept middle mass reaches gamma minus
+// the forced pages' share; fixed count: exactly top_k - 2 middle pages, ties in page order),
+// then the list compacted in page order. One program per row, as the paper's Alg. 1; what
+// differs is its width: a program runs up to 512 threads, P pages each (thread t holds pages
+// [t P, t P + P)), and each pass's K_B sums are reduced across the block with one barrier,
+// where the Triton kernel's 4 warps hold 16 pages per thread and its ~2,800 straight-line
+// instructions wait on instruction fetches (NOTES, sessions 27 and 34: 9.2 us at 131k x 4 on
+// 32 SMs).
+
+// No #include: NVRTC builds this file with torch's own libnvrtc.
+
+namespace {
+
+typedef long long i64;
+
+constexpr int PAGE = 64;
+constexpr int MAX_GROUP = 8;
+constexpr int MAX_WARPS = 16;  // 512 threads
+constexpr unsigned FULL = 0xffffffffu;
+
+// mirrored field by field by select_cuda.Params (ctypes)
+struct Params {
+  const float* log_masses;
+  const int* seq_lens;
+  const float* row_values;  // a keep fraction (fractions) or a target (row_gammas) per row
+  int* page_lists;
+  int* page_counts;
+  i64 stride_lr, stride_lg, stride_pb, stride_ph, stride_cb, stride_ch, stride_vb, stride_vh;
+  int num_kv_heads, max_pages, group, top_k, dense_below_pages;
+  int fixed_count, fractions, row_gammas;
+  float gamma;
+};
+
+__device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
+
+struct Sum {
+  template <typename T>
+  __device__ __forceinline__ static T apply(T a, T b) { return a + b; }
+};
+struct Max {
+  template <typename T>
+  __device__ __forceinline__ static T apply(T a, T b) { return a > b ? a : b; }
+};
+
+// N values reduced over the block: each warp's lanes first (a reduce-scatter of shuffles
+// while values remain, then whole), one barrier, then every thread combines the warps'
+// results from shared memory. `buffer` ([MAX_WARPS][N]) must not be read by a reduction
+// still in progress: callers alternate two buffers.
+template <typename Op, typename T, int N>
+__device__ __forceinline__ void block_reduce(T (&values)[N], T* buffer) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  T mine[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) mine[j] = values[j];
+  int n = N, first = 0;
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    if (n > 1) {
+      const bool upper = lane & o;
+#pragma unroll
+      for (int j = 0; j < N / 2; ++j) {
+        if (j < n / 2) {
+          const T send = upper ? mine[j] : mine[j + n / 2];
+          const T keep = upper ? mine[j + n / 2] : mine[j];
+          mine[j] = Op::apply(keep, __shfl_xor_sync(FULL, send, o));
+        }
+      }
+      first += upper ? n / 2 : 0;
+      n /= 2;
+    } else {
+      mine[0] = Op::apply(mine[0], __shfl_xor_sync(FULL, mine[0], o));
+    }
+  }
+  // with N < 32 values, the lanes past N hold copies: the first N lanes' (lane & copies == 0)
+  const int copies = N < 32 ? 32 / N - 1 : 0;
+  if ((lane & copies) == 0)
+#pragma unroll
+    for (int k = 0; k < (N > 32 ? N / 32 : 1); ++k) buffer[warp * N + first + k] = mine[k];
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    T total = buffer[j];
+    for (int w = 1; w < warps; ++w) total = Op::apply(total, buffer[w * N + j]);
+    values[j] = total;
+  }
+}
+
+// (exclusive prefix of `count` over the threads in order, total over the block)
+__device__ __forceinline__ int block_exclusive_scan(int count, int* buffer, int& total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  int inclusive = count;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int before = __shfl_up_sync(FULL, inclusive, o);
+    if (lane >= o) inclusive += before;
+  }
+  if (lane == 31) buffer[warp] = inclusive;
+  __syncthreads();
+  int offset = 0;
+  total = 0;
+  for (int w = 0; w < warps; ++w) {
+    const int warp_total = buffer[w];
+    offset += w < warp ? warp_total : 0;
+    total += warp_total;
+  }
+  return offset + inclusive - count;
+}
+
+template <int P, int WAYS>
+__device__ void select_row(const Params& p) {
+  // two reduction buffers in turn, each [MAX_WARPS][max(WAYS, MAX_GROUP)]
+  constexpr int WIDE = WAYS > MAX_GROUP ? WAYS : MAX_GROUP;
+  __shared__ float float_buffers[2][MAX_WARPS * WIDE];
+  __shared__ int int_buffers[2][MAX_WARPS * WIDE];
+  int turn = 0;
+
+  const int row = blockIdx.x;
+  const int b = row / p.num_kv_heads;
+  const int head = row % p.num_kv_heads;
+  const int n = min(cdiv(p.seq_lens[b], PAGE), p.max_pages);
+  int* lists = p.page_lists + b * p.stride_pb + head * p.stride_ph;
+  int* count_out = p.page_counts + b * p.stride_cb + head * p.stride_ch;
+  if (n == 0) {
+    if (threadIdx.x == 0) *count_out = 0;
+    return;
+  }
+  if (n <= p.dense_below_pages) {  // short row: every page (Estimate skipped it)
+    for (int page = threadIdx.x; page < n; page += blockDim.x) lists[page] = page;
+    if (threadIdx.x == 0) *count_out = n;
+    return;
+  }
+  const int base = threadIdx.x * P;  // this thread's pages: [base, base + P)
+  const float* masses = p.log_masses + row * p.stride_lr;
+
+  // group-mean share of every page: each head's softmax, then their mean
+  float peak[MAX_GROUP], total[MAX_GROUP];
+#pragma unroll
+  for (int g = 0; g < MAX_GROUP; ++g) {
+    peak[g] = -infinity();
+    if (g < p.group)
+#pragma unroll
+      for (int k = 0; k < P; ++k)
+        if (base + k < n) peak[g] = fmaxf(peak[g], masses[g * p.stride_lg + base + k]);
+  }
+  block_reduce<Max>(peak, float_buffers[turn]);
+  turn ^= 1;
+#pragma unroll
+  for (int g = 0; g < MAX_GROUP; ++g) {
+    total[g] = 0.f;
+    if (g < p.group)
+#pragma unroll
+      for (int k = 0; k < P; ++k)
+        if (base + k < n) total[g] += expf(masses[g * p.stride_lg + base + k] - peak[g]);
+  }
+  block_reduce<Sum>(total, float_buffers[turn]);
+  turn ^= 1;
+  const int last = n - 1;
+  float candidate[P];  // a middle page's share, -1 elsewhere (below every threshold)
+  float edges[2] = {-1.f, 0.f};  // (top middle share, the sink's and current page's shares)
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const int page = base + k;
+    float share = 0.f;
+    if (page < n) {
+#pragma unroll
+      for (int g = 0; g < MAX_GROUP; ++g)
+        if (g < p.group) share += expf(masses[g * p.stride_lg + page] - peak[g]) / total[g];
+      share /= p.group;
+    }
+    const bool middle = page > 0 && page < last;
+    candidate[k] = middle ? share : -1.f;
+    edges[1] += (page == 0 || page == last) ? share : 0.f;  // page 0 once when last == 0
+  }
+  {
+    float top[1] = {-1.f};
+#pragma unroll
+    for (int k = 0; k < P; ++k) top[0] = fmaxf(top[0], candidate[k]);
+    block_reduce<Max>(top, float_buffers[turn]);
+    turn ^= 1;
+    float forced[1] = {edges[1]};
+    block_reduce<Sum>(forced, float_buffers[turn]);
+    turn ^= 1;
+    edges[0] = top[0];
+    edges[1] = forced[0];
+  }
+  const float top = edges[0], forced = edges[1];
+  constexpr int PASSES = (WAYS == 2 ? 24 : WAYS == 4 ? 12 : WAYS == 8 ? 8 : 6);
+  bool keep[P];
+
+  if (p.fixed_count) {
+    int top_k = p.top_k;
+    if (p.fractions) {
+      const float fraction = p.row_values[b * p.stride_vb + head * p.stride_vh];
+      top_k = max(int(floorf(fraction * n + 0.5f)), 2);
+    }
+    const int needed = top_k - 2;
+    float lo = top * 0.f;
+    float hi = top * (1.f + 1e-6f) + 1e-30f;  // strictly above every share
+    for (int pass = 0; pass < PASSES; ++pass) {
+      int above[WAYS];
+      float tau[WAYS];
+#pragma unroll
+      for (int j = 0; j < WAYS; ++j) {
+        tau[j] = lo + (hi - lo) * (float(j) / WAYS);
+        above[j] = 0;
+#pragma unroll
+        for (int k = 0; k < P; ++k) above[j] += candidate[k] >= tau[j];
+      }
+      block_reduce<Sum>(above, int_buffers[turn]);
+      turn ^= 1;
+      float new_lo = lo, new_hi = hi;
+#pragma unroll
+      for (int j = 0; j < WAYS; ++j) {
+        const bool enough = above[j] >= needed;
+        new_lo = fmaxf(new_lo, enough ? tau[j] : lo);
+        new_hi = fminf(new_hi, enough ? hi : tau[j]);
+      }
+      lo = new_lo;
+      hi = new_hi;
+    }
+    // every page above hi, then pages tied in [lo, hi) in page order up to the count
+    int sure_here = 0, tied_here = 0;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      sure_here += candidate[k] >= hi;
+      tied_here += candidate[k] >= lo && candidate[k] < hi;
+    }
+    int sure[1] = {sure_here};
+    block_reduce<Sum>(sure, int_buffers[turn]);
+    turn ^= 1;
+    const int missing = needed - sure[0];
+    int tied_total;
+    int tied_before = block_exclusive_scan(tied_here, int_buffers[turn], tied_total);
+    turn ^= 1;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const bool tied = candidate[k] >= lo && candidate[k] < hi;
+      tied_before += tied;  // inclusive of this page
+      keep[k] = candidate[k] >= hi || (tied && tied_before <= missing);
+      if (n <= top_k) keep[k] = base + k > 0 && base + k < last;
+    }
+  } else {
+    const float gamma = p.row_gammas ? p.row_values[b * p.stride_vb + head * p.stride_vh]
+                                     : p.gamma;
+    // a margin above float32 rounding of the sums: the kept mass reaches gamma even where
+    // rounding makes it ambiguous, at the cost of a page there
+    const float target = gamma - forced + 2e-6f;
+    float lo = top * 0.f, hi = top;
+    for (int pass = 0; pass < PASSES; ++pass) {
+      float mass[WAYS], tau[WAYS];
+#pragma unroll
+      for (int j = 0; j < WAYS; ++j) {
+        tau[j] = lo + (hi - lo) * (float(j) / WAYS);
+        mass[j] = 0.f;
+#pragma unroll
+        for (int k = 0; k < P; ++k) mass[j] += candidate[k] >= tau[j] ? candidate[k] : 0.f;
+      }
+      block_reduce<Sum>(mass, float_buffers[turn]);
+      turn ^= 1;
+      float new_lo = lo, new_hi = hi;
+#pragma unroll
+      for (int j = 0; j < WAYS; ++j) {
+        const bool enough = mass[j] >= target;
+        new_lo = fmaxf(new_lo, enough ? tau[j] : lo);
+        new_hi = fminf(new_hi, enough ? hi : tau[j]);
+      }
+      lo = new_lo;
+      hi = new_hi;
+    }
+    // gamma = 1 keeps every page (even shares that underflow to 0); a target the forced
+    // pages already meet keeps no middle page
+    lo = gamma >= 1.f ? -0.5f : (gamma - forced <= 0.f ? 2.f : lo);
+#pragma unroll
+    for (int k = 0; k < P; ++k) keep[k] = candidate[k] >= lo;
+  }
+
+  // compaction: sink, kept middle pages in order, current page
+  int kept_here = 0;
+#pragma unroll
+  for (int k = 0; k < P; ++k) kept_here += keep[k];
+  int kept;
+  int slot = 1 + block_exclusive_scan(kept_here, int_buffers[turn], kept);
+#pragma unroll
+  for (int k = 0; k < P; ++k)
+    if (keep[k]) lists[slot++] = base + k;
+  if (threadIdx.x == 0) {
+    lists[0] = 0;
+    if (last > 0) lists[kept + 1] = last;
+    *count_out = kept + min(n, 2);
+  }
+}
+
+}  // namespace
+
+// One build per (pages per thread, K_B): select_cuda.py compiles this file with
+// -DSELECT_P=<P> -DSELECT_WAYS=<K_B> for the launches it makes (every pair in one file took
+// NVRTC a minute).
+#ifndef SELECT_P
+#define SELECT_P 8
+#endif
+#ifndef SELECT_WAYS
+#define SELECT_WAYS 4
+#endif
+
+#define MOIRA_SELECT(P, WAYS)                                                      \
+  extern "C" __global__ void __launch_bounds__(32 * MAX_WARPS, 1)                  \
+      moira_select_p##P##_w##WAYS(const Params p) {                                \
+    select_row<P, WAYS>(p);                                                        \
+  }
+#define MOIRA_SELECT_BUILD(P, WAYS) MOIRA_SELECT(P, WAYS)
+
+MOIRA_SELECT_BUILD(SELECT_P, SELECT_WAYS)

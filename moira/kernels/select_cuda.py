@@ -1,0 +1,138 @@
+"""Select in CUDA C++ (``select.IMPLEMENTATION = "cuda"``): ``select_cuda.cu``'s kernel, built
+by NVRTC on first use (one build per pages-per-thread and K_B) and launched through the CUDA
+driver API (``cuda_build``).
+
+The same rule and outputs as the Triton kernel, one program per row, on up to 512 threads of
+P pages each with one barrier per bisection pass (the .cu file says why). It takes up to 8
+query heads per KV head, tables of up to ``MAX_PAGES`` pages and K_B in ``WAYS``; ``runs``
+says whether a call qualifies ("auto").
+"""
+
+import ctypes
+import functools
+import warnings
+
+import torch
+import triton
+
+from . import cuda_build
+
+SOURCE = "select_cuda.cu"  # in this folder (cuda_build.source_path)
+MAX_GROUP = 8  # the .cu file's MAX_GROUP
+MAX_THREADS = 512  # 32 * MAX_WARPS
+MAX_PAGES_PER_THREAD = 16  # 32 spills under the 128 registers 512 threads allow
+MAX_PAGES = MAX_THREADS * MAX_PAGES_PER_THREAD
+WAYS = (2, 4, 8, 16)
+
+
+class Params(ctypes.Structure):
+    """``Params`` of select_cuda.cu, field by field (the kernel's one argument)."""
+
+    _fields_ = ([(name, ctypes.c_void_p) for name in (
+        "log_masses", "seq_lens", "row_values", "page_lists", "page_counts")]
+        + [(name, ctypes.c_int64) for name in (
+            "stride_lr", "stride_lg", "stride_pb", "stride_ph", "stride_cb", "stride_ch",
+            "stride_vb", "stride_vh")]
+        + [(name, ctypes.c_int) for name in (
+            "num_kv_heads", "max_pages", "group", "top_k", "dense_below_pages", "fixed_count",
+            "fractions", "row_gammas")]
+        + [("gamma", ctypes.c_float)])
+
+
+def shape(max_pages):
+    """``(threads, pages per thread)`` of a row program for a block table of ``max_pages``
+    columns: an eighth of the width in threads (32 to 512), the rest per thread."""
+    width = triton.next_power_of_2(max(max_pages, 1))
+    threads = min(MAX_THREADS, max(32, width // 8))
+    return threads, max(1, width // threads)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(device_index, pages_per_thread, ways):
+    """The loaded function ``moira_select_p<P>_w<K_B>`` on a device."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major < 8:
+        raise ValueError(f"select.IMPLEMENTATION = 'cuda' needs sm_80 or newer; this GPU is "
+                         f"sm_{major}{minor}: use 'triton'")
+    return cuda_build.function(device_index, SOURCE,
+                               f"moira_select_p{pages_per_thread}_w{ways}",
+                               options=(f"-DSELECT_P={pages_per_thread}",
+                                        f"-DSELECT_WAYS={ways}"))
+
+
+def check_inputs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways, row_values):
+    """A ValueError naming what the CUDA Select cannot run, and the fix."""
+    prefix = "select.IMPLEMENTATION = 'cuda'"
+    if log_masses.device.type != "cuda":
+        raise ValueError(f"{prefix} runs on CUDA tensors, got {log_masses.device}: use "
+                         f"'triton' (the interpreter) on the CPU")
+    if log_masses.shape[1] > MAX_GROUP:
+        raise ValueError(f"{prefix} takes at most {MAX_GROUP} query heads per KV head, got "
+                         f"{log_masses.shape[1]}: use 'triton'")
+    if max_pages > MAX_PAGES:
+        raise ValueError(f"{prefix} takes block tables of at most {MAX_PAGES} pages, got "
+                         f"{max_pages}: use 'triton'")
+    if ways not in WAYS:
+        raise ValueError(f"{prefix} is built for K_B in {WAYS}, got {ways}: use 'triton'")
+    tensors = [("log_masses", log_masses, torch.float32), ("seq_lens", seq_lens, torch.int32),
+               ("page_lists", page_lists, torch.int32), ("page_counts", page_counts,
+                                                         torch.int32)]
+    if row_values is not None:
+        tensors.append(("keep_fractions / gammas", row_values, torch.float32))
+    for name, tensor, dtype in tensors:
+        if tensor.dtype != dtype:
+            raise ValueError(f"{prefix} reads {name} as {dtype}, got {tensor.dtype}: use "
+                             f"'triton'")
+    for name, tensor in (("log_masses", log_masses), ("page_lists", page_lists),
+                         ("seq_lens", seq_lens)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{prefix} needs {name}'s last dim contiguous (strides "
+                             f"{tensor.stride()}): use 'triton'")
+
+
+def runs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways, row_values):
+    """Whether this kernel can run a call (``select.IMPLEMENTATION = "auto"``)."""
+    try:
+        check_inputs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
+                     row_values)
+    except ValueError:
+        return False
+    return _device_runs(log_masses.device.index if log_masses.device.index is not None
+                        else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_runs(device_index):
+    if torch.cuda.get_device_properties(device_index).major < 8:
+        return False
+    if cuda_build.nvrtc_library() is None:
+        warnings.warn("Moira's CUDA Select needs libnvrtc (pip install nvidia-cuda-nvrtc; "
+                      "torch's CUDA builds bring it) and none was found: Select runs its "
+                      "Triton kernel", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
+           top_k, ways, row_values, fractions, row_gammas, dense_below_pages=0,
+           build_only=False):
+    """Launch ``select_cuda.cu``'s kernel on the current stream: ``select.select``'s
+    arguments, ``row_values`` already expanded to ``page_counts``' shape (or None)."""
+    check_inputs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways, row_values)
+    rows, group = log_masses.shape[0], log_masses.shape[1]
+    threads, pages_per_thread = shape(max_pages)
+    device_index = log_masses.device.index if log_masses.device.index is not None \
+        else torch.cuda.current_device()
+    function = kernel(device_index, pages_per_thread, ways)
+    if build_only or rows == 0:
+        return page_lists, page_counts
+    params = Params(
+        log_masses.data_ptr(), seq_lens.data_ptr(),
+        row_values.data_ptr() if row_values is not None else None, page_lists.data_ptr(),
+        page_counts.data_ptr(), log_masses.stride(0), log_masses.stride(1),
+        *page_lists.stride()[:2], *page_counts.stride(),
+        *(row_values.stride() if row_values is not None else (0, 0)),
+        num_kv_heads, max_pages, group, int(top_k or 0), int(dense_below_pages),
+        int(top_k is not None or fractions), int(fractions), int(row_gammas), float(gamma))
+    cuda_build.launch(function, (rows, 1), threads, 0, log_masses.device, params)
+    return page_lists, page_counts
