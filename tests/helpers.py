@@ -2,6 +2,7 @@
 
 import ctypes
 
+import pytest
 import torch
 
 from moira import MoiraConfig
@@ -96,3 +97,29 @@ def struct_mirror_checks(params, extra_fields=0):
     checks.append(f"__device__ Params in_order{{{designated}}};")
     checks.append(f"__device__ Params every_field{{{', '.join(values + ['0'] * extra_fields)}}};")
     return checks
+
+
+def check_struct_mirror(file_name, params, retyped, swapped, more_checks=(), options=()):
+    """A kernel's .cu (``file_name`` in moira/kernels) with ``struct_mirror_checks(params)`` and
+    ``more_checks`` (C++ lines) compiles for sm_90 under NVRTC ``options``, and no longer does
+    with one initializer too many, with a field retyped on the kernel's side (``retyped``:
+    ``(old, new, field)``, source bytes and the field's name) or with two fields of one type
+    swapped there (``swapped``: ``(old, new)``; same offsets by type, wrong by name)."""
+    from moira.kernels import cuda_build
+
+    with open(cuda_build.source_path(file_name), "rb") as f:
+        source = f.read()
+
+    def compile_checked(kernel_source, extra_fields=0):
+        checks = [*struct_mirror_checks(params, extra_fields), *more_checks]
+        return cuda_build.compile_cubin(kernel_source + b"\n" + "\n".join(checks).encode(),
+                                        "90", ["-std=c++20", *options])
+
+    compile_checked(source)
+    with pytest.raises(RuntimeError, match="too many initializer"):
+        compile_checked(source, extra_fields=1)
+    for (old, new), error in (((retyped[0], retyped[1]), f"type of {retyped[2]}"),
+                              (swapped, "out-of-order initializers")):
+        assert old in source
+        with pytest.raises(RuntimeError, match=error):
+            compile_checked(source.replace(old, new))

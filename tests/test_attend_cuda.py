@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import (DEVICE, SMALL_SPLIT, make_cache, make_query, make_table,
-                     struct_mirror_checks)
+from helpers import (DEVICE, SMALL_SPLIT, check_struct_mirror, make_cache, make_query,
+                     make_table)
 from test_attend import check_attend, mixed_rows, poison_unread_slots, random_lists
 
 import moira
@@ -28,43 +28,21 @@ def cuda_attend(monkeypatch):
 needs_nvrtc = pytest.mark.skipif(cuda_build.nvrtc_library() is None, reason="needs libnvrtc")
 
 
-def mirror_checks(extra_fields=0):
-    """``struct_mirror_checks`` of ``attend_cuda.Params``, and ``shared_bytes`` the launch's
-    values."""
-    checks = struct_mirror_checks(attend_cuda.Params, extra_fields)
-    checks += [f"static_assert(shared_bytes({d}, {s}) == {attend_cuda.shared_bytes(d, s)}, "
-               f'"shared_bytes({d}, {s})");' for d in attend_cuda.HEAD_DIMS for s in (2, 3, 4)]
-    return "\n".join(checks).encode()
-
-
 @needs_nvrtc
 def test_params_mirror_the_kernels_struct():
     """``attend_cuda.Params`` (ctypes) mirrors the kernel's ``Params`` (size, field names in
-    order, types, the number of fields) and ``shared_bytes`` the kernel's layout: the .cu with
-    static_asserts and initializers of the mirror compiles only if they hold (a field added,
-    removed, retyped or reordered on one side only would pass the kernel garbage, and a launch
-    with less shared memory than its layout would write past it)."""
-    with open(cuda_build.source_path(attend_cuda.SOURCE), "rb") as f:
-        source = f.read()
-
-    def compile_checked(kernel_source, extra_fields=0):
-        checked = kernel_source + b"\n" + mirror_checks(extra_fields)
-        return cuda_build.compile_cubin(checked, "90", ["-std=c++20"])
-
-    compile_checked(source)
-    with pytest.raises(RuntimeError, match="too many initializer"):
-        compile_checked(source, extra_fields=1)
-    retyped = source.replace(b"int num_kv_heads, max_pages, group, chunk_floor",
-                             b"int num_kv_heads, max_pages, group; float chunk_floor; int")
-    assert retyped != source
-    with pytest.raises(RuntimeError, match="type of chunk_floor"):
-        compile_checked(retyped)
-    # two fields of one type swapped: same offsets by type, wrong by name
-    swapped = source.replace(b"const bf16* key_cache;\n  const bf16* value_cache;",
-                             b"const bf16* value_cache;\n  const bf16* key_cache;")
-    assert swapped != source
-    with pytest.raises(RuntimeError, match="out-of-order initializers"):
-        compile_checked(swapped)
+    order, types, the number of fields) and ``shared_bytes`` the kernel's layout: a field
+    added, removed, retyped or reordered on one side only would pass the kernel garbage, and a
+    launch with less shared memory than its layout would write past it."""
+    shared = [f"static_assert(shared_bytes({d}, {s}) == {attend_cuda.shared_bytes(d, s)}, "
+              f'"shared_bytes({d}, {s})");' for d in attend_cuda.HEAD_DIMS for s in (2, 3, 4)]
+    check_struct_mirror(
+        attend_cuda.SOURCE, attend_cuda.Params,
+        retyped=(b"int num_kv_heads, max_pages, group, chunk_floor",
+                 b"int num_kv_heads, max_pages, group; float chunk_floor; int", "chunk_floor"),
+        swapped=(b"const bf16* key_cache;\n  const bf16* value_cache;",
+                 b"const bf16* value_cache;\n  const bf16* key_cache;"),
+        more_checks=shared)
 
 
 def test_refusals_name_the_fix(cuda_attend):
@@ -110,12 +88,17 @@ def test_auto_runs_the_cuda_attend_where_it_can(monkeypatch):
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """``attend_cuda._device_runs`` asked about a made-up GPU (its cache emptied around)."""
+    """``attend_cuda._device_runs`` asked about a made-up GPU (its caches emptied around)."""
     properties = SimpleNamespace(major=9, shared_memory_per_block_optin=100 * 1024)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties)
-    attend_cuda._device_runs.cache_clear()
+    clear_device_caches()
     yield properties
+    clear_device_caches()
+
+
+def clear_device_caches():
     attend_cuda._device_runs.cache_clear()
+    cuda_build.can_run.cache_clear()
 
 
 def test_auto_needs_sm80_the_shared_memory_and_nvrtc(monkeypatch, fake_gpu):
@@ -125,10 +108,11 @@ def test_auto_needs_sm80_the_shared_memory_and_nvrtc(monkeypatch, fake_gpu):
     assert attend_cuda._device_runs(0, 128, 2)
     assert not attend_cuda._device_runs(0, 128, 4)  # 131 KB of stages, 100 KB allowed
     fake_gpu.major = 7
+    clear_device_caches()  # their answers are per GPU, and this one changed
     assert not attend_cuda._device_runs(0, 64, 2)
     fake_gpu.major = 9
     monkeypatch.setattr(cuda_build, "nvrtc_library", lambda: None)
-    attend_cuda._device_runs.cache_clear()  # its answers are per GPU, and this one changed
+    clear_device_caches()
     with pytest.warns(RuntimeWarning, match="nvidia-cuda-nvrtc"):
         assert not attend_cuda._device_runs(0, 64, 2)
 

@@ -23,10 +23,20 @@ def test_build_is_cached_by_source(tmp_path, monkeypatch):
     changed = tmp_path / "attend_cuda.cu"
     with open(cuda_build.source_path("attend_cuda.cu")) as f:
         changed.write_text(f.read() + "\n// changed\n")
-    monkeypatch.setattr(cuda_build, "source_path", lambda file_name: str(changed))
+    real_path = cuda_build.source_path
+    monkeypatch.setattr(cuda_build, "source_path", lambda file_name: str(changed)
+                        if file_name == "attend_cuda.cu" else real_path(file_name))
     monkeypatch.setattr(cuda_build, "compile_cubin", compile_cubin)
     cuda_build.build("attend_cuda.cu", "90")
     assert len(os.listdir(tmp_path / "cache")) == 2
+    # a changed header (what the sources include) is a changed build too
+    header = tmp_path / "moira_cuda.cuh"
+    with open(real_path("moira_cuda.cuh")) as f:
+        header.write_text(f.read() + "\n// changed\n")
+    monkeypatch.setattr(cuda_build, "source_path", lambda file_name: str(
+        {"attend_cuda.cu": changed, "*.cuh": header}.get(file_name) or real_path(file_name)))
+    cuda_build.build("attend_cuda.cu", "90")
+    assert len(os.listdir(tmp_path / "cache")) == 3
 
 
 @needs_nvrtc
@@ -56,3 +66,11 @@ def test_launch_passes_the_drivers_arguments_in_order(monkeypatch):
     assert args[:8] == ("kernel", 5, 3, 1, 128, 1, 1, 4096)
     assert args[8].value == 1234 and args[10] is None
     assert args[9][0] == ctypes.addressof(params)
+
+
+def test_a_gpu_older_than_sm80_is_refused_naming_the_setting(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (7, 5))
+    with pytest.raises(ValueError, match="select.IMPLEMENTATION = 'cuda' needs sm_80.*sm_75"):
+        cuda_build.function(0, "select_cuda.cu", "moira_select_p8_w4", "select.IMPLEMENTATION")

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers import DEVICE, make_cache, make_query, make_table, poisoned, struct_mirror_checks
+from helpers import DEVICE, check_struct_mirror, make_cache, make_query, make_table, poisoned
 from test_estimate import SEQ_LENS
 
 from moira import reference as ref
@@ -54,29 +54,13 @@ def check_log_masses(log_masses, query, keys, summaries, table, seq_lens, scale,
 
 @needs_nvrtc
 def test_params_mirror_the_kernels_struct():
-    """``estimate_cuda.Params`` (ctypes) mirrors the kernel's ``Params``: the .cu with the
-    mirror's static_asserts and initializers compiles, and does not once a field is retyped or
-    two same-typed fields are swapped on the kernel's side."""
-    with open(cuda_build.source_path(estimate_cuda.SOURCE), "rb") as f:
-        source = f.read()
-
-    def compile_checked(kernel_source, extra_fields=0):
-        checks = "\n".join(struct_mirror_checks(estimate_cuda.Params, extra_fields)).encode()
-        return cuda_build.compile_cubin(kernel_source + b"\n" + checks, "90", ["-std=c++20"])
-
-    compile_checked(source)
-    with pytest.raises(RuntimeError, match="too many initializer"):
-        compile_checked(source, extra_fields=1)
-    retyped = source.replace(b"int num_kv_heads, max_pages, group, dense_below_pages",
-                             b"int num_kv_heads, max_pages; float group; int dense_below_pages")
-    assert retyped != source
-    with pytest.raises(RuntimeError, match="type of group"):
-        compile_checked(retyped)
-    swapped = source.replace(b"const bf16* new_keys;\n  const bf16* new_values;",
-                             b"const bf16* new_values;\n  const bf16* new_keys;")
-    assert swapped != source
-    with pytest.raises(RuntimeError, match="out-of-order initializers"):
-        compile_checked(swapped)
+    """``estimate_cuda.Params`` (ctypes) mirrors the kernel's ``Params`` field by field."""
+    check_struct_mirror(
+        estimate_cuda.SOURCE, estimate_cuda.Params,
+        retyped=(b"int num_kv_heads, max_pages, group, dense_below_pages",
+                 b"int num_kv_heads, max_pages; float group; int dense_below_pages", "group"),
+        swapped=(b"const bf16* new_keys;\n  const bf16* new_values;",
+                 b"const bf16* new_values;\n  const bf16* new_keys;"))
 
 
 def test_mvar_tile_is_the_kernels():
@@ -87,6 +71,8 @@ def test_mvar_tile_is_the_kernels():
     assert estimate_cuda.programs_per_row(32, 2048, 128, 4) == math.ceil(660 / 32)
     assert estimate_cuda.programs_per_row(256, 128, 128, 4) == 3
     assert estimate_cuda.programs_per_row(1, 10, 128, 4) == 1
+    # however many rows, a row as long as the table gets programs of at most 8 tiles each
+    assert estimate_cuda.programs_per_row(800, 2048, 128, 4) == 64 // 8
 
 
 def test_refusals_name_the_fix(monkeypatch):
@@ -99,10 +85,13 @@ def test_refusals_name_the_fix(monkeypatch):
     with pytest.raises(ValueError, match="'auto', 'triton' or 'cuda'"):
         estimate(*args)
     monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "auto")
-    picked = estimate_module.implementation(query, keys, summaries, table, seq_lens, None)
+    picked = estimate_module.implementation(query, keys, summaries, table, seq_lens, None,
+                                            log_masses)
     assert picked == ("cuda" if DEVICE == "cuda" and cuda_build.nvrtc_library() else "triton")
     assert estimate_module.implementation(query, keys, summaries.float(), table, seq_lens,
-                                          None) == "triton"
+                                          None, log_masses) == "triton"
+    assert estimate_module.implementation(query, keys, summaries, table, seq_lens, None,
+                                          log_masses[..., ::2]) == "triton"
     if DEVICE == "cpu":
         monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "cuda")
         with pytest.raises(ValueError, match="CUDA tensors"):

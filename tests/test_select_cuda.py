@@ -5,7 +5,7 @@ libnvrtc) and the refusals."""
 import pytest
 import test_select
 import torch
-from helpers import DEVICE, struct_mirror_checks
+from helpers import DEVICE, check_struct_mirror
 
 from moira.kernels import cuda_build, select_cuda
 from moira.kernels import select as select_module
@@ -22,30 +22,14 @@ def cuda_select(monkeypatch):
 
 @needs_nvrtc
 def test_params_mirror_the_kernels_struct():
-    """``select_cuda.Params`` (ctypes) mirrors the kernel's ``Params``: the .cu with the
-    mirror's static_asserts and initializers compiles, and does not once a field is retyped or
-    two same-typed fields are swapped on the kernel's side."""
-    with open(cuda_build.source_path(select_cuda.SOURCE), "rb") as f:
-        source = f.read()
-
-    def compile_checked(kernel_source, extra_fields=0):
-        checks = "\n".join(struct_mirror_checks(select_cuda.Params, extra_fields)).encode()
-        return cuda_build.compile_cubin(kernel_source + b"\n" + checks, "90",
-                                        ["-std=c++20", "-DSELECT_P=1", "-DSELECT_WAYS=2"])
-
-    compile_checked(source)
-    with pytest.raises(RuntimeError, match="too many initializer"):
-        compile_checked(source, extra_fields=1)
-    retyped = source.replace(b"int num_kv_heads, max_pages, group, top_k",
-                             b"int num_kv_heads, max_pages, group; float top_k; int")
-    assert retyped != source
-    with pytest.raises(RuntimeError, match="type of top_k"):
-        compile_checked(retyped)
-    swapped = source.replace(b"int* page_lists;\n  int* page_counts;",
-                             b"int* page_counts;\n  int* page_lists;")
-    assert swapped != source
-    with pytest.raises(RuntimeError, match="out-of-order initializers"):
-        compile_checked(swapped)
+    """``select_cuda.Params`` (ctypes) mirrors the kernel's ``Params`` field by field."""
+    check_struct_mirror(
+        select_cuda.SOURCE, select_cuda.Params,
+        retyped=(b"int num_kv_heads, max_pages, group, top_k",
+                 b"int num_kv_heads, max_pages, group; float top_k; int", "top_k"),
+        swapped=(b"int* page_lists;\n  int* page_counts;",
+                 b"int* page_counts;\n  int* page_lists;"),
+        options=("-DSELECT_P=1", "-DSELECT_WAYS=2"))
 
 
 def test_program_shape_follows_the_table():

@@ -17,16 +17,10 @@
 // the copies and both ldmatrix forms are free of bank conflicts. The 4 warps' (max, sum,
 // output) merge through shared memory at the end.
 
-// No #include: NVRTC builds this file (attend_cuda.py) with torch's own libnvrtc, whose built-in
-// headers lack cuda_bf16.h, so a bf16 is handled as its 16 bits and converted by PTX.
-
 namespace {
 
-typedef unsigned short bf16;  // a bfloat16's bits
-typedef unsigned int u32;
-typedef long long i64;
+#include "moira_cuda.cuh"
 
-constexpr int PAGE = 64;
 constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
 constexpr int STAGED_IDS = 256;  // page ids staged per segment of a chunk
@@ -58,10 +52,6 @@ struct Params {
   int step_rows, step_programs, short_pages;
   float qk_scale_log2;
 };
-
-__device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
-
-__device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 
 __device__ __forceinline__ void cp_async16(void* shared, const void* global, int bytes) {
   // bytes < 16 zero-fills the rest: 0 for a token past seq_len or a page outside the table
@@ -113,12 +103,6 @@ __device__ __forceinline__ u32 pack_bf16(float low, float high, float& rounded_s
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(pair) : "f"(high), "f"(low));
   rounded_sum += __uint_as_float(pair << 16) + __uint_as_float(pair & 0xffff0000u);
   return pair;
-}
-
-__device__ __forceinline__ bf16 to_bf16(float x) {  // round to nearest even
-  bf16 bits;
-  asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(bits) : "f"(x));
-  return bits;
 }
 
 // Element offset of 16-byte chunk `chunk` of row `row` in a K or V tile. The XOR swizzle
@@ -246,8 +230,8 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     float rescale[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(FULL, tile_max[r], 1));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(FULL, tile_max[r], 2));
       const float new_max = fmaxf(running_max[r], tile_max[r]);
       const float shift = new_max == -infinity() ? 0.f : new_max;  // nothing read yet
       rescale[r] = exp2_approx(running_max[r] - shift);
@@ -267,7 +251,7 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     weights[3] = pack_bf16(s[1][2], s[1][3], running_sum[1]);
     // once the running max settles most pages leave it unchanged (rescale exactly 1): the
     // accumulator's D / 2 multiplies per lane are skipped for the warp
-    if (__any_sync(0xffffffff, rescale[0] != 1.f || rescale[1] != 1.f)) {
+    if (__any_sync(FULL, rescale[0] != 1.f || rescale[1] != 1.f)) {
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
         acc[n][0] *= rescale[0];
@@ -324,8 +308,8 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
   // the four warps' partial softmaxes, merged through shared memory
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    running_sum[r] += __shfl_xor_sync(0xffffffff, running_sum[r], 1);
-    running_sum[r] += __shfl_xor_sync(0xffffffff, running_sum[r], 2);
+    running_sum[r] += __shfl_xor_sync(FULL, running_sum[r], 1);
+    running_sum[r] += __shfl_xor_sync(FULL, running_sum[r], 2);
   }
   __syncthreads();
   // rows of D + 8 floats: a quad's float2 stores and the 8 rows of a warp's store fill two

@@ -10,7 +10,6 @@ the balanced schedule are the Triton kernel's).
 
 import ctypes
 import functools
-import warnings
 
 import torch
 
@@ -50,10 +49,6 @@ def shared_bytes(head_dim, stages):
 @functools.lru_cache(maxsize=None)
 def kernel(device_index, head_dim, stages):
     """The loaded function ``moira_attend_d<D>_s<S>`` on a device (its module loaded once)."""
-    major, minor = torch.cuda.get_device_capability(device_index)
-    if major < 8:
-        raise ValueError(f"attend.IMPLEMENTATION = 'cuda' needs sm_80 or newer (mma.sync on "
-                         f"bf16, cp.async); this GPU is sm_{major}{minor}: use 'triton'")
     limit = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
     if shared_bytes(head_dim, stages) > limit:
         raise ValueError(f"attend.CUDA_STAGES = {stages} needs "
@@ -61,7 +56,7 @@ def kernel(device_index, head_dim, stages):
                          f"program at head_dim {head_dim}; this GPU allows {limit}: "
                          f"lower CUDA_STAGES")
     return cuda_build.function(device_index, SOURCE, f"moira_attend_d{head_dim}_s{stages}",
-                               shared_bytes(head_dim, stages))
+                               "attend.IMPLEMENTATION", shared_bytes(head_dim, stages))
 
 
 def check_inputs(query, key_cache, value_cache, head_dim, group, stages):
@@ -103,22 +98,14 @@ def runs(query, key_cache, value_cache, stages):
                      stages)
     except ValueError:
         return False
-    return _device_runs(query.device.index if query.device.index is not None
-                        else torch.cuda.current_device(), head_dim, stages)
+    return _device_runs(cuda_build.device_index(query.device), head_dim, stages)
 
 
 @functools.lru_cache(maxsize=None)
-def _device_runs(device_index, head_dim, stages):
-    properties = torch.cuda.get_device_properties(device_index)
-    if properties.major < 8 or shared_bytes(head_dim, stages) > \
-            properties.shared_memory_per_block_optin:
-        return False
-    if cuda_build.nvrtc_library() is None:
-        warnings.warn("Moira's CUDA Attend needs libnvrtc (pip install nvidia-cuda-nvrtc; "
-                      "torch's CUDA builds bring it) and none was found: Attend runs its "
-                      "Triton kernel, 1-5% slower", RuntimeWarning, stacklevel=2)
-        return False
-    return True
+def _device_runs(index, head_dim, stages):
+    properties = torch.cuda.get_device_properties(index)
+    return shared_bytes(head_dim, stages) <= properties.shared_memory_per_block_optin \
+        and cuda_build.can_run(index, "Attend")
 
 
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
@@ -130,9 +117,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     check_inputs(query, key_cache, value_cache, head_dim, group, stages)
-    device_index = query.device.index if query.device.index is not None \
-        else torch.cuda.current_device()
-    function = kernel(device_index, head_dim, stages)
+    function = kernel(cuda_build.device_index(query.device), head_dim, stages)
     if build_only:
         return out
     params = Params(

@@ -16,6 +16,7 @@ import hashlib
 import os
 import sys
 import tempfile
+import warnings
 
 import torch
 
@@ -84,14 +85,16 @@ def compile_cubin(source, arch, options=(), name="moira.cu"):
     """``(cubin, log)``: CUDA C++ ``source`` (bytes) compiled by NVRTC for ``sm_<arch>`` (e.g.
     "90") with more NVRTC ``options`` (e.g. ``--ptxas-options=-v``, whose report is the
     log); a RuntimeError with the log if it does not compile. ``name``: the file named in
-    NVRTC's messages."""
+    NVRTC's messages. This folder is on the include path (``moira_cuda.cuh``)."""
     nvrtc, program = _nvrtc(), ctypes.c_void_p()
     failed = nvrtc.nvrtcCreateProgram(ctypes.byref(program), source, name.encode(), 0,
                                       None, None)
     if failed:
         raise RuntimeError(f"nvrtcCreateProgram failed: nvrtcResult {failed}")
     try:
-        flags = [f"--gpu-architecture=sm_{arch}".encode()] + [o.encode() for o in options]
+        flags = [f"--gpu-architecture=sm_{arch}", f"--include-path={source_path('')}",
+                 *options]
+        flags = [flag.encode() for flag in flags]
         failed = nvrtc.nvrtcCompileProgram(program, len(flags),
                                            (ctypes.c_char_p * len(flags))(*flags))
         size = ctypes.c_size_t()
@@ -124,8 +127,12 @@ def build(file_name, arch, options=()):
     (e.g. "90") with NVRTC ``options`` (e.g. ``("-DSELECT_P=8",)``): cached, else built."""
     with open(source_path(file_name), "rb") as f:
         source = f.read()
-    key = hashlib.sha256(source + f"sm_{arch} nvrtc {nvrtc_version()} {' '.join(options)}"
-                         .encode()).hexdigest()
+    headers = b""  # what the source may include: a changed header is a changed build
+    for header in sorted(glob.glob(source_path("*.cuh"))):
+        with open(header, "rb") as f:
+            headers += f.read()
+    key = hashlib.sha256(source + headers + f"sm_{arch} nvrtc {nvrtc_version()} "
+                         f"{' '.join(options)}".encode()).hexdigest()
     cache = os.environ.get("MOIRA_CACHE_DIR", os.path.expanduser("~/.cache/moira"))
     stem = os.path.splitext(file_name)[0]
     path = os.path.join(cache, f"{stem}-sm{arch}-{key[:16]}.cubin")
@@ -208,15 +215,19 @@ def module(device_index, file_name, arch, options=()):
     return module
 
 
-def function(device_index, file_name, name, dynamic_shared=0, options=()):
+def function(device_index, file_name, name, setting, dynamic_shared=0, options=()):
     """The kernel ``name`` of ``file_name``'s module (built with NVRTC ``options``, a tuple)
     on a device, built and loaded on first use (which must not be inside a CUDA graph
-    capture), allowed ``dynamic_shared`` bytes of dynamic shared memory."""
+    capture), allowed ``dynamic_shared`` bytes of dynamic shared memory; a ValueError naming
+    ``setting`` (e.g. "attend.IMPLEMENTATION") on a GPU older than sm_80."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major < 8:
+        raise ValueError(f"{setting} = 'cuda' needs sm_80 or newer (cp.async, mma.sync on "
+                         f"bf16); this GPU is sm_{major}{minor}: use 'triton'")
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"Moira's CUDA kernel {name} loads at its first launch, which must "
                            f"not be inside a CUDA graph capture: run one step eagerly before "
                            f"capturing")
-    major, minor = torch.cuda.get_device_capability(device_index)
     with torch.cuda.device(device_index):
         torch.cuda.init()
         make_current(device_index)
@@ -233,10 +244,29 @@ def launch(handle, grid, threads, dynamic_shared, device, params):
     """Launch a loaded kernel on a ``grid`` of ``(x, y)`` blocks of ``threads`` threads, its one
     argument the ctypes structure ``params``, on the current stream of ``device`` (a
     torch.device); captured like any launch on that stream."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    make_current(index)
+    make_current(device_index(device))
     arguments = (ctypes.c_void_p * 1)(ctypes.addressof(params))
     stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
     grid_x, grid_y = grid
     check(driver().cuLaunchKernel(handle, grid_x, grid_y, 1, threads, 1, 1, dynamic_shared,
                                   stream, arguments, None), "cuLaunchKernel")
+
+
+def device_index(device):
+    """The ordinal of a CUDA torch.device (the current device's where it names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def can_run(index, what):
+    """Whether this folder's CUDA kernels can run on device ``index``: sm_80 or newer, and a
+    libnvrtc found (if none, warned once per ``what``, e.g. "Attend", whose Triton kernel then
+    runs)."""
+    if torch.cuda.get_device_properties(index).major < 8:
+        return False
+    if nvrtc_library() is None:
+        warnings.warn(f"Moira's CUDA {what} needs libnvrtc (pip install nvidia-cuda-nvrtc; "
+                      f"torch's CUDA builds bring it) and none was found: {what} runs its "
+                      f"Triton kernel", RuntimeWarning, stacklevel=3)
+        return False
+    return True

@@ -95,14 +95,15 @@ QUERY_HEAD_AHEAD = True
 IMPLEMENTATION = "triton"
 
 
-def implementation(query, key_cache, summaries, block_table, seq_lens, new_kv):
+def implementation(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses):
     """The Estimate that runs a call, "triton" or "cuda": ``IMPLEMENTATION`` with "auto"
     resolved (a ValueError for an unknown name)."""
     if IMPLEMENTATION not in ("auto", "triton", "cuda"):
         raise ValueError(f"estimate.IMPLEMENTATION must be 'auto', 'triton' or 'cuda', got "
                          f"{IMPLEMENTATION!r}")
     if IMPLEMENTATION == "auto":
-        runs = estimate_cuda.runs(query, key_cache, summaries, block_table, seq_lens, new_kv)
+        runs = estimate_cuda.runs(query, key_cache, summaries, block_table, seq_lens, new_kv,
+                                  log_masses)
         return "cuda" if runs else "triton"
     return IMPLEMENTATION
 
@@ -306,7 +307,8 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     decode step needs no separate cache-write launch."""
     if EXACT_PAGES not in EXACT_FORMS:
         raise ValueError(f"estimate.EXACT_PAGES is {EXACT_PAGES!r}: use one of {EXACT_FORMS}")
-    if implementation(query, key_cache, summaries, block_table, seq_lens, new_kv) == "cuda":
+    if implementation(query, key_cache, summaries, block_table, seq_lens, new_kv,
+                      log_masses) == "cuda":
         return estimate_cuda.estimate(query, key_cache, summaries, block_table, seq_lens, scale,
                                       log_masses, dense_below_pages, new_kv,
                                       build_only=launch.building_only())

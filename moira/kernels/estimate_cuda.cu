@@ -14,19 +14,12 @@
 // the Triton kernel is latency-bound (NOTES, sessions 25-26, 34: 28% occupancy, DRAM at 33%
 // of peak at 131k x 4, each program a chain of dependent loads), 2x its bytes' time.
 
-// No #include: NVRTC builds this file with torch's own libnvrtc, whose built-in headers lack
-// cuda_bf16.h, so a bf16 is handled as its 16 bits.
-
 namespace {
 
-typedef unsigned short bf16;  // a bfloat16's bits
-typedef unsigned int u32;
-typedef long long i64;
+#include "moira_cuda.cuh"
 
-constexpr int PAGE = 64;
 constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
-constexpr unsigned FULL = 0xffffffffu;
 constexpr float LOG_PAGE = 4.1588830833596715f;  // log(64): mvar's log |P|
 
 // mirrored field by field by estimate_cuda.Params (ctypes); strides in elements, the head
@@ -52,17 +45,7 @@ struct Params {
   float scale;
 };
 
-__device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
-
-__device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
-
 __device__ __forceinline__ float to_float(bf16 x) { return __uint_as_float(u32(x) << 16); }
-
-__device__ __forceinline__ bf16 to_bf16(float x) {  // round to nearest even
-  bf16 bits;
-  asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(bits) : "f"(x));
-  return bits;
-}
 
 // the 8 bf16 of a 16-byte load as floats (element 0 in the low half of word 0)
 __device__ __forceinline__ void unpack8(const uint4& v, float (&x)[8]) {
@@ -126,6 +109,7 @@ __device__ void exact_page(const Params& p, int row, int b, int head, int page, 
         : 0.f;
   }
   __syncthreads();
+  static_assert(THREADS == 2 * PAGE, "a pair of threads per token");
   const int token = threadIdx.x / 2, half = threadIdx.x % 2;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const bool valid = token < seq_len - page * PAGE;  // at least token 0 of a page in the row

@@ -11,7 +11,6 @@ call qualifies ("auto").
 
 import ctypes
 import functools
-import warnings
 
 import torch
 import triton
@@ -28,6 +27,9 @@ MAX_GROUP = 8
 # kernel's 2,048 suffice: five blocks of 86 registers fit an SM, 660 on the H200. Not timed
 # yet (benchmarks/NOTES.md, session 36)
 TARGET_PROGRAMS = 660
+# however many rows the batch has, a row as long as the table is split so that no program
+# loops over more tiles than this (the Triton kernel's MAX_TILES_PER_PROGRAM)
+MAX_TILES_PER_PROGRAM = 8
 
 
 class Params(ctypes.Structure):
@@ -58,25 +60,24 @@ def tile_pages(head_dim, group):
 
 
 def programs_per_row(rows, max_pages, head_dim, group):
-    """J: mvar programs per row, about ``TARGET_PROGRAMS`` over the batch and at most one per
-    tile of the block table (so the grid follows the batch shape, not the rows' lengths)."""
+    """J: mvar programs per row, about ``TARGET_PROGRAMS`` over the batch, at most one per tile
+    of the block table and enough that none loops over more than ``MAX_TILES_PER_PROGRAM``
+    (so the grid follows the batch shape, not the rows' lengths)."""
     table_tiles = triton.cdiv(max_pages, tile_pages(head_dim, group))
-    return max(1, min(table_tiles, triton.cdiv(TARGET_PROGRAMS, max(rows, 1))))
+    return max(1, min(table_tiles, max(triton.cdiv(TARGET_PROGRAMS, max(rows, 1)),
+                                       triton.cdiv(table_tiles, MAX_TILES_PER_PROGRAM))))
 
 
 @functools.lru_cache(maxsize=None)
 def kernel(device_index, head_dim, group):
     """The loaded function ``moira_estimate_d<D>_g<G padded>`` on a device."""
-    major, minor = torch.cuda.get_device_capability(device_index)
-    if major < 8:
-        raise ValueError(f"estimate.IMPLEMENTATION = 'cuda' needs sm_80 or newer; this GPU "
-                         f"is sm_{major}{minor}: use 'triton'")
     return cuda_build.function(device_index, SOURCE,
-                               f"moira_estimate_d{head_dim}_g{group_pad(group)}")
+                               f"moira_estimate_d{head_dim}_g{group_pad(group)}",
+                               "estimate.IMPLEMENTATION")
 
 
-def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv):
-    """A ValueError naming what the CUDA Estimate cannot read, and the fix."""
+def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses):
+    """A ValueError naming what the CUDA Estimate cannot read or write, and the fix."""
     prefix = "estimate.IMPLEMENTATION = 'cuda'"
     if query.device.type != "cuda":
         raise ValueError(f"{prefix} runs on CUDA tensors, got {query.device}: use 'triton' "
@@ -97,6 +98,9 @@ def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv):
         if slot_mapping.dtype != torch.int64:
             raise ValueError(f"{prefix} reads slot_mapping as int64, got {slot_mapping.dtype}: "
                              f"use 'triton'")
+        if slot_mapping.shape[0] > new_keys.shape[0]:
+            raise ValueError(f"{prefix}: slot_mapping has {slot_mapping.shape[0]} slots for "
+                             f"{new_keys.shape[0]} new tokens; pass one slot per token")
     for name, tensor in bf16:
         if tensor.dtype != torch.bfloat16:
             raise ValueError(f"{prefix} reads bfloat16, got {name} {tensor.dtype}: use "
@@ -109,47 +113,34 @@ def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv):
         if tensor.data_ptr() % 16 or any(s % 8 for s in tensor.stride()[:-1]):
             raise ValueError(f"{prefix} needs {name} aligned to 16 bytes in every stride "
                              f"(strides {tensor.stride()}): use 'triton'")
-    for name, tensor in (("block_table", block_table), ("seq_lens", seq_lens)):
-        if tensor.dtype != torch.int32 or tensor.stride(-1) != 1:
-            raise ValueError(f"{prefix} reads {name} as contiguous int32, got {tensor.dtype} "
-                             f"with strides {tensor.stride()}: use 'triton'")
+    for name, tensor, dtype in (("block_table", block_table, torch.int32),
+                                ("seq_lens", seq_lens, torch.int32),
+                                ("log_masses", log_masses, torch.float32)):
+        if tensor.dtype != dtype or tensor.stride(-1) != 1:
+            raise ValueError(f"{prefix} reads {name} as {dtype} with its last dim contiguous, "
+                             f"got {tensor.dtype} with strides {tensor.stride()}: use 'triton'")
 
 
-def runs(query, key_cache, summaries, block_table, seq_lens, new_kv):
+def runs(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses):
     """Whether this kernel can run a call (``estimate.IMPLEMENTATION = "auto"``): False for
     what ``check_inputs`` or ``kernel`` would refuse, and where no libnvrtc is found."""
     try:
-        check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv)
+        check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses)
     except ValueError:
         return False
-    return _device_runs(query.device.index if query.device.index is not None
-                        else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _device_runs(device_index):
-    if torch.cuda.get_device_properties(device_index).major < 8:
-        return False
-    if cuda_build.nvrtc_library() is None:
-        warnings.warn("Moira's CUDA Estimate needs libnvrtc (pip install nvidia-cuda-nvrtc; "
-                      "torch's CUDA builds bring it) and none was found: Estimate runs its "
-                      "Triton kernel", RuntimeWarning, stacklevel=2)
-        return False
-    return True
+    return cuda_build.can_run(cuda_build.device_index(query.device), "Estimate")
 
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
              dense_below_pages=0, new_kv=None, build_only=False):
     """Launch ``estimate_cuda.cu``'s kernel on the current stream: ``estimate.estimate``'s
     arguments and outputs."""
-    check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv)
+    check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses)
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     rows = batch * num_kv_heads
-    device_index = query.device.index if query.device.index is not None \
-        else torch.cuda.current_device()
-    function = kernel(device_index, head_dim, group)
+    function = kernel(cuda_build.device_index(query.device), head_dim, group)
     if build_only or rows == 0:
         return log_masses
     max_pages = block_table.shape[1]

@@ -12,16 +12,12 @@
 // instructions wait on instruction fetches (NOTES, sessions 27 and 34: 9.2 us at 131k x 4 on
 // 32 SMs).
 
-// No #include: NVRTC builds this file with torch's own libnvrtc.
-
 namespace {
 
-typedef long long i64;
+#include "moira_cuda.cuh"
 
-constexpr int PAGE = 64;
 constexpr int MAX_GROUP = 8;
 constexpr int MAX_WARPS = 16;  // 512 threads
-constexpr unsigned FULL = 0xffffffffu;
 
 // mirrored field by field by select_cuda.Params (ctypes)
 struct Params {
@@ -35,10 +31,6 @@ struct Params {
   int fixed_count, fractions, row_gammas;
   float gamma;
 };
-
-__device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
-
-__device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 
 struct Sum {
   template <typename T>
@@ -198,7 +190,9 @@ __device__ void select_row(const Params& p) {
     int top_k = p.top_k;
     if (p.fractions) {
       const float fraction = p.row_values[b * p.stride_vb + head * p.stride_vh];
-      top_k = max(int(floorf(fraction * n + 0.5f)), 2);
+      // rounded at each step, as the reference's torch ops (a fused multiply-add differs
+      // where fraction * n lies within an ulp of k + 1/2)
+      top_k = max(int(floorf(__fadd_rn(__fmul_rn(fraction, float(n)), 0.5f))), 2);
     }
     const int needed = top_k - 2;
     float lo = top * 0.f;

@@ -10,7 +10,6 @@ says whether a call qualifies ("auto").
 
 import ctypes
 import functools
-import warnings
 
 import torch
 import triton
@@ -50,12 +49,8 @@ def shape(max_pages):
 @functools.lru_cache(maxsize=None)
 def kernel(device_index, pages_per_thread, ways):
     """The loaded function ``moira_select_p<P>_w<K_B>`` on a device."""
-    major, minor = torch.cuda.get_device_capability(device_index)
-    if major < 8:
-        raise ValueError(f"select.IMPLEMENTATION = 'cuda' needs sm_80 or newer; this GPU is "
-                         f"sm_{major}{minor}: use 'triton'")
-    return cuda_build.function(device_index, SOURCE,
-                               f"moira_select_p{pages_per_thread}_w{ways}",
+    return cuda_build.function(device_index, SOURCE, f"moira_select_p{pages_per_thread}_w{ways}",
+                               "select.IMPLEMENTATION",
                                options=(f"-DSELECT_P={pages_per_thread}",
                                         f"-DSELECT_WAYS={ways}"))
 
@@ -97,20 +92,7 @@ def runs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways, row_val
                      row_values)
     except ValueError:
         return False
-    return _device_runs(log_masses.device.index if log_masses.device.index is not None
-                        else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _device_runs(device_index):
-    if torch.cuda.get_device_properties(device_index).major < 8:
-        return False
-    if cuda_build.nvrtc_library() is None:
-        warnings.warn("Moira's CUDA Select needs libnvrtc (pip install nvidia-cuda-nvrtc; "
-                      "torch's CUDA builds bring it) and none was found: Select runs its "
-                      "Triton kernel", RuntimeWarning, stacklevel=2)
-        return False
-    return True
+    return cuda_build.can_run(cuda_build.device_index(log_masses.device), "Select")
 
 
 def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
@@ -121,9 +103,7 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
     check_inputs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways, row_values)
     rows, group = log_masses.shape[0], log_masses.shape[1]
     threads, pages_per_thread = shape(max_pages)
-    device_index = log_masses.device.index if log_masses.device.index is not None \
-        else torch.cuda.current_device()
-    function = kernel(device_index, pages_per_thread, ways)
+    function = kernel(cuda_build.device_index(log_masses.device), pages_per_thread, ways)
     if build_only or rows == 0:
         return page_lists, page_counts
     params = Params(
