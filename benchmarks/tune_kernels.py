@@ -351,6 +351,19 @@ def main():
                                                        workspace=workspace, out=out))
             record("step22", shape, "estimate+select+attend+merge, defaults", micros,
                    sparse_bytes + summary_bytes)
+        # the whole step (fixed 22%) with the CUDA Estimate and Select, each alone and both,
+        # against the Triton kernels, twice in alternation
+        for label, settings in [("triton", ("triton", "triton")),
+                                ("cuda estimate", ("cuda", "triton")),
+                                ("cuda select", ("triton", "cuda")),
+                                ("cuda both", ("cuda", "cuda"))] * 2 if "cuda" in kinds else []:
+            with patched(estimate_module, IMPLEMENTATION=settings[0]), \
+                    patched(select_module, IMPLEMENTATION=settings[1]):
+                micros = bench(lambda: moira.sparse_decode(query, keys, values, summaries, table,
+                                                           seq_lens, top_k=top_k,
+                                                           workspace=workspace, out=out))
+            record("step22", shape, f"estimate+select+attend+merge, {label}", micros,
+                   sparse_bytes + summary_bytes)
 
 
 
