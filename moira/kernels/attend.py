@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..config import PAGE_SIZE
-from . import attend_cuda, launch
+from . import attend_cuda, cuda_build, launch
 
 # tuned on the H200 (benchmarks/NOTES.md, session 4: two pages per tile and two stages are
 # 3-6% faster than one page and three stages at 22% of every row, all four shapes)
@@ -306,20 +306,14 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
 def implementation(query, key_cache, value_cache):
     """The Attend that runs a call, "triton" or "cuda": ``IMPLEMENTATION`` with "auto" resolved
     (a ValueError for an unknown name, or for "cuda" with an option only Triton has)."""
-    if IMPLEMENTATION not in ("auto", "triton", "cuda"):
-        raise ValueError(f"attend.IMPLEMENTATION must be 'auto', 'triton' or 'cuda', got "
-                         f"{IMPLEMENTATION!r}")
     triton_only = dict(PAGE_IDS_AHEAD=PAGE_IDS_AHEAD, FA3_TILE_ORDER=FA3_TILE_ORDER,
                        EVEN_CHUNKS=EVEN_CHUNKS, SUM_ROUNDED_WEIGHTS=not SUM_ROUNDED_WEIGHTS)
     if IMPLEMENTATION == "cuda" and any(triton_only.values()):
         raise ValueError(f"attend.IMPLEMENTATION = 'cuda' has none of the Triton kernel's "
                          f"options: set {', '.join(k for k, v in triton_only.items() if v)} "
                          f"back to the default, or use 'triton' or 'auto'")
-    if IMPLEMENTATION == "auto":
-        runs = not any(triton_only.values()) and attend_cuda.runs(
-            query, key_cache, value_cache, CUDA_STAGES)
-        return "cuda" if runs else "triton"
-    return IMPLEMENTATION
+    return cuda_build.resolve("attend.IMPLEMENTATION", IMPLEMENTATION, lambda: not any(
+        triton_only.values()) and attend_cuda.runs(query, key_cache, value_cache, CUDA_STAGES))
 
 
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,

@@ -252,6 +252,17 @@ def launch(handle, grid, threads, dynamic_shared, device, params):
                                   stream, arguments, None), "cuLaunchKernel")
 
 
+def resolve(setting, value, runs):
+    """The implementation that runs a call, "triton" or "cuda", for a kernel module's
+    IMPLEMENTATION ``value`` (named ``setting`` in the error for any other value): "auto" is
+    "cuda" where ``runs()`` says this folder's kernel can run the call."""
+    if value not in ("auto", "triton", "cuda"):
+        raise ValueError(f"{setting} must be 'auto', 'triton' or 'cuda', got {value!r}")
+    if value == "auto":
+        return "cuda" if runs() else "triton"
+    return value
+
+
 def device_index(device):
     """The ordinal of a CUDA torch.device (the current device's where it names none)."""
     return device.index if device.index is not None else torch.cuda.current_device()

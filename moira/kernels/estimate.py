@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..config import PAGE_SIZE
-from . import estimate_cuda, launch
+from . import cuda_build, estimate_cuda, launch
 from .summarize import summarize_page
 
 # tuned on the H200 (benchmarks/NOTES.md)
@@ -98,14 +98,8 @@ IMPLEMENTATION = "triton"
 def implementation(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses):
     """The Estimate that runs a call, "triton" or "cuda": ``IMPLEMENTATION`` with "auto"
     resolved (a ValueError for an unknown name)."""
-    if IMPLEMENTATION not in ("auto", "triton", "cuda"):
-        raise ValueError(f"estimate.IMPLEMENTATION must be 'auto', 'triton' or 'cuda', got "
-                         f"{IMPLEMENTATION!r}")
-    if IMPLEMENTATION == "auto":
-        runs = estimate_cuda.runs(query, key_cache, summaries, block_table, seq_lens, new_kv,
-                                  log_masses)
-        return "cuda" if runs else "triton"
-    return IMPLEMENTATION
+    return cuda_build.resolve("estimate.IMPLEMENTATION", IMPLEMENTATION, lambda: estimate_cuda.runs(
+        query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses))
 
 
 def max_registers(group):

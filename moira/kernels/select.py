@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ..config import BISECTION_BITS, PAGE_SIZE
-from . import launch, select_cuda
+from . import cuda_build, launch, select_cuda
 
 
 # rows whose [G, lanes] tile of log-masses has at most this many elements compute their G
@@ -212,14 +212,8 @@ def implementation(log_masses, seq_lens, page_lists, page_counts, max_pages, way
                    row_values):
     """The Select that runs a call, "triton" or "cuda": ``IMPLEMENTATION`` with "auto"
     resolved (a ValueError for an unknown name)."""
-    if IMPLEMENTATION not in ("auto", "triton", "cuda"):
-        raise ValueError(f"select.IMPLEMENTATION must be 'auto', 'triton' or 'cuda', got "
-                         f"{IMPLEMENTATION!r}")
-    if IMPLEMENTATION == "auto":
-        runs = select_cuda.runs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
-                                row_values)
-        return "cuda" if runs else "triton"
-    return IMPLEMENTATION
+    return cuda_build.resolve("select.IMPLEMENTATION", IMPLEMENTATION, lambda: select_cuda.runs(
+        log_masses, seq_lens, page_lists, page_counts, max_pages, ways, row_values))
 
 
 def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,

@@ -105,12 +105,46 @@ __device__ __forceinline__ int block_exclusive_scan(int count, int* buffer, int&
   return offset + inclusive - count;
 }
 
+// K_B-way bisection on the threshold (Alg. 1): each pass tries WAYS evenly spaced thresholds
+// in [lo, hi), sums measure(share, threshold) over the block's pages for each (T: a count or
+// a mass), and keeps the sub-interval where enough(sum) turns false; 24 bits in all.
+// `buffers`: two reduction buffers of `stride` elements, used in turn.
+template <int P, int WAYS, typename T, typename Measure, typename Enough>
+__device__ __forceinline__ void bisect(const float (&candidate)[P], float& lo, float& hi,
+                                       Measure measure, Enough enough, T* buffers, int stride,
+                                       int& turn) {
+  constexpr int PASSES = WAYS == 2 ? 24 : WAYS == 4 ? 12 : WAYS == 8 ? 8 : 6;
+  static_assert(WAYS == 2 || WAYS == 4 || WAYS == 8 || WAYS == 16, "K_B");
+  for (int pass = 0; pass < PASSES; ++pass) {
+    T sums[WAYS];
+    float tau[WAYS];
+#pragma unroll
+    for (int j = 0; j < WAYS; ++j) {
+      tau[j] = lo + (hi - lo) * (float(j) / WAYS);
+      sums[j] = T(0);
+#pragma unroll
+      for (int k = 0; k < P; ++k) sums[j] += measure(candidate[k], tau[j]);
+    }
+    block_reduce<Sum>(sums, buffers + turn * stride);
+    turn ^= 1;
+    float new_lo = lo, new_hi = hi;
+#pragma unroll
+    for (int j = 0; j < WAYS; ++j) {
+      const bool above_target = enough(sums[j]);
+      new_lo = fmaxf(new_lo, above_target ? tau[j] : lo);
+      new_hi = fminf(new_hi, above_target ? hi : tau[j]);
+    }
+    lo = new_lo;
+    hi = new_hi;
+  }
+}
+
 template <int P, int WAYS>
 __device__ void select_row(const Params& p) {
   // two reduction buffers in turn, each [MAX_WARPS][max(WAYS, MAX_GROUP)]
-  constexpr int WIDE = WAYS > MAX_GROUP ? WAYS : MAX_GROUP;
-  __shared__ float float_buffers[2][MAX_WARPS * WIDE];
-  __shared__ int int_buffers[2][MAX_WARPS * WIDE];
+  constexpr int WIDTH = MAX_WARPS * (WAYS > MAX_GROUP ? WAYS : MAX_GROUP);
+  __shared__ float float_buffers[2][WIDTH];
+  __shared__ int int_buffers[2][WIDTH];
   int turn = 0;
 
   const int row = blockIdx.x;
@@ -183,7 +217,6 @@ __device__ void select_row(const Params& p) {
     edges[1] = forced[0];
   }
   const float top = edges[0], forced = edges[1];
-  constexpr int PASSES = (WAYS == 2 ? 24 : WAYS == 4 ? 12 : WAYS == 8 ? 8 : 6);
   bool keep[P];
 
   if (p.fixed_count) {
@@ -197,28 +230,9 @@ __device__ void select_row(const Params& p) {
     const int needed = top_k - 2;
     float lo = top * 0.f;
     float hi = top * (1.f + 1e-6f) + 1e-30f;  // strictly above every share
-    for (int pass = 0; pass < PASSES; ++pass) {
-      int above[WAYS];
-      float tau[WAYS];
-#pragma unroll
-      for (int j = 0; j < WAYS; ++j) {
-        tau[j] = lo + (hi - lo) * (float(j) / WAYS);
-        above[j] = 0;
-#pragma unroll
-        for (int k = 0; k < P; ++k) above[j] += candidate[k] >= tau[j];
-      }
-      block_reduce<Sum>(above, int_buffers[turn]);
-      turn ^= 1;
-      float new_lo = lo, new_hi = hi;
-#pragma unroll
-      for (int j = 0; j < WAYS; ++j) {
-        const bool enough = above[j] >= needed;
-        new_lo = fmaxf(new_lo, enough ? tau[j] : lo);
-        new_hi = fminf(new_hi, enough ? hi : tau[j]);
-      }
-      lo = new_lo;
-      hi = new_hi;
-    }
+    bisect<P, WAYS, int>(
+        candidate, lo, hi, [](float share, float tau) { return int(share >= tau); },
+        [needed](int above) { return above >= needed; }, &int_buffers[0][0], WIDTH, turn);
     // every page above hi, then pages tied in [lo, hi) in page order up to the count
     int sure_here = 0, tied_here = 0;
 #pragma unroll
@@ -247,27 +261,9 @@ __device__ void select_row(const Params& p) {
     // rounding makes it ambiguous, at the cost of a page there
     const float target = gamma - forced + 2e-6f;
     float lo = top * 0.f, hi = top;
-    for (int pass = 0; pass < PASSES; ++pass) {
-      float mass[WAYS], tau[WAYS];
-#pragma unroll
-      for (int j = 0; j < WAYS; ++j) {
-        tau[j] = lo + (hi - lo) * (float(j) / WAYS);
-        mass[j] = 0.f;
-#pragma unroll
-        for (int k = 0; k < P; ++k) mass[j] += candidate[k] >= tau[j] ? candidate[k] : 0.f;
-      }
-      block_reduce<Sum>(mass, float_buffers[turn]);
-      turn ^= 1;
-      float new_lo = lo, new_hi = hi;
-#pragma unroll
-      for (int j = 0; j < WAYS; ++j) {
-        const bool enough = mass[j] >= target;
-        new_lo = fmaxf(new_lo, enough ? tau[j] : lo);
-        new_hi = fminf(new_hi, enough ? hi : tau[j]);
-      }
-      lo = new_lo;
-      hi = new_hi;
-    }
+    bisect<P, WAYS, float>(
+        candidate, lo, hi, [](float share, float tau) { return share >= tau ? share : 0.f; },
+        [target](float mass) { return mass >= target; }, &float_buffers[0][0], WIDTH, turn);
     // gamma = 1 keeps every page (even shares that underflow to 0); a target the forced
     // pages already meet keeps no middle page
     lo = gamma >= 1.f ? -0.5f : (gamma - forced <= 0.f ? 2.f : lo);
