@@ -1,11 +1,12 @@
 """CUDA C++ kernels built at run time: NVRTC compiles a ``.cu`` file of this folder for the
 GPU's architecture (cached on disk), and the CUDA driver API (ctypes) loads and launches it.
 So a CUDA kernel needs no compiled extension, no CUDA toolkit and no package beyond torch, whose
-CUDA builds install ``libnvrtc`` (the ``nvidia-cuda-nvrtc`` wheel). Used by ``attend_cuda``
-and ``estimate_cuda``.
+CUDA builds install ``libnvrtc`` (the ``nvidia-cuda-nvrtc`` wheel). Used by ``attend_cuda``,
+``estimate_cuda`` and ``select_cuda``.
 
 The binaries (cubins) are cached under ``$MOIRA_CACHE_DIR`` (default ``~/.cache/moira``), keyed
-by the source, the architecture and NVRTC's version. Build a kernel before a CUDA graph is
+by the source, the headers it may include (``*.cuh``), the options, the architecture and
+NVRTC's version. Build a kernel before a CUDA graph is
 captured (a warm-up step does): a module cannot be loaded while a stream captures.
 """
 
