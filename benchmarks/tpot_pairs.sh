@@ -25,7 +25,7 @@
 #   "hnd": Moira on vLLM's head-major cache (VLLM_KV_CACHE_LAYOUT=HND: each page-head's K|V
 #     rows in one 32 KiB run, against the default's 256-byte rows 4 KiB apart), -hnd.json
 #   "kern": kernel tuning constants as KERNEL_SETTINGS says (e.g. "estimate.MAX_REGISTERS=96
-#     attend.PAGES_PER_ITER=1"), -kern.json
+#     attend.IMPLEMENTATION=triton attend.PAGES_PER_ITER=1"), -kern.json
 #   TPOT_ARGS: more vllm_tpot.py options for every engine, e.g. "--max-model-len 131072" (the
 #     block table of serve_bench.sh's server, 2,048 pages per row, at any shape)
 # Results: $OUT/pair<i>/<model>-dense.json and <model>-moira-g098.json; report with

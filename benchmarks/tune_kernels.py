@@ -264,7 +264,9 @@ def main():
             ws = moira.DecodeWorkspace(batch, pages, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
                                        device="cuda", config=config)
             name = f"C={chunk} N_T={min_programs} warps={warps} stages={stages}"
-            with patched(attend_module, NUM_WARPS=warps, NUM_STAGES=stages):
+            # the Triton kernel's warps and stages (the default Attend is CUDA's since session 36)
+            with patched(attend_module, IMPLEMENTATION="triton", NUM_WARPS=warps,
+                         NUM_STAGES=stages):
                 micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
                                                     sparse_lists, sparse_counts, workspace=ws,
                                                     out=out))
@@ -278,8 +280,8 @@ def main():
         # several listed pages per inner-loop tile: more loads in flight per program
         for per_tile, warps, stages in itertools.product(
                 [1, 2, 4] if "tiles" in kinds else [], [4, 8], [2, 3]):
-            with patched(attend_module, PAGES_PER_ITER=per_tile, NUM_WARPS=warps,
-                         NUM_STAGES=stages):
+            with patched(attend_module, IMPLEMENTATION="triton", PAGES_PER_ITER=per_tile,
+                         NUM_WARPS=warps, NUM_STAGES=stages):
                 micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
                                                     sparse_lists, sparse_counts,
                                                     workspace=workspace, out=out))
@@ -294,7 +296,7 @@ def main():
                 for per_tile, stages, registers in [(1, 2, None), (1, 2, 128), (1, 2, 96),
                                                     (1, 3, 128), (1, 3, 96)]]
                 + [("default again", {})]) if "registers" in kinds else []:
-            with patched(attend_module, **settings):
+            with patched(attend_module, IMPLEMENTATION="triton", **settings):  # Triton's knobs
                 micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
                                                     sparse_lists, sparse_counts,
                                                     workspace=workspace, out=out))
@@ -340,7 +342,7 @@ def main():
         if "step" in kinds:
             # a row's chunks made equal (the default since session 8) and Eq. (4)'s as is
             for even in (True, False):
-                with patched(attend_module, EVEN_CHUNKS=even):
+                with patched(attend_module, IMPLEMENTATION="triton", EVEN_CHUNKS=even):
                     micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
                                                         sparse_lists, sparse_counts,
                                                         workspace=workspace, out=out))

@@ -92,6 +92,9 @@ KERNEL_SETTINGS = {"estimate": ("QUERY_HEAD_AHEAD", "TARGET_PROGRAMS", "PAGES_PE
                    "select": ("IMPLEMENTATION",),
                    "attend": ("PAGE_IDS_AHEAD", "PAGES_PER_ITER", "NUM_STAGES", "NUM_WARPS",
                               "MAX_REGISTERS", "IMPLEMENTATION", "CUDA_STAGES")}
+# Attend's constants that only its Triton kernel reads
+TRITON_ATTEND_SETTINGS = ("attend.PAGES_PER_ITER", "attend.NUM_STAGES", "attend.NUM_WARPS",
+                          "attend.MAX_REGISTERS")
 # the settings that take a word, not an int
 WORD_SETTINGS = {"attend.IMPLEMENTATION": ("auto", "triton", "cuda"),
                  "estimate.IMPLEMENTATION": ("auto", "triton", "cuda"),
@@ -123,6 +126,12 @@ def parse_kernel_settings(parser, items):
                          f"({', '.join(f'{k}: {v}' for k, v in WORD_SETTINGS.items())})")
         settings[key] = value if words else (bool(int(value)) if name.endswith("_AHEAD")
                                              else int(value))
+    # Attend's Triton knobs do nothing to the CUDA kernel that "auto" runs (session 36 on):
+    # a candidate for them must say which kernel it tunes
+    triton_knobs = [key for key in settings if key in TRITON_ATTEND_SETTINGS]
+    if triton_knobs and "attend.IMPLEMENTATION" not in settings:
+        parser.error(f"--kernel-setting {', '.join(triton_knobs)}: the Triton Attend's; add "
+                     f"attend.IMPLEMENTATION=triton (the default, 'auto', runs the CUDA one)")
     return settings
 
 

@@ -1234,8 +1234,13 @@ def test_vllm_tpot_kernel_settings_are_checked(monkeypatch):
     assert attend_module.PAGE_IDS_AHEAD is True and attend_module.NUM_STAGES == 3
     parser = argparse.ArgumentParser()
     assert tpot.parse_kernel_settings(parser, ["estimate.QUERY_HEAD_AHEAD=0",
-                                               "attend.MAX_REGISTERS=96"]) \
-        == {"estimate.QUERY_HEAD_AHEAD": False, "attend.MAX_REGISTERS": 96}
+                                               "attend.MAX_REGISTERS=96",
+                                               "attend.IMPLEMENTATION=triton"]) \
+        == {"estimate.QUERY_HEAD_AHEAD": False, "attend.MAX_REGISTERS": 96,
+            "attend.IMPLEMENTATION": "triton"}
+    # the Triton Attend's knobs without the kernel named: the default runs CUDA's
+    with pytest.raises(SystemExit):
+        tpot.parse_kernel_settings(parser, ["attend.MAX_REGISTERS=96"])
     assert tpot.parse_kernel_settings(parser, ["attend.PAGE_IDS_AHEAD=1"]) \
         == {"attend.PAGE_IDS_AHEAD": True}
     assert tpot.parse_kernel_settings(parser, ["attend.IMPLEMENTATION=cuda",
@@ -1244,7 +1249,8 @@ def test_vllm_tpot_kernel_settings_are_checked(monkeypatch):
     assert tpot.parse_kernel_settings(parser, ["estimate.IMPLEMENTATION=cuda",
                                                "estimate_cuda.TARGET_PROGRAMS=1320"]) \
         == {"estimate.IMPLEMENTATION": "cuda", "estimate_cuda.TARGET_PROGRAMS": 1320}
-    for bad in ("estimate.TILE_STAGES=2", "estimate.IMPLEMENTATION=fast", "estimate.NEXT_TILE_AHEAD=1",
+    for bad in ("estimate.TILE_STAGES=2", "estimate.IMPLEMENTATION=fast",
+                "estimate.NEXT_TILE_AHEAD=1",
                 "select.SHARES_IN_CHUNKS_FROM=1024", "estimate.MAX_REGISTERS=many",
                 "MAX_REGISTERS=96",
                 "merge.NUM_WARPS=4", "attend.NUM_WARPS", "attend.IMPLEMENTATION=cutlass",
