@@ -88,7 +88,7 @@ def test_auto_runs_the_cuda_attend_where_it_can(monkeypatch):
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """``attend_cuda._device_runs`` asked about a made-up GPU (its caches emptied around)."""
+    """``attend_cuda.usable`` asked about a made-up GPU (its caches emptied around)."""
     properties = SimpleNamespace(major=9, shared_memory_per_block_optin=100 * 1024)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties)
     clear_device_caches()
@@ -97,7 +97,7 @@ def fake_gpu(monkeypatch):
 
 
 def clear_device_caches():
-    attend_cuda._device_runs.cache_clear()
+    attend_cuda.usable.cache_clear()
     cuda_build.can_run.cache_clear()
 
 
@@ -105,16 +105,16 @@ def test_auto_needs_sm80_the_shared_memory_and_nvrtc(monkeypatch, fake_gpu):
     """Where "auto" cannot build or launch the CUDA Attend it takes the Triton kernel: a GPU
     older than sm_80, too little shared memory for the stages, no libnvrtc (warned)."""
     monkeypatch.setattr(cuda_build, "nvrtc_library", lambda: "libnvrtc.so.13")
-    assert attend_cuda._device_runs(0, 128, 2)
-    assert not attend_cuda._device_runs(0, 128, 4)  # 131 KB of stages, 100 KB allowed
+    assert attend_cuda.usable(0, 128, 2)
+    assert not attend_cuda.usable(0, 128, 4)  # 131 KB of stages, 100 KB allowed
     fake_gpu.major = 7
     clear_device_caches()  # their answers are per GPU, and this one changed
-    assert not attend_cuda._device_runs(0, 64, 2)
+    assert not attend_cuda.usable(0, 64, 2)
     fake_gpu.major = 9
     monkeypatch.setattr(cuda_build, "nvrtc_library", lambda: None)
     clear_device_caches()
     with pytest.warns(RuntimeWarning, match="nvidia-cuda-nvrtc"):
-        assert not attend_cuda._device_runs(0, 64, 2)
+        assert not attend_cuda.usable(0, 64, 2)
 
 
 @cuda

@@ -74,3 +74,24 @@ def test_a_gpu_older_than_sm80_is_refused_naming_the_setting(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (7, 5))
     with pytest.raises(ValueError, match="select.IMPLEMENTATION = 'cuda' needs sm_80.*sm_75"):
         cuda_build.function(0, "select_cuda.cu", "moira_select_p8_w4", "select.IMPLEMENTATION")
+
+
+def test_resolve_checks_the_inputs_once_and_falls_back_only_under_auto():
+    """"cuda" raises the check's error; "auto" takes Triton's kernel for inputs the check
+    refuses or a device that cannot build (asked only once the inputs pass); "triton" asks
+    nothing; any other value is refused."""
+    def refuse():
+        raise ValueError("float16")
+
+    def unreachable():
+        raise AssertionError("asked")
+
+    assert cuda_build.resolve("x.IMPLEMENTATION", "triton", unreachable, unreachable) == "triton"
+    with pytest.raises(ValueError, match="float16"):
+        cuda_build.resolve("x.IMPLEMENTATION", "cuda", refuse, unreachable)
+    assert cuda_build.resolve("x.IMPLEMENTATION", "cuda", lambda: None, unreachable) == "cuda"
+    assert cuda_build.resolve("x.IMPLEMENTATION", "auto", refuse, unreachable) == "triton"
+    assert cuda_build.resolve("x.IMPLEMENTATION", "auto", lambda: None, lambda: False) == "triton"
+    assert cuda_build.resolve("x.IMPLEMENTATION", "auto", lambda: None, lambda: True) == "cuda"
+    with pytest.raises(ValueError, match="x.IMPLEMENTATION must be 'auto', 'triton' or 'cuda'"):
+        cuda_build.resolve("x.IMPLEMENTATION", "fast", unreachable, unreachable)

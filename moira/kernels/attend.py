@@ -312,8 +312,15 @@ def implementation(query, key_cache, value_cache):
         raise ValueError(f"attend.IMPLEMENTATION = 'cuda' has none of the Triton kernel's "
                          f"options: set {', '.join(k for k, v in triton_only.items() if v)} "
                          f"back to the default, or use 'triton' or 'auto'")
-    return cuda_build.resolve("attend.IMPLEMENTATION", IMPLEMENTATION, lambda: not any(
-        triton_only.values()) and attend_cuda.runs(query, key_cache, value_cache, CUDA_STAGES))
+    head_dim, group = query.shape[2], query.shape[1] // key_cache.shape[2]
+
+    def check():
+        if any(triton_only.values()):  # "auto": Triton's kernel has these options
+            raise ValueError("an option of the Triton kernel is set")
+        attend_cuda.check_inputs(query, key_cache, value_cache, head_dim, group, CUDA_STAGES)
+
+    return cuda_build.resolve("attend.IMPLEMENTATION", IMPLEMENTATION, check, lambda: (
+        attend_cuda.usable(cuda_build.device_index(query.device), head_dim, CUDA_STAGES)))
 
 
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,

@@ -3,9 +3,9 @@ by NVRTC on first use and launched through the CUDA driver API (``cuda_build``).
 
 The kernel is Attend's Triton kernel with a deeper K/V pipeline (the .cu file says why); the
 same plan, partials and outputs, so Merge and the rest of the step are unchanged. It runs by
-default where it can (``attend.IMPLEMENTATION = "auto"``, ``runs``); it covers the default
-Attend only (``PAGE_IDS_AHEAD``, ``FA3_TILE_ORDER``, ``EVEN_CHUNKS``, float32 weight sums and
-the balanced schedule are the Triton kernel's).
+default where it can (``attend.IMPLEMENTATION = "auto"``: ``check_inputs``, ``usable``); it
+covers the default Attend only (``PAGE_IDS_AHEAD``, ``FA3_TILE_ORDER``, ``EVEN_CHUNKS``,
+float32 weight sums and the balanced schedule are the Triton kernel's).
 """
 
 import ctypes
@@ -89,20 +89,10 @@ def check_inputs(query, key_cache, value_cache, head_dim, group, stages):
                              f"use 'triton'")
 
 
-def runs(query, key_cache, value_cache, stages):
-    """Whether this kernel can run a call (``attend.IMPLEMENTATION = "auto"``): False for what
-    ``check_inputs`` or ``kernel`` would refuse, and where no libnvrtc is found (warned once)."""
-    num_kv_heads, head_dim = key_cache.shape[2], query.shape[2]
-    try:
-        check_inputs(query, key_cache, value_cache, head_dim, query.shape[1] // num_kv_heads,
-                     stages)
-    except ValueError:
-        return False
-    return _device_runs(cuda_build.device_index(query.device), head_dim, stages)
-
-
 @functools.lru_cache(maxsize=None)
-def _device_runs(index, head_dim, stages):
+def usable(index, head_dim, stages):
+    """Whether device ``index`` can build and run this kernel at ``head_dim`` and ``stages``
+    (``attend.IMPLEMENTATION = "auto"``): sm_80+, the stages' shared memory, libnvrtc."""
     properties = torch.cuda.get_device_properties(index)
     return shared_bytes(head_dim, stages) <= properties.shared_memory_per_block_optin \
         and cuda_build.can_run(index, "Attend")
@@ -112,11 +102,11 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
            qk_scale_log2, chunk_floor, chunks_per_row, out, partial_out, partial_lse,
            step_rows, step_programs, short_pages, stages, build_only=False):
     """Launch ``attend_cuda.cu``'s kernel on the current stream: the arguments of
-    ``attend.attend`` (the scale already in log2 units, the short-row bound computed)."""
+    ``attend.attend`` (the scale already in log2 units, the short-row bound computed), inputs
+    that ``check_inputs`` passed."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    check_inputs(query, key_cache, value_cache, head_dim, group, stages)
     function = kernel(cuda_build.device_index(query.device), head_dim, stages)
     if build_only:
         return out

@@ -253,15 +253,24 @@ def launch(handle, grid, threads, dynamic_shared, device, params):
                                   stream, arguments, None), "cuLaunchKernel")
 
 
-def resolve(setting, value, runs):
+def resolve(setting, value, check, usable):
     """The implementation that runs a call, "triton" or "cuda", for a kernel module's
-    IMPLEMENTATION ``value`` (named ``setting`` in the error for any other value): "auto" is
-    "cuda" where ``runs()`` says this folder's kernel can run the call."""
+    IMPLEMENTATION ``value`` (named ``setting`` in the error for any other value). ``check()``
+    raises a ValueError for inputs this folder's kernel cannot take (with "cuda", the caller's
+    error; with "auto", Triton's kernel runs them), and ``usable()`` says whether the device
+    can build and run it ("auto"). The inputs are checked here once: the CUDA launchers do not
+    check them again."""
     if value not in ("auto", "triton", "cuda"):
         raise ValueError(f"{setting} must be 'auto', 'triton' or 'cuda', got {value!r}")
-    if value == "auto":
-        return "cuda" if runs() else "triton"
-    return value
+    if value == "triton":
+        return value
+    try:
+        check()
+    except ValueError:
+        if value == "cuda":
+            raise
+        return "triton"
+    return "cuda" if value == "cuda" or usable() else "triton"
 
 
 def device_index(device):

@@ -98,8 +98,11 @@ IMPLEMENTATION = "triton"
 def implementation(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses):
     """The Estimate that runs a call, "triton" or "cuda": ``IMPLEMENTATION`` with "auto"
     resolved (a ValueError for an unknown name)."""
-    return cuda_build.resolve("estimate.IMPLEMENTATION", IMPLEMENTATION, lambda: estimate_cuda.runs(
-        query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses))
+    return cuda_build.resolve(
+        "estimate.IMPLEMENTATION", IMPLEMENTATION,
+        lambda: estimate_cuda.check_inputs(query, key_cache, summaries, block_table, seq_lens,
+                                           new_kv, log_masses),
+        lambda: cuda_build.can_run(cuda_build.device_index(query.device), "Estimate"))
 
 
 def max_registers(group):

@@ -5,8 +5,8 @@ The same step as the Triton kernel (the token's cache write, the filled page's s
 exact sink and current pages, mvar on the middle pages; the same grid layout and log-masses),
 with an mvar program that keeps all of a warp's summary loads in flight at once and sums each
 page over its lanes by shuffles (the .cu file says why). It reads bfloat16 (query, caches,
-summaries) at head_dim 64 or 128 and up to 8 query heads per KV head; ``runs`` says whether a
-call qualifies ("auto").
+summaries) at head_dim 64 or 128 and up to 8 query heads per KV head; ``check_inputs`` says
+what it cannot take.
 """
 
 import ctypes
@@ -121,21 +121,10 @@ def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log
                              f"got {tensor.dtype} with strides {tensor.stride()}: use 'triton'")
 
 
-def runs(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses):
-    """Whether this kernel can run a call (``estimate.IMPLEMENTATION = "auto"``): False for
-    what ``check_inputs`` or ``kernel`` would refuse, and where no libnvrtc is found."""
-    try:
-        check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses)
-    except ValueError:
-        return False
-    return cuda_build.can_run(cuda_build.device_index(query.device), "Estimate")
-
-
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
              dense_below_pages=0, new_kv=None, build_only=False):
     """Launch ``estimate_cuda.cu``'s kernel on the current stream: ``estimate.estimate``'s
-    arguments and outputs."""
-    check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses)
+    arguments and outputs, inputs that ``check_inputs`` passed."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads

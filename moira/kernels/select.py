@@ -212,8 +212,11 @@ def implementation(log_masses, seq_lens, page_lists, page_counts, max_pages, way
                    row_values):
     """The Select that runs a call, "triton" or "cuda": ``IMPLEMENTATION`` with "auto"
     resolved (a ValueError for an unknown name)."""
-    return cuda_build.resolve("select.IMPLEMENTATION", IMPLEMENTATION, lambda: select_cuda.runs(
-        log_masses, seq_lens, page_lists, page_counts, max_pages, ways, row_values))
+    return cuda_build.resolve(
+        "select.IMPLEMENTATION", IMPLEMENTATION,
+        lambda: select_cuda.check_inputs(log_masses, seq_lens, page_lists, page_counts,
+                                         max_pages, ways, row_values),
+        lambda: cuda_build.can_run(cuda_build.device_index(log_masses.device), "Select"))
 
 
 def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,

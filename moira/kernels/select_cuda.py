@@ -4,8 +4,8 @@ driver API (``cuda_build``).
 
 The same rule and outputs as the Triton kernel, one program per row, on up to 512 threads of
 P pages each with one barrier per bisection pass (the .cu file says why). It takes up to 8
-query heads per KV head, tables of up to ``MAX_PAGES`` pages and K_B in ``WAYS``; ``runs``
-says whether a call qualifies ("auto").
+query heads per KV head, tables of up to ``MAX_PAGES`` pages and K_B in ``WAYS``
+(``check_inputs``).
 """
 
 import ctypes
@@ -85,22 +85,12 @@ def check_inputs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
                              f"{tensor.stride()}): use 'triton'")
 
 
-def runs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways, row_values):
-    """Whether this kernel can run a call (``select.IMPLEMENTATION = "auto"``)."""
-    try:
-        check_inputs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
-                     row_values)
-    except ValueError:
-        return False
-    return cuda_build.can_run(cuda_build.device_index(log_masses.device), "Select")
-
-
 def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
            top_k, ways, row_values, fractions, row_gammas, dense_below_pages=0,
            build_only=False):
     """Launch ``select_cuda.cu``'s kernel on the current stream: ``select.select``'s
-    arguments, ``row_values`` already expanded to ``page_counts``' shape (or None)."""
-    check_inputs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways, row_values)
+    arguments, ``row_values`` already expanded to ``page_counts``' shape (or None), inputs that
+    ``check_inputs`` passed."""
     rows, group = log_masses.shape[0], log_masses.shape[1]
     threads, pages_per_thread = shape(max_pages)
     function = kernel(cuda_build.device_index(log_masses.device), pages_per_thread, ways)
