@@ -201,15 +201,17 @@ def main():
 
 def build_cuda():
     """The CUDA kernels (``attend_cuda.cu``, ``estimate_cuda.cu``, ``select_cuda.cu`` at every
-    pages-per-thread and K_B it launches: ``IMPLEMENTATION = "cuda"``) built by NVRTC for
-    sm_90, with ptxas' report per kernel (registers, spilled bytes; Attend's shared memory of
-    the launch); nothing where no libnvrtc is found. Returns the kernels that spill."""
+    pages-per-thread and K_B it launches, G = 1, 4 and 8: ``IMPLEMENTATION = "cuda"``) built by
+    NVRTC for sm_90, with ptxas' report per kernel (registers, spilled bytes; Attend's shared
+    memory of the launch); nothing where no libnvrtc is found. Returns the kernels that spill."""
     if cuda_build.nvrtc_library() is None:
         print("CUDA kernels                             skipped: no libnvrtc", flush=True)
         return []
     builds = [(attend_cuda.SOURCE, ()), (estimate_cuda.SOURCE, ())] + [
-        (select_cuda.SOURCE, (f"-DSELECT_P={pages}", f"-DSELECT_WAYS={ways}"))
-        for pages in (1, 2, 4, 8, select_cuda.MAX_PAGES_PER_THREAD) for ways in select_cuda.WAYS]
+        (select_cuda.SOURCE, select_cuda.build_options(pages, ways, group))
+        for pages in (1, 2, 4, 8, select_cuda.MAX_PAGES_PER_THREAD) for ways in select_cuda.WAYS
+        for group in (1, 4, select_cuda.MAX_GROUP)
+        if pages * select_cuda.MAX_THREADS <= select_cuda.max_table_pages(group)]
     spilled = []
     for source, options in builds:
         with open(cuda_build.source_path(source), "rb") as f:

@@ -73,7 +73,7 @@ def test_a_gpu_older_than_sm80_is_refused_naming_the_setting(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (7, 5))
     with pytest.raises(ValueError, match="select.IMPLEMENTATION = 'cuda' needs sm_80.*sm_75"):
-        cuda_build.function(0, "select_cuda.cu", "moira_select_p8_w4", "select.IMPLEMENTATION")
+        cuda_build.function(0, "select_cuda.cu", "moira_select_p8_w4_g4", "select.IMPLEMENTATION")
 
 
 def test_resolve_checks_the_inputs_once_and_falls_back_only_under_auto():

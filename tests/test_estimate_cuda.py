@@ -140,7 +140,7 @@ def test_programs_share_a_rows_tiles_in_a_wide_table(cuda_estimate, target_progr
     cuda_estimate.setattr(estimate_cuda, "TARGET_PROGRAMS", target_programs)
     lengths = [64 * 70 + 5, 3, 64 * 100, 64 * 33, 64 * 2 + 1]
     query, keys, _, summaries, table, seq_lens = estimate_inputs(
-        lengths, group, head_dim, num_pages=1700, extra_columns=300)
+        lengths, group, head_dim, num_pages=2100, extra_columns=300)
     log_masses = poisoned(len(lengths) * 2, group, table.shape[1], dtype=torch.float32)
     scale = 1 / math.sqrt(head_dim)
     estimate(query, keys, summaries, table, seq_lens, scale, log_masses)

@@ -37,6 +37,7 @@ def test_program_shape_follows_the_table():
     assert select_cuda.shape(10) == (32, 1) and select_cuda.shape(128) == (32, 4)
     assert select_cuda.shape(300) == (64, 8) and select_cuda.shape(2048) == (256, 8)
     assert select_cuda.shape(8192) == (512, 16) == select_cuda.shape(5000)
+    assert select_cuda.max_table_pages(4) == 8192 and select_cuda.max_table_pages(8) == 4096
 
 
 def test_refusals_name_the_fix(monkeypatch):
@@ -56,6 +57,8 @@ def test_refusals_name_the_fix(monkeypatch):
     assert select_module.implementation(*args, 9, 4, None) == ("cuda" if on_gpu else "triton")
     assert select_module.implementation(*args, 9, 32, None) == "triton"  # K_B 32
     assert select_module.implementation(*args, 16384, 4, None) == "triton"  # too wide
+    eight_heads = torch.zeros(2, 8, 16, device=DEVICE)  # 16 pages of 8 heads per thread spill
+    assert select_module.implementation(eight_heads, *args[1:], 8192, 4, None) == "triton"
     monkeypatch.setattr(select_module, "IMPLEMENTATION", "cuda")
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="CUDA tensors"):

@@ -89,9 +89,11 @@ QUERY_HEAD_AHEAD = True
 # summary loads all in flight at once and pages summed over lanes by shuffles; bfloat16,
 # head_dim 64 / 128, G <= 8) or "auto" ("cuda" where it can run, else "triton", as Attend's
 # IMPLEMENTATION). Why: this kernel is latency-bound at about twice its bytes' time (NOTES,
-# sessions 25-26, 34). Built and tested on the CPU in session 36 (NVRTC: 86 registers at
-# G = 4, no spill); not yet run on a GPU, so "triton" (this file's options, QUERY_HEAD_AHEAD,
-# EXACT_PAGES, the register ceiling, TARGET_PROGRAMS, are the Triton kernel's)
+# sessions 25-26, 34). Timed in session 37 (tune_kernels.py --kinds cuda, two hosts): 15.3
+# against 14.7 us at 8k x 32, 17.1 / 16.7 / 15.3 against 19.2 / 18.0 / 17.5 at 32k x 16,
+# 64k x 8, 128k x 4: 5% slower to 13% faster, short of the 15% at every shape that would
+# make it the default, so "triton" (this file's options, QUERY_HEAD_AHEAD, EXACT_PAGES, the
+# register ceiling, TARGET_PROGRAMS, are the Triton kernel's)
 IMPLEMENTATION = "triton"
 
 

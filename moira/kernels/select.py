@@ -47,11 +47,15 @@ from . import cuda_build, launch, select_cuda
 # head (the form timed before session 7)
 SOFTMAX_TILE = 16384
 # "triton" (this file's kernel), "cuda" (select_cuda.cu: the same rule on up to 512 threads
-# of P pages each, one barrier per pass; G <= 8, tables of up to 8,192 pages, K_B in 2-16)
-# or "auto" ("cuda" where it can run, else "triton", as Attend's IMPLEMENTATION). Why: one
-# program per row leaves 100 of the H200's 132 SMs idle at 131k x 4, where this kernel's
-# straight-line code waits on instruction fetches (9.2 us; NOTES, sessions 27 and 34). Built
-# and tested on the CPU in session 36; not yet run on a GPU, so "triton"
+# of P pages each, one barrier per pass; G <= 8, tables of up to 8,192 pages, 4,096 at G > 4,
+# K_B in 2-16) or "auto" ("cuda" where it can run, else "triton", as Attend's
+# IMPLEMENTATION). Why: one program per row leaves 100 of the H200's 132 SMs idle at 131k x
+# 4, where this kernel's straight-line code waits on instruction fetches (9.2 us; NOTES,
+# sessions 27 and 34). Timed alone in session 37 (tune_kernels.py --kinds cuda), coverage:
+# 5.7 / 7.8 / 8.9 / 11.8 us against 4.1 / 6.2 / 7.3 / 9.1 at 8k x 32 to 128k x 4, so
+# "triton". (In the whole step at 128k x 4 the CUDA one was 12 us faster, and in vLLM, with
+# the CUDA Estimate, 4.1% off TPOT at 130k x 4 but 1.7% on at 8k x 32: not yet explained;
+# benchmarks/NOTES.md, session 37)
 IMPLEMENTATION = "triton"
 
 

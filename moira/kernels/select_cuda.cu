@@ -35,18 +35,26 @@ struct Params {
 struct Sum {
   template <typename T>
   __device__ __forceinline__ static T apply(T a, T b) { return a + b; }
+  template <typename T>
+  __device__ __forceinline__ static T identity() { return T(0); }
 };
-struct Max {
+struct Max {  // of floats
   template <typename T>
   __device__ __forceinline__ static T apply(T a, T b) { return a > b ? a : b; }
+  template <typename T>
+  __device__ __forceinline__ static T identity() { return -infinity(); }
 };
 
 // N values reduced over the block: each warp's lanes first (a reduce-scatter of shuffles
-// while values remain, then whole), one barrier, then every thread combines the warps'
-// results from shared memory. `buffer` ([MAX_WARPS][N]) must not be read by a reduction
-// still in progress: callers alternate two buffers.
+// while values remain, then whole), one barrier, then every warp combines the warps' results
+// from shared memory at once: lane l takes the entries l, l + 32, ... (value l % N of
+// several warps), shuffles add the lanes that share a value, and each value is broadcast
+// from the lane that holds it. No loop over the warps: a runtime loop there was unrolled into
+// ~600 instructions per reduction (session 37). `buffer` ([MAX_WARPS][N]) must not be read by
+// a reduction still in progress: callers alternate two buffers.
 template <typename Op, typename T, int N>
 __device__ __forceinline__ void block_reduce(T (&values)[N], T* buffer) {
+  static_assert(N <= 32 && 32 % N == 0, "N divides a warp");
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   T mine[N];
 #pragma unroll
@@ -71,17 +79,19 @@ __device__ __forceinline__ void block_reduce(T (&values)[N], T* buffer) {
     }
   }
   // with N < 32 values, the lanes past N hold copies: the first N lanes' (lane & copies == 0)
-  const int copies = N < 32 ? 32 / N - 1 : 0;
-  if ((lane & copies) == 0)
-#pragma unroll
-    for (int k = 0; k < (N > 32 ? N / 32 : 1); ++k) buffer[warp * N + first + k] = mine[k];
+  constexpr int copies = 32 / N - 1;
+  if ((lane & copies) == 0) buffer[warp * N + first] = mine[0];
   __syncthreads();
+  T total = Op::template identity<T>();
 #pragma unroll
-  for (int j = 0; j < N; ++j) {
-    T total = buffer[j];
-    for (int w = 1; w < warps; ++w) total = Op::apply(total, buffer[w * N + j]);
-    values[j] = total;
+  for (int i = 0; i < (MAX_WARPS * N + 31) / 32; ++i) {
+    const int entry = lane + 32 * i;  // warp entry / N's value entry % N == lane % N
+    if (entry < warps * N) total = Op::apply(total, buffer[entry]);
   }
+#pragma unroll
+  for (int o = 16; o >= N; o /= 2) total = Op::apply(total, __shfl_xor_sync(FULL, total, o));
+#pragma unroll
+  for (int j = 0; j < N; ++j) values[j] = __shfl_sync(FULL, total, j);
 }
 
 // (exclusive prefix of `count` over the threads in order, total over the block)
@@ -139,10 +149,11 @@ __device__ __forceinline__ void bisect(const float (&candidate)[P], float& lo, f
   }
 }
 
-template <int P, int WAYS>
+template <int P, int WAYS, int GP>
 __device__ void select_row(const Params& p) {
-  // two reduction buffers in turn, each [MAX_WARPS][max(WAYS, MAX_GROUP)]
-  constexpr int WIDTH = MAX_WARPS * (WAYS > MAX_GROUP ? WAYS : MAX_GROUP);
+  static_assert(GP <= MAX_GROUP, "G");
+  // two reduction buffers in turn, each [MAX_WARPS][max(WAYS, GP)]
+  constexpr int WIDTH = MAX_WARPS * (WAYS > GP ? WAYS : GP);
   __shared__ float float_buffers[2][WIDTH];
   __shared__ int int_buffers[2][WIDTH];
   int turn = 0;
@@ -165,43 +176,64 @@ __device__ void select_row(const Params& p) {
   const int base = threadIdx.x * P;  // this thread's pages: [base, base + P)
   const float* masses = p.log_masses + row * p.stride_lr;
 
-  // group-mean share of every page: each head's softmax, then their mean
-  float peak[MAX_GROUP], total[MAX_GROUP];
+  // group-mean share of every page: each head's softmax, then their mean. A thread loads its
+  // pages of every head at once, at addresses clamped into the row and to a real head (so no
+  // load waits behind a branch: loads in per-head branches ran one after another, session
+  // 37), and keeps its own maximum and sum; the block combines them.
+  float peak[GP], total[GP];
 #pragma unroll
-  for (int g = 0; g < MAX_GROUP; ++g) {
+  for (int g = 0; g < GP; ++g) {
+    asm volatile("" ::: "memory");  // a head's loads at a time: all G x P at once spill
+    const float* head_masses = masses + min(g, p.group - 1) * p.stride_lg;
+    float ell[P];
+#pragma unroll
+    for (int k = 0; k < P; ++k) ell[k] = head_masses[min(base + k, n - 1)];
     peak[g] = -infinity();
-    if (g < p.group)
 #pragma unroll
-      for (int k = 0; k < P; ++k)
-        if (base + k < n) peak[g] = fmaxf(peak[g], masses[g * p.stride_lg + base + k]);
+    for (int k = 0; k < P; ++k) {
+      ell[k] = g < p.group && base + k < n ? ell[k] : -infinity();
+      peak[g] = fmaxf(peak[g], ell[k]);
+    }
+    total[g] = 0.f;
+#pragma unroll
+    for (int k = 0; k < P; ++k) total[g] += __expf(ell[k] - peak[g]);
+    total[g] = peak[g] == -infinity() ? 0.f : total[g];  // no page here: not NaN
   }
-  block_reduce<Max>(peak, float_buffers[turn]);
+  float row_peak[GP];
+#pragma unroll
+  for (int g = 0; g < GP; ++g) row_peak[g] = peak[g];
+  block_reduce<Max>(row_peak, float_buffers[turn]);
   turn ^= 1;
 #pragma unroll
-  for (int g = 0; g < MAX_GROUP; ++g) {
-    total[g] = 0.f;
-    if (g < p.group)
-#pragma unroll
-      for (int k = 0; k < P; ++k)
-        if (base + k < n) total[g] += expf(masses[g * p.stride_lg + base + k] - peak[g]);
-  }
+  for (int g = 0; g < GP; ++g)  // this thread's sum, rescaled to the row's maximum
+    total[g] = peak[g] == -infinity() ? 0.f : total[g] * __expf(peak[g] - row_peak[g]);
   block_reduce<Sum>(total, float_buffers[turn]);
   turn ^= 1;
+  // a product, not a quotient per page: a division's slow-path branch kept the loads below
+  // from being issued together
+  float weight[GP];  // 1 / (G total_g), 0 for padding heads
+#pragma unroll
+  for (int g = 0; g < GP; ++g) weight[g] = g < p.group ? 1.f / (total[g] * p.group) : 0.f;
   const int last = n - 1;
   float candidate[P];  // a middle page's share, -1 elsewhere (below every threshold)
+#pragma unroll
+  for (int k = 0; k < P; ++k) candidate[k] = 0.f;
+#pragma unroll
+  for (int g = 0; g < GP; ++g) {  // the loads above again (from L1), a head at a time
+    asm volatile("" ::: "memory");
+    const float* head_masses = masses + min(g, p.group - 1) * p.stride_lg;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const float ell = head_masses[min(base + k, n - 1)];
+      candidate[k] += g < p.group ? __expf(ell - row_peak[g]) * weight[g] : 0.f;
+    }
+  }
   float edges[2] = {-1.f, 0.f};  // (top middle share, the sink's and current page's shares)
 #pragma unroll
   for (int k = 0; k < P; ++k) {
     const int page = base + k;
-    float share = 0.f;
-    if (page < n) {
-#pragma unroll
-      for (int g = 0; g < MAX_GROUP; ++g)
-        if (g < p.group) share += expf(masses[g * p.stride_lg + page] - peak[g]) / total[g];
-      share /= p.group;
-    }
-    const bool middle = page > 0 && page < last;
-    candidate[k] = middle ? share : -1.f;
+    const float share = page < n ? candidate[k] : 0.f;
+    candidate[k] = page > 0 && page < last ? share : -1.f;
     edges[1] += (page == 0 || page == last) ? share : 0.f;  // page 0 once when last == 0
   }
   {
@@ -289,21 +321,24 @@ __device__ void select_row(const Params& p) {
 
 }  // namespace
 
-// One build per (pages per thread, K_B): select_cuda.py compiles this file with
-// -DSELECT_P=<P> -DSELECT_WAYS=<K_B> for the launches it makes (every pair in one file took
-// NVRTC a minute).
+// One build per (pages per thread, K_B, G rounded up to a power of two): select_cuda.py
+// compiles this file with -DSELECT_P=<P> -DSELECT_WAYS=<K_B> -DSELECT_GROUP=<G> for the
+// launches it makes (every (P, K_B) pair in one file took NVRTC a minute).
 #ifndef SELECT_P
 #define SELECT_P 8
 #endif
 #ifndef SELECT_WAYS
 #define SELECT_WAYS 4
 #endif
+#ifndef SELECT_GROUP
+#define SELECT_GROUP 4
+#endif
 
-#define MOIRA_SELECT(P, WAYS)                                                      \
+#define MOIRA_SELECT(P, WAYS, GP)                                                  \
   extern "C" __global__ void __launch_bounds__(32 * MAX_WARPS, 1)                  \
-      moira_select_p##P##_w##WAYS(const Params p) {                                \
-    select_row<P, WAYS>(p);                                                        \
+      moira_select_p##P##_w##WAYS##_g##GP(const Params p) {                        \
+    select_row<P, WAYS, GP>(p);                                                    \
   }
-#define MOIRA_SELECT_BUILD(P, WAYS) MOIRA_SELECT(P, WAYS)
+#define MOIRA_SELECT_BUILD(P, WAYS, GP) MOIRA_SELECT(P, WAYS, GP)
 
-MOIRA_SELECT_BUILD(SELECT_P, SELECT_WAYS)
+MOIRA_SELECT_BUILD(SELECT_P, SELECT_WAYS, SELECT_GROUP)

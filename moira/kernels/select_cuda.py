@@ -4,7 +4,7 @@ driver API (``cuda_build``).
 
 The same rule and outputs as the Triton kernel, one program per row, on up to 512 threads of
 P pages each with one barrier per bisection pass (the .cu file says why). It takes up to 8
-query heads per KV head, tables of up to ``MAX_PAGES`` pages and K_B in ``WAYS``
+query heads per KV head, tables of up to ``max_table_pages(G)`` pages and K_B in ``WAYS``
 (``check_inputs``).
 """
 
@@ -20,7 +20,6 @@ SOURCE = "select_cuda.cu"  # in this folder (cuda_build.source_path)
 MAX_GROUP = 8  # the .cu file's MAX_GROUP
 MAX_THREADS = 512  # 32 * MAX_WARPS
 MAX_PAGES_PER_THREAD = 16  # 32 spills under the 128 registers 512 threads allow
-MAX_PAGES = MAX_THREADS * MAX_PAGES_PER_THREAD
 WAYS = (2, 4, 8, 16)
 
 
@@ -38,6 +37,12 @@ class Params(ctypes.Structure):
         + [("gamma", ctypes.c_float)])
 
 
+def max_table_pages(group):
+    """The widest block table a row program takes: 512 threads of 16 pages, or of 8 above 4
+    query heads per KV head (16 pages of 8 heads spill)."""
+    return MAX_THREADS * (MAX_PAGES_PER_THREAD if group <= 4 else MAX_PAGES_PER_THREAD // 2)
+
+
 def shape(max_pages):
     """``(threads, pages per thread)`` of a row program for a block table of ``max_pages``
     columns: an eighth of the width in threads (32 to 512), the rest per thread."""
@@ -46,13 +51,19 @@ def shape(max_pages):
     return threads, max(1, width // threads)
 
 
+def build_options(pages_per_thread, ways, group):
+    """NVRTC's defines for one build: P, K_B and G rounded up to a power of two."""
+    return (f"-DSELECT_P={pages_per_thread}", f"-DSELECT_WAYS={ways}",
+            f"-DSELECT_GROUP={triton.next_power_of_2(group)}")
+
+
 @functools.lru_cache(maxsize=None)
-def kernel(device_index, pages_per_thread, ways):
-    """The loaded function ``moira_select_p<P>_w<K_B>`` on a device."""
-    return cuda_build.function(device_index, SOURCE, f"moira_select_p{pages_per_thread}_w{ways}",
-                               "select.IMPLEMENTATION",
-                               options=(f"-DSELECT_P={pages_per_thread}",
-                                        f"-DSELECT_WAYS={ways}"))
+def kernel(device_index, pages_per_thread, ways, group):
+    """The loaded function ``moira_select_p<P>_w<K_B>_g<G padded>`` on a device."""
+    return cuda_build.function(
+        device_index, SOURCE,
+        f"moira_select_p{pages_per_thread}_w{ways}_g{triton.next_power_of_2(group)}",
+        "select.IMPLEMENTATION", options=build_options(pages_per_thread, ways, group))
 
 
 def check_inputs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways, row_values):
@@ -64,8 +75,10 @@ def check_inputs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
     if log_masses.shape[1] > MAX_GROUP:
         raise ValueError(f"{prefix} takes at most {MAX_GROUP} query heads per KV head, got "
                          f"{log_masses.shape[1]}: use 'triton'")
-    if max_pages > MAX_PAGES:
-        raise ValueError(f"{prefix} takes block tables of at most {MAX_PAGES} pages, got "
+    if max_pages > max_table_pages(log_masses.shape[1]):
+        raise ValueError(f"{prefix} takes block tables of at most "
+                         f"{max_table_pages(log_masses.shape[1])} pages at G = "
+                         f"{log_masses.shape[1]}, got "
                          f"{max_pages}: use 'triton'")
     if ways not in WAYS:
         raise ValueError(f"{prefix} is built for K_B in {WAYS}, got {ways}: use 'triton'")
@@ -93,7 +106,7 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
     ``check_inputs`` passed."""
     rows, group = log_masses.shape[0], log_masses.shape[1]
     threads, pages_per_thread = shape(max_pages)
-    function = kernel(cuda_build.device_index(log_masses.device), pages_per_thread, ways)
+    function = kernel(cuda_build.device_index(log_masses.device), pages_per_thread, ways, group)
     if build_only or rows == 0:
         return page_lists, page_counts
     params = Params(
