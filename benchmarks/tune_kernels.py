@@ -37,7 +37,7 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # --kinds ("exact": Estimate's exact-page forms alone; "registers": Estimate's and Attend's
 # register ceilings; "query": Estimate's query of the next head loaded ahead; "cuda":
 # Estimate in CUDA C++ at several grid sizes and Select in CUDA C++, each checked against the
-# Triton kernel first)
+# Triton kernel first, then the whole step with each and the step's parts per Select)
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
          "balanced", "fractions", "step", "wide")
 
@@ -366,7 +366,35 @@ def main():
                                                            workspace=workspace, out=out))
             record("step22", shape, f"estimate+select+attend+merge, {label}", micros,
                    sparse_bytes + summary_bytes)
+        # where the CUDA Select's gain in the step comes from (session 37: 12 us at 128k x 4,
+        # where alone it is 1 us slower): per Select, the step's parts in its own buffers,
+        # alone and in sequence (Attend + Merge alone on the lists that Select left), twice in
+        # alternation
+        if "cuda" in kinds:
+            step_masses, step_lists, step_counts = workspace.selection_buffers(batch, pages)
 
+            def estimate_step():
+                estimate_module.estimate(query, keys, summaries, table, seq_lens, scale,
+                                         step_masses)
+
+            def select_step():
+                select_module.select(step_masses, seq_lens, step_lists, step_counts,
+                                     num_kv_heads=KV_HEADS, max_pages=pages, gamma=0.98,
+                                     top_k=top_k, ways=ways)
+
+            def attend_step():
+                moira.attend(query, keys, values, table, seq_lens, step_lists, step_counts,
+                             workspace=workspace, out=out)
+
+            estimate_step()
+            parts = [("select", select_step), ("attend+merge", attend_step),
+                     ("estimate, select", lambda: (estimate_step(), select_step())),
+                     ("select, attend+merge", lambda: (select_step(), attend_step()))]
+            for implementation in ("triton", "cuda") * 2:
+                with patched(select_module, IMPLEMENTATION=implementation):
+                    select_step()  # the lists Attend alone reads
+                    for label, fn in parts:
+                        record("parts", shape, f"{label}, {implementation} select", bench(fn))
 
 
 if __name__ == "__main__":
