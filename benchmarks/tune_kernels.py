@@ -367,23 +367,21 @@ def main():
             record("step22", shape, f"estimate+select+attend+merge, {label}", micros,
                    sparse_bytes + summary_bytes)
         # where the CUDA Select's gain in the step comes from (session 37: 12 us at 128k x 4,
-        # where alone it is 1 us slower): per Select, the step's parts in its own buffers,
-        # alone and in sequence (Attend + Merge alone on the lists that Select left), twice in
-        # alternation
+        # where alone it is 1 us slower): per Select, the step's parts in the step's buffers
+        # (the workspace's), alone and in sequence (Attend + Merge alone on the lists that
+        # Select left), twice in alternation
         if "cuda" in kinds:
-            step_masses, step_lists, step_counts = workspace.selection_buffers(batch, pages)
-
             def estimate_step():
                 estimate_module.estimate(query, keys, summaries, table, seq_lens, scale,
-                                         step_masses)
+                                         log_masses)
 
             def select_step():
-                select_module.select(step_masses, seq_lens, step_lists, step_counts,
+                select_module.select(log_masses, seq_lens, lists, counts,
                                      num_kv_heads=KV_HEADS, max_pages=pages, gamma=0.98,
                                      top_k=top_k, ways=ways)
 
             def attend_step():
-                moira.attend(query, keys, values, table, seq_lens, step_lists, step_counts,
+                moira.attend(query, keys, values, table, seq_lens, lists, counts,
                              workspace=workspace, out=out)
 
             estimate_step()
