@@ -183,7 +183,6 @@ __device__ void select_row(const Params& p) {
   float peak[GP], total[GP];
 #pragma unroll
   for (int g = 0; g < GP; ++g) {
-    asm volatile("" ::: "memory");  // a head's loads at a time: all G x P at once spill
     const float* head_masses = masses + min(g, p.group - 1) * p.stride_lg;
     float ell[P];
 #pragma unroll
@@ -219,8 +218,7 @@ __device__ void select_row(const Params& p) {
 #pragma unroll
   for (int k = 0; k < P; ++k) candidate[k] = 0.f;
 #pragma unroll
-  for (int g = 0; g < GP; ++g) {  // the loads above again (from L1), a head at a time
-    asm volatile("" ::: "memory");
+  for (int g = 0; g < GP; ++g) {  // the loads above again, from L1
     const float* head_masses = masses + min(g, p.group - 1) * p.stride_lg;
 #pragma unroll
     for (int k = 0; k < P; ++k) {
