@@ -207,7 +207,9 @@ def build_cuda():
     if cuda_build.nvrtc_library() is None:
         print("CUDA kernels                             skipped: no libnvrtc", flush=True)
         return []
-    builds = [(attend_cuda.SOURCE, ()), (estimate_cuda.SOURCE, ())] + [
+    builds = [(attend_cuda.SOURCE, ()),
+              (estimate_cuda.SOURCE, estimate_cuda.build_options(estimate_cuda.MIN_BLOCKS_PER_SM))
+              ] + [
         (select_cuda.SOURCE, select_cuda.build_options(pages, ways, group))
         for pages in (1, 2, 4, 8, select_cuda.MAX_PAGES_PER_THREAD) for ways in select_cuda.WAYS
         for group in (1, 4, select_cuda.MAX_GROUP)

@@ -172,10 +172,16 @@ def main():
             record("check", shape, f"cuda - triton max |log-mass| {difference:.2e}", 0.0)
             if not difference < 1e-3:  # NaN too: a page one of them did not write
                 raise SystemExit(f"the CUDA Estimate differs from Triton's by {difference}")
-            for label, cuda_programs in [("default", None)] + [
-                    (f"cuda programs={n}", n) for n in (330, 660, 1320, 2640)] + [
-                    ("default again", None)]:
-                with patched(estimate_cuda, TARGET_PROGRAMS=cuda_programs or 660):
+            # the grid at the build's default blocks per SM, then session 37's build (ptxas'
+            # own choice, 0) and a build for 4 blocks with a grid of 4 per SM
+            fits = estimate_cuda.MIN_BLOCKS_PER_SM
+            variants = [("default", None, fits)] + [
+                (f"cuda programs={n}", n, fits) for n in (330, 660, 1320, 2640)] + [
+                ("cuda programs=660 min_blocks=0", 660, 0),
+                ("cuda programs=528 min_blocks=4", 528, 4), ("default again", None, fits)]
+            for label, cuda_programs, min_blocks in variants:
+                with patched(estimate_cuda, TARGET_PROGRAMS=cuda_programs or 660,
+                             MIN_BLOCKS_PER_SM=min_blocks):
                     time_estimate(label, **({"IMPLEMENTATION": "cuda"} if cuda_programs else {}))
 
         top_k = round(0.22 * pages)

@@ -88,7 +88,7 @@ def cached_prompts(llm, rng, context, batch):
 # the kernels' tuning constants an engine of this script may be given (--kernel-setting)
 KERNEL_SETTINGS = {"estimate": ("QUERY_HEAD_AHEAD", "TARGET_PROGRAMS", "PAGES_PER_PROGRAM",
                                 "NUM_WARPS", "MAX_REGISTERS", "IMPLEMENTATION"),
-                   "estimate_cuda": ("TARGET_PROGRAMS",),
+                   "estimate_cuda": ("TARGET_PROGRAMS", "MIN_BLOCKS_PER_SM"),
                    "select": ("IMPLEMENTATION",),
                    "attend": ("PAGE_IDS_AHEAD", "PAGES_PER_ITER", "NUM_STAGES", "NUM_WARPS",
                               "MAX_REGISTERS", "IMPLEMENTATION", "CUDA_STAGES")}

@@ -325,8 +325,15 @@ __device__ void estimate_program(const Params& p) {
 
 }  // namespace
 
+// blocks per SM that ptxas is to fit (its register budget, 65,536 / (THREADS x this); 0: its
+// own choice): estimate_cuda.py passes MIN_BLOCKS_PER_SM; at most 4 at G = 8 (5 spill)
+#ifndef ESTIMATE_MIN_BLOCKS
+#define ESTIMATE_MIN_BLOCKS 0
+#endif
+#define MIN_BLOCKS(GP) (GP >= 8 && ESTIMATE_MIN_BLOCKS > 4 ? 4 : ESTIMATE_MIN_BLOCKS)
+
 #define MOIRA_ESTIMATE(D, GP)                                                      \
-  extern "C" __global__ void __launch_bounds__(THREADS)                            \
+  extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS(GP))            \
       moira_estimate_d##D##_g##GP(const Params p) {                                \
     estimate_program<D, GP>(p);                                                    \
   }

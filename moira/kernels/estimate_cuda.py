@@ -24,9 +24,17 @@ MAX_GROUP = 8
 # mvar programs to launch over the whole batch (the J of each row: about this many over the
 # rows, at most one per tile of the table). Each program keeps 4 warps x 8 pages' summaries in
 # flight and loops over its share of the row's tiles, so fewer programs than the Triton
-# kernel's 2,048 suffice: five blocks of 86 registers fit an SM, 660 on the H200. Timed at
+# kernel's 2,048 suffice: five blocks fit an SM (MIN_BLOCKS_PER_SM), 660 on the H200. Timed at
 # 330 / 660 / 1,320 / 2,640 (session 37): 660 is best or within 0.5 us of it at every shape
 TARGET_PROGRAMS = 660
+# blocks per SM the build is told to fit (`__launch_bounds__`' second argument; 0: ptxas'
+# own choice, 86 registers at G = 4, D = 128, five blocks per SM). ptxas' choice issues 6
+# of a tile's 8 summary loads together and the 8th after the next tile's block-table
+# entries, an exposed load per tile (its SASS, session 37); told to fit 5 it takes 94
+# registers and issues all 8 within the tile's first 181 instructions (the build takes 4 at
+# G = 8, where 5 spill). Untimed: session 37 timed 0; the next session times 0 / 4 / 5
+# (tune_kernels.py --kinds cuda)
+MIN_BLOCKS_PER_SM = 5
 # however many rows the batch has, a row as long as the table is split so that no program
 # loops over more tiles than this (the Triton kernel's MAX_TILES_PER_PROGRAM)
 MAX_TILES_PER_PROGRAM = 8
@@ -68,12 +76,19 @@ def programs_per_row(rows, max_pages, head_dim, group):
                                        triton.cdiv(table_tiles, MAX_TILES_PER_PROGRAM))))
 
 
+def build_options(min_blocks):
+    """NVRTC's defines for a build told to fit ``min_blocks`` blocks per SM."""
+    return (f"-DESTIMATE_MIN_BLOCKS={min_blocks}",)
+
+
 @functools.lru_cache(maxsize=None)
-def kernel(device_index, head_dim, group):
-    """The loaded function ``moira_estimate_d<D>_g<G padded>`` on a device."""
+def kernel(device_index, head_dim, group, min_blocks):
+    """The loaded function ``moira_estimate_d<D>_g<G padded>`` on a device, built to fit
+    ``min_blocks`` blocks per SM."""
     return cuda_build.function(device_index, SOURCE,
                                f"moira_estimate_d{head_dim}_g{group_pad(group)}",
-                               "estimate.IMPLEMENTATION")
+                               "estimate.IMPLEMENTATION",
+                               options=build_options(min_blocks))
 
 
 def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses):
@@ -129,7 +144,8 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     rows = batch * num_kv_heads
-    function = kernel(cuda_build.device_index(query.device), head_dim, group)
+    function = kernel(cuda_build.device_index(query.device), head_dim, group,
+                      MIN_BLOCKS_PER_SM)
     if build_only or rows == 0:
         return log_masses
     max_pages = block_table.shape[1]
