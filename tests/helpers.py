@@ -7,8 +7,11 @@ import torch
 
 from moira import MoiraConfig
 from moira.config import PAGE_SIZE
+from moira.kernels import cuda_build
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# tests that build a CUDA kernel with NVRTC (on the CPU too: registers, struct layouts)
+needs_nvrtc = pytest.mark.skipif(cuda_build.nvrtc_library() is None, reason="needs libnvrtc")
 
 # Exercises multi-chunk rows, chunk boundaries and Merge at interpreter-friendly sizes:
 # J = max(3, ceil(8 / rows)), c = max(2, ceil(n / J)).

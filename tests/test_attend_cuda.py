@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import (DEVICE, SMALL_SPLIT, check_struct_mirror, make_cache, make_query,
-                     make_table)
+                     make_table, needs_nvrtc)
 from test_attend import check_attend, mixed_rows, poison_unread_slots, random_lists
 
 import moira
@@ -25,7 +25,6 @@ def cuda_attend(monkeypatch):
     return monkeypatch
 
 
-needs_nvrtc = pytest.mark.skipif(cuda_build.nvrtc_library() is None, reason="needs libnvrtc")
 
 
 @needs_nvrtc

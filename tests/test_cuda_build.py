@@ -3,10 +3,9 @@
 import os
 
 import pytest
+from helpers import needs_nvrtc
 
 from moira.kernels import cuda_build
-
-needs_nvrtc = pytest.mark.skipif(cuda_build.nvrtc_library() is None, reason="needs libnvrtc")
 
 
 @needs_nvrtc

@@ -5,7 +5,8 @@ import math
 
 import pytest
 import torch
-from helpers import DEVICE, check_struct_mirror, make_cache, make_query, make_table, poisoned
+from helpers import (DEVICE, check_struct_mirror, make_cache, make_query, make_table,
+                     needs_nvrtc, poisoned)
 from test_estimate import SEQ_LENS
 
 from moira import reference as ref
@@ -14,7 +15,6 @@ from moira.kernels import estimate as estimate_module
 from moira.kernels.estimate import estimate
 
 cuda = pytest.mark.cuda
-needs_nvrtc = pytest.mark.skipif(cuda_build.nvrtc_library() is None, reason="needs libnvrtc")
 
 
 @pytest.fixture

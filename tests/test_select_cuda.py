@@ -5,13 +5,12 @@ libnvrtc) and the refusals."""
 import pytest
 import test_select
 import torch
-from helpers import DEVICE, check_struct_mirror
+from helpers import DEVICE, check_struct_mirror, needs_nvrtc
 
 from moira.kernels import cuda_build, select_cuda
 from moira.kernels import select as select_module
 
 cuda = pytest.mark.cuda
-needs_nvrtc = pytest.mark.skipif(cuda_build.nvrtc_library() is None, reason="needs libnvrtc")
 
 
 @pytest.fixture
