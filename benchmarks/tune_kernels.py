@@ -119,8 +119,9 @@ def main():
         rotation = estimate_rotation(summaries, table, pages, summary_bytes)
 
         def time_estimate(label, rotation=rotation, masses=log_masses, **settings):
-            """Time Estimate with some of its module's settings changed."""
-            with patched(estimate_module, **settings):
+            """Time Estimate with some of its module's settings changed (the sweeps are of the
+            Triton kernel's knobs: its IMPLEMENTATION unless ``settings`` name one)."""
+            with patched(estimate_module, **{"IMPLEMENTATION": "triton", **settings}):
                 micros = bench(lambda: [estimate_module.estimate(
                     query, keys, copy, rolled, seq_lens, scale, masses)
                     for copy, rolled in rotation]) / len(rotation)
@@ -175,10 +176,10 @@ def main():
             # the grid at the build's default blocks per SM, then session 37's build (ptxas'
             # own choice, 0) and a build for 4 blocks with a grid of 4 per SM
             fits = estimate_cuda.MIN_BLOCKS_PER_SM
-            variants = [("default", None, fits)] + [
+            variants = [("triton", None, fits)] + [
                 (f"cuda programs={n}", n, fits) for n in (330, 660, 1320, 2640)] + [
                 ("cuda programs=660 min_blocks=0", 660, 0),
-                ("cuda programs=528 min_blocks=4", 528, 4), ("default again", None, fits)]
+                ("cuda programs=528 min_blocks=4", 528, 4), ("triton again", None, fits)]
             for label, cuda_programs, min_blocks in variants:
                 with patched(estimate_cuda, TARGET_PROGRAMS=cuda_programs or 660,
                              MIN_BLOCKS_PER_SM=min_blocks):
@@ -188,20 +189,23 @@ def main():
         ways = workspace.config.bisection_ways_for(pages)
 
         def select_modes(label, masses=log_masses, width=pages, out_lists=lists,
-                         out_counts=counts):
-            """Time Select in coverage mode and at 22% fixed counts, as set up now."""
+                         out_counts=counts, implementation="triton"):
+            """Time Select in coverage mode and at 22% fixed counts, as set up now (the
+            sweeps are of the Triton kernel's knobs)."""
             for mode, kwargs in [("coverage", dict(gamma=0.98, top_k=None)),
                                  ("top22%", dict(gamma=0.98, top_k=top_k))]:
-                micros = bench(lambda: select_module.select(
-                    masses, seq_lens, out_lists, out_counts, num_kv_heads=KV_HEADS,
-                    max_pages=width, ways=workspace.config.bisection_ways_for(width),
-                    **kwargs))
+                with patched(select_module, IMPLEMENTATION=implementation):
+                    micros = bench(lambda: select_module.select(
+                        masses, seq_lens, out_lists, out_counts, num_kv_heads=KV_HEADS,
+                        max_pages=width, ways=workspace.config.bisection_ways_for(width),
+                        **kwargs))
                 record("select", shape, f"{mode}{label}", micros)
 
         # wider passes need more threads to hold the [K_B, pages] comparison tile
         for k_b, warps in itertools.product([2, 4, 8, 16] if "select" in kinds else [],
                                             [1, 2, 4, 8]):
-            with patched(select_module, num_warps=lambda block, warps=warps: warps):
+            with patched(select_module, num_warps=lambda block, warps=warps: warps,
+                         IMPLEMENTATION="triton"):
                 micros = bench(lambda: select_module.select(
                     log_masses, seq_lens, lists, counts, num_kv_heads=KV_HEADS,
                     max_pages=pages, ways=k_b, gamma=0.98, top_k=None))
@@ -243,8 +247,7 @@ def main():
                 record("check", shape, f"select {mode} cuda - triton max |count| {differing}",
                        0.0)
             for label, implementation in [("", "triton"), (" cuda", "cuda")] * 2:
-                with patched(select_module, IMPLEMENTATION=implementation):
-                    select_modes(label)
+                select_modes(label, implementation=implementation)
 
         # the 22% lists from this shape's own estimates (whichever kinds ran before)
         estimate_module.estimate(query, keys, summaries, table, seq_lens, scale, log_masses)
@@ -337,14 +340,25 @@ def main():
                                          device="cuda")
             wide_masses, wide_lists, wide_counts = wide.selection_buffers(batch, width)
             name = f"table {width} pages"
-            time_estimate(name, masses=wide_masses, rotation=estimate_rotation(
-                summaries, wide_table, pages, summary_bytes))
-            select_modes(f", {name}", wide_masses, width, wide_lists, wide_counts)
-            micros = bench(lambda: moira.sparse_decode(query, keys, values, summaries,
-                                                       wide_table, seq_lens, top_k=top_k,
-                                                       workspace=wide, out=out))
-            record("step22", shape, f"estimate+select+attend+merge, {name}", micros,
-                   sparse_bytes + summary_bytes)
+            # each kernel in Triton and in CUDA C++ (whose "auto" rule goes by the width,
+            # the only length the host knows: is it safe for short rows?), then the step with
+            # each pair, twice in alternation
+            wide_rotation = estimate_rotation(summaries, wide_table, pages, summary_bytes)
+            for implementation in ("triton", "cuda") * 2:
+                time_estimate(f"{name} {implementation}", masses=wide_masses,
+                              rotation=wide_rotation, IMPLEMENTATION=implementation)
+                select_modes(f", {name} {implementation}", wide_masses, width, wide_lists,
+                             wide_counts, implementation=implementation)
+            for estimate_kernel, select_kernel in [("triton", "triton"), ("cuda", "triton"),
+                                                   ("triton", "cuda"), ("cuda", "cuda")] * 2:
+                with patched(estimate_module, IMPLEMENTATION=estimate_kernel), \
+                        patched(select_module, IMPLEMENTATION=select_kernel):
+                    micros = bench(lambda: moira.sparse_decode(
+                        query, keys, values, summaries, wide_table, seq_lens, top_k=top_k,
+                        workspace=wide, out=out))
+                record("step22", shape, f"estimate+select+attend+merge, {name}, "
+                       f"{estimate_kernel} estimate, {select_kernel} select", micros,
+                       sparse_bytes + summary_bytes)
         if "step" in kinds:
             # a row's chunks made equal (the default since session 8) and Eq. (4)'s as is
             for even in (True, False):

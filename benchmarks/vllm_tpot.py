@@ -87,9 +87,10 @@ def cached_prompts(llm, rng, context, batch):
 
 # the kernels' tuning constants an engine of this script may be given (--kernel-setting)
 KERNEL_SETTINGS = {"estimate": ("QUERY_HEAD_AHEAD", "TARGET_PROGRAMS", "PAGES_PER_PROGRAM",
-                                "NUM_WARPS", "MAX_REGISTERS", "IMPLEMENTATION"),
+                                "NUM_WARPS", "MAX_REGISTERS", "IMPLEMENTATION",
+                                "CUDA_FROM_PAGES"),
                    "estimate_cuda": ("TARGET_PROGRAMS", "MIN_BLOCKS_PER_SM"),
-                   "select": ("IMPLEMENTATION",),
+                   "select": ("IMPLEMENTATION", "CUDA_FROM_PAGES"),
                    "attend": ("PAGE_IDS_AHEAD", "PAGES_PER_ITER", "NUM_STAGES", "NUM_WARPS",
                               "MAX_REGISTERS", "IMPLEMENTATION", "CUDA_STAGES")}
 # Attend's constants that only its Triton kernel reads

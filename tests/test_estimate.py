@@ -8,6 +8,13 @@ from moira import reference as ref
 from moira.kernels import estimate as estimate_module
 from moira.kernels.estimate import estimate
 
+
+@pytest.fixture(autouse=True)
+def triton_estimate(monkeypatch):
+    """This file's cases run the Triton kernel on every device ("auto" would pick the CUDA
+    one for wide tables on a GPU); test_estimate_cuda.py runs them on the CUDA one."""
+    monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "triton")
+
 SEQ_LENS = {
     "one-token": [1],
     "one-page": [64],

@@ -85,6 +85,7 @@ def test_refusals_name_the_fix(monkeypatch):
     with pytest.raises(ValueError, match="'auto', 'triton' or 'cuda'"):
         estimate(*args)
     monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "auto")
+    monkeypatch.setattr(estimate_module, "CUDA_FROM_PAGES", table.shape[1])
     picked = estimate_module.implementation(query, keys, summaries, table, seq_lens, None,
                                             log_masses)
     assert picked == ("cuda" if DEVICE == "cuda" and cuda_build.nvrtc_library() else "triton")
@@ -183,3 +184,19 @@ def test_new_tokens_written_and_filled_pages_summarized(cuda_estimate, group, he
         others[[int(table[0, 4]), int(table[4, 0])]] = False
         assert torch.equal(s[others], summaries[others])
         check_log_masses(log_masses, query, k, s, table, seq_lens, scale, dense_below_pages)
+
+
+def test_auto_takes_the_cuda_kernel_from_a_table_width(monkeypatch):
+    """"auto": the CUDA kernel for tables of at least CUDA_FROM_PAGES pages (where it was
+    timed faster), Triton's for narrower ones, on a device where both can run."""
+    query, keys, _, summaries, table, seq_lens = estimate_inputs([65], 4, 64)
+    log_masses = poisoned(2, 4, table.shape[1], dtype=torch.float32)
+    monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "auto")
+    monkeypatch.setattr(estimate_cuda, "check_inputs", lambda *args: None)
+    monkeypatch.setattr(cuda_build, "can_run", lambda *args: True)
+    monkeypatch.setattr(cuda_build, "device_index", lambda device: 0)
+    for threshold, picked in ((table.shape[1], "cuda"), (table.shape[1] + 1, "triton")):
+        monkeypatch.setattr(estimate_module, "CUDA_FROM_PAGES", threshold)
+        assert estimate_module.implementation(query, keys, summaries, table, seq_lens, None,
+                                              log_masses) == picked
+

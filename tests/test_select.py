@@ -8,7 +8,16 @@ from helpers import DEVICE
 
 from moira import reference as ref
 from moira.config import PAGE_SIZE, MoiraConfig
+from moira.kernels import select as select_module
 from moira.kernels.select import select
+
+
+@pytest.fixture(autouse=True)
+def triton_select(monkeypatch):
+    """This file's cases run the Triton kernel on every device ("auto" would pick the CUDA
+    one for wide tables on a GPU); test_select_cuda.py runs them on the CUDA one."""
+    monkeypatch.setattr(select_module, "IMPLEMENTATION", "triton")
+
 
 NEAR = 1e-6  # pages this close to the threshold may differ from the reference's choice
 
@@ -77,8 +86,6 @@ def test_coverage_matches_reference(group, spread, gamma):
 @pytest.mark.parametrize("softmax_tile", [0, 1 << 14])
 def test_both_softmax_forms_match_reference(monkeypatch, softmax_tile):
     """The G softmaxes head by head (0) and side by side in one tile: both the reference's."""
-    from moira.kernels import select as select_module
-
     monkeypatch.setattr(select_module, "SOFTMAX_TILE", softmax_tile)
     seq_lens = [1, 65, 64 * 37 + 9, 64 * 200 + 1, 64 * 300]
     log_masses, seq_lens = random_log_masses(seq_lens, 2, 7, 2.0)

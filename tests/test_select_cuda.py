@@ -52,8 +52,10 @@ def test_refusals_name_the_fix(monkeypatch):
     with pytest.raises(ValueError, match="'auto', 'triton' or 'cuda'"):
         select_module.select(*args, **kwargs)
     monkeypatch.setattr(select_module, "IMPLEMENTATION", "auto")
+    monkeypatch.setattr(select_module, "CUDA_FROM_PAGES", 9)
     on_gpu = DEVICE == "cuda" and cuda_build.nvrtc_library() is not None
     assert select_module.implementation(*args, 9, 4, None) == ("cuda" if on_gpu else "triton")
+    assert select_module.implementation(*args, 8, 4, None) == "triton"  # narrower than 9
     assert select_module.implementation(*args, 9, 32, None) == "triton"  # K_B 32
     assert select_module.implementation(*args, 16384, 4, None) == "triton"  # too wide
     eight_heads = torch.zeros(2, 8, 16, device=DEVICE)  # 16 pages of 8 heads per thread spill
@@ -120,3 +122,19 @@ def test_short_rows_keep_every_page(cuda_select, mode):
 @pytest.mark.parametrize("pages", [2048, 4096, 8192])
 def test_long_rows(cuda_select, pages):
     test_select.test_long_rows(pages)
+
+
+def test_auto_takes_the_cuda_kernel_from_a_table_width(monkeypatch):
+    """"auto": the CUDA kernel for tables of at least CUDA_FROM_PAGES pages (where it was
+    timed faster in a decode step), Triton's for narrower ones, on a device where both run."""
+    log_masses = torch.zeros(4, 4, 64, device=DEVICE)
+    args = (log_masses, torch.ones(2, dtype=torch.int32, device=DEVICE),
+            torch.zeros(2, 2, 64, dtype=torch.int32, device=DEVICE),
+            torch.zeros(2, 2, dtype=torch.int32, device=DEVICE))
+    monkeypatch.setattr(select_module, "IMPLEMENTATION", "auto")
+    monkeypatch.setattr(select_cuda, "check_inputs", lambda *args: None)
+    monkeypatch.setattr(cuda_build, "can_run", lambda *args: True)
+    monkeypatch.setattr(cuda_build, "device_index", lambda device: 0)
+    monkeypatch.setattr(select_module, "CUDA_FROM_PAGES", 64)
+    assert select_module.implementation(*args, 64, 4, None) == "cuda"
+    assert select_module.implementation(*args, 63, 4, None) == "triton"

@@ -87,14 +87,14 @@ EXACT_FORMS = ("chained", "side by side")
 QUERY_HEAD_AHEAD = True
 # "triton" (this file's kernel), "cuda" (estimate_cuda.cu: the same step, with each warp's
 # summary loads all in flight at once and pages summed over lanes by shuffles; bfloat16,
-# head_dim 64 / 128, G <= 8) or "auto" ("cuda" where it can run, else "triton", as Attend's
-# IMPLEMENTATION). Why: this kernel is latency-bound at about twice its bytes' time (NOTES,
-# sessions 25-26, 34). Timed in session 37 (tune_kernels.py --kinds cuda, two hosts): 15.3
-# against 14.7 us at 8k x 32, 17.1 / 16.7 / 15.3 against 19.2 / 18.0 / 17.5 at 32k x 16,
-# 64k x 8, 128k x 4: 5% slower to 13% faster, short of the 15% at every shape that would
-# make it the default, so "triton" (this file's options, QUERY_HEAD_AHEAD, EXACT_PAGES, the
-# register ceiling, TARGET_PROGRAMS, are the Triton kernel's)
-IMPLEMENTATION = "triton"
+# head_dim 64 / 128, G <= 8) or "auto": "cuda" where it can run and the block table has at
+# least CUDA_FROM_PAGES pages, else "triton". Why: this kernel is latency-bound at about twice
+# its bytes' time (NOTES, sessions 25-26, 34). Timed in session 38 (tune_kernels.py --kinds
+# cuda, built for 5 blocks per SM), alone: 15.1 / 14.9 / 13.7 us against Triton's 14.6 /
+# 18.0 / 17.5 at 8k x 32, 64k x 8, 128k x 4; in the whole step (Estimate + Select + Attend +
+# Merge) +0.6 / -3.2 / -3.7 us. So the Triton kernel below 512 pages (a 32k-token table)
+IMPLEMENTATION = "auto"
+CUDA_FROM_PAGES = 512
 
 
 def implementation(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses):
@@ -104,7 +104,8 @@ def implementation(query, key_cache, summaries, block_table, seq_lens, new_kv, l
         "estimate.IMPLEMENTATION", IMPLEMENTATION,
         lambda: estimate_cuda.check_inputs(query, key_cache, summaries, block_table, seq_lens,
                                            new_kv, log_masses),
-        lambda: cuda_build.can_run(cuda_build.device_index(query.device), "Estimate"))
+        lambda: block_table.shape[1] >= CUDA_FROM_PAGES and cuda_build.can_run(
+            cuda_build.device_index(query.device), "Estimate"))
 
 
 def max_registers(group):

@@ -48,15 +48,18 @@ from . import cuda_build, launch, select_cuda
 SOFTMAX_TILE = 16384
 # "triton" (this file's kernel), "cuda" (select_cuda.cu: the same rule on up to 512 threads
 # of P pages each, one barrier per pass; G <= 8, tables of up to 8,192 pages, 4,096 at G > 4,
-# K_B in 2-16) or "auto" ("cuda" where it can run, else "triton", as Attend's
-# IMPLEMENTATION). Why: one program per row leaves 100 of the H200's 132 SMs idle at 131k x
-# 4, where this kernel's straight-line code waits on instruction fetches (9.2 us; NOTES,
-# sessions 27 and 34). Timed alone in session 37 (tune_kernels.py --kinds cuda), coverage:
-# 5.7 / 7.8 / 8.9 / 11.8 us against 4.1 / 6.2 / 7.3 / 9.1 at 8k x 32 to 128k x 4, so
-# "triton". (In the whole step at 128k x 4 the CUDA one was 12 us faster, and in vLLM, with
-# the CUDA Estimate, 4.1% off TPOT at 130k x 4 but 1.7% on at 8k x 32: not yet explained;
-# benchmarks/NOTES.md, session 37)
-IMPLEMENTATION = "triton"
+# K_B in 2-16) or "auto": "cuda" where it can run and the block table has at least
+# CUDA_FROM_PAGES pages, else "triton". Why: one program per row leaves 100 of the H200's 132
+# SMs idle at 131k x 4, where this kernel's ~4,000 instructions of straight-line code (four
+# lane tiers of a 2,048-lane table) wait on instruction fetches (NOTES, sessions 27, 34, 38).
+# Alone, with its code cached, it is the faster (session 38, coverage: 4.0 / 7.3 / 9.1 us
+# against 6.3 / 9.2 / 12.2 at 8k x 32, 64k x 8, 128k x 4), but in a decode step Attend's
+# stream of K/V evicts its code from the L2 between two runs: in the whole step (Estimate +
+# Select + Attend + Merge) the CUDA Select was +4.9 / +2.5 / -10.5 us per layer at those
+# shapes, and under ncu with the caches flushed 14.7 us against Triton's 24 at 128k x 4. So
+# the CUDA kernel from 2,048 pages (a 131k-token table)
+IMPLEMENTATION = "auto"
+CUDA_FROM_PAGES = 2048
 
 
 def num_warps(block):
@@ -220,7 +223,8 @@ def implementation(log_masses, seq_lens, page_lists, page_counts, max_pages, way
         "select.IMPLEMENTATION", IMPLEMENTATION,
         lambda: select_cuda.check_inputs(log_masses, seq_lens, page_lists, page_counts,
                                          max_pages, ways, row_values),
-        lambda: cuda_build.can_run(cuda_build.device_index(log_masses.device), "Select"))
+        lambda: max_pages >= CUDA_FROM_PAGES and cuda_build.can_run(
+            cuda_build.device_index(log_masses.device), "Select"))
 
 
 def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
