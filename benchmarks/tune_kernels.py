@@ -37,9 +37,10 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # --kinds ("exact": Estimate's exact-page forms alone; "registers": Estimate's and Attend's
 # register ceilings; "query": Estimate's query of the next head loaded ahead; "cuda":
 # Estimate in CUDA C++ at several grid sizes and Select in CUDA C++, each checked against the
-# Triton kernel first, then the whole step with each and the step's parts per Select)
+# Triton kernel first, then the whole step with each and the step's parts per Select;
+# "selectwarps": the whole step with the Triton Select at 4 / 8 / 16 warps and the CUDA one)
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
-         "balanced", "fractions", "step", "wide")
+         "balanced", "fractions", "step", "wide", "selectwarps")
 
 
 def bench(fn):
@@ -359,6 +360,30 @@ def main():
                 record("step22", shape, f"estimate+select+attend+merge, {name}, "
                        f"{estimate_kernel} estimate, {select_kernel} select", micros,
                        sparse_bytes + summary_bytes)
+        # the Triton Select's warps in the whole step, where its code comes cold from HBM
+        # (Attend's K/V evict it from the L2): more warps, fewer straight-line instructions
+        # per thread (half at 8 warps), so fewer to fetch; against the CUDA Select, in the
+        # shape's own table and in a --table-pages one, twice in alternation
+        widths = [pages] + ([args.table_pages] if args.table_pages > pages else [])
+        for width in widths if "selectwarps" in kinds else []:
+            padded = torch.cat([table, torch.zeros(batch, width - pages, dtype=table.dtype,
+                                                   device="cuda")], dim=1)
+            space = moira.DecodeWorkspace(batch, width, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
+                                          device="cuda")
+            for label, warps, kernel in [("triton", None, "triton"),
+                                         ("triton 8 warps", 8, "triton"),
+                                         ("triton 16 warps", 16, "triton"),
+                                         ("cuda", None, "cuda")] * 2:
+                settings = dict(IMPLEMENTATION=kernel)
+                if warps:
+                    settings["num_warps"] = lambda block, warps=warps: warps
+                for mode, k in (("fixed 22%", top_k), ("coverage", None)):
+                    with patched(select_module, **settings):
+                        micros = bench(lambda: moira.sparse_decode(
+                            query, keys, values, summaries, padded, seq_lens, top_k=k,
+                            workspace=space, out=out))
+                    record("step", shape, f"{mode}, table {width} pages, {label} select",
+                           micros)
         if "step" in kinds:
             # a row's chunks made equal (the default since session 8) and Eq. (4)'s as is
             for even in (True, False):

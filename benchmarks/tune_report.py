@@ -24,16 +24,18 @@ def table(results, kind):
     return by_variant
 
 
-def baselines(by_variant):
+def baselines(by_variant, words=("default",)):
     """``{mode: {shape: µs}}``: per mode (the words before ``default``; "" for a plain
-    ``default``), the mean of its default's runs (``default`` and ``default again``)."""
+    ``default``), the mean of its default's runs (``default`` and ``default again``).
+    ``words``: the names that mark a baseline, ``default`` unless a sweep names its own
+    (e.g. ``triton`` where Triton's kernel is the one compared against)."""
     runs = {}
     for name, by_shape in by_variant.items():
-        for suffix in ("default", "default again"):
+        for suffix in [form for word in words for form in (word, word + " again")]:
             if name == suffix or name.endswith(" " + suffix):
                 runs.setdefault(name[:-len(suffix)].strip(), []).append(by_shape)
     if not runs:
-        raise SystemExit("no 'default' variant to compare with")
+        raise SystemExit(f"no {' or '.join(map(repr, words))} variant to compare with")
     return {mode: {shape: statistics.mean(run[shape] for run in mode_runs if shape in run)
                    for shape in mode_runs[0]} for mode, mode_runs in runs.items()}
 
@@ -60,11 +62,15 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("result")
     parser.add_argument("--kind", default="estimate")
+    parser.add_argument("--baseline", action="append", default=None,
+                        help="a variant name's ending that marks its mode's baseline "
+                             "(repeatable; default: 'default')")
     args = parser.parse_args()
     with open(args.result) as f:
         run = json.load(f)
     by_variant = table(run["results"], args.kind)
-    bases = baselines(by_variant)
+    words = args.baseline or ["default"]
+    bases = baselines(by_variant, words)
     print(markdown(by_variant, bases))
 
     import matplotlib
@@ -78,12 +84,13 @@ def main():
     for ax, shape in zip(axes[0], shapes):
         ratios = [by_variant[name].get(shape, float("nan"))
                   / (base_of(name, bases) or {}).get(shape, float("nan")) for name in names]
-        ax.barh(range(len(names)), ratios, color=["grey" if "default" in name else "tab:blue"
-                                                  for name in names])
+        ax.barh(range(len(names)), ratios, color=[
+            "grey" if any(name.endswith(word) for word in words) else "tab:blue"
+            for name in names])
         ax.axvline(1.0, color="black", linewidth=0.8)
-        ax.set_title(f"{shape}: default " + " / ".join(
+        ax.set_title(f"{shape}: {' / '.join(words)} " + " / ".join(
             f"{base[shape]:.1f}" for base in bases.values() if shape in base) + " µs")
-        ax.set_xlabel(f"{args.kind} time / default's")
+        ax.set_xlabel(f"{args.kind} time / {' or '.join(words)}'s")
     axes[0][0].set_yticks(range(len(names)), names, fontsize=8)
     axes[0][0].invert_yaxis()
     fig.suptitle(f"{run.get('gpu', '')}, {run.get('date', '')}: {run.get('command', '')}",

@@ -1281,3 +1281,9 @@ def test_tune_report_compares_each_variant_with_the_mean_of_the_default_runs():
     text = report.markdown(select, bases)
     assert "| coverage warps=1 | 5.0 (+0%) |" in text
     assert "| top22% warps=1 | 6.0 (-25%) |" in text
+    # a sweep that names its own baseline (the Triton kernel against the CUDA one)
+    step = {"step, triton": {"8k x32": 10.0}, "step, cuda select": {"8k x32": 12.0},
+            "step, triton again": {"8k x32": 12.0}}
+    bases = report.baselines(step, ["triton"])
+    assert bases == {"step,": {"8k x32": 11.0}}
+    assert "| step, cuda select | 12.0 (+9%) |" in report.markdown(step, bases)

@@ -90,9 +90,13 @@ QUERY_HEAD_AHEAD = True
 # head_dim 64 / 128, G <= 8) or "auto": "cuda" where it can run and the block table has at
 # least CUDA_FROM_PAGES pages, else "triton". Why: this kernel is latency-bound at about twice
 # its bytes' time (NOTES, sessions 25-26, 34). Timed in session 38 (tune_kernels.py --kinds
-# cuda, built for 5 blocks per SM), alone: 15.1 / 14.9 / 13.7 us against Triton's 14.6 /
-# 18.0 / 17.5 at 8k x 32, 64k x 8, 128k x 4; in the whole step (Estimate + Select + Attend +
-# Merge) +0.6 / -3.2 / -3.7 us. So the Triton kernel below 512 pages (a 32k-token table)
+# cuda,wide; the CUDA kernel built for 5 blocks per SM), alone: 15.1 / 18.5 / 15.9 / 14.9 /
+# 13.7 us against Triton's 14.6 / 21.1 / 19.2 / 18.0 / 17.5 at 8k x 32, 16k x 32, 32k x 16,
+# 64k x 8, 128k x 4; in the whole step (Estimate + Select + Attend + Merge) +0.7 / -2.5 /
+# -2.9 / -3.2 / -3.7 us; in a 2,048-page table +1.4 / -0.1 / -3.2 / -3.7 us at the first
+# four. In vLLM, TPOT -0.5 / -0.7 / -1.2% at 32k x 16, 64k x 8, 130k x 4. The width is all
+# the host knows of the rows (a CUDA graph serves every step of a batch size): from 512 pages
+# (an engine admitting 32k tokens), where rows of 8k tokens lose 1.4 us and longer ones gain
 IMPLEMENTATION = "auto"
 CUDA_FROM_PAGES = 512
 

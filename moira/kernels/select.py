@@ -49,16 +49,19 @@ SOFTMAX_TILE = 16384
 # "triton" (this file's kernel), "cuda" (select_cuda.cu: the same rule on up to 512 threads
 # of P pages each, one barrier per pass; G <= 8, tables of up to 8,192 pages, 4,096 at G > 4,
 # K_B in 2-16) or "auto": "cuda" where it can run and the block table has at least
-# CUDA_FROM_PAGES pages, else "triton". Why: one program per row leaves 100 of the H200's 132
-# SMs idle at 131k x 4, where this kernel's ~4,000 instructions of straight-line code (four
-# lane tiers of a 2,048-lane table) wait on instruction fetches (NOTES, sessions 27, 34, 38).
-# Alone, with its code cached, it is the faster (session 38, coverage: 4.0 / 7.3 / 9.1 us
-# against 6.3 / 9.2 / 12.2 at 8k x 32, 64k x 8, 128k x 4), but in a decode step Attend's
-# stream of K/V evicts its code from the L2 between two runs: in the whole step (Estimate +
-# Select + Attend + Merge) the CUDA Select was +4.9 / +2.5 / -10.5 us per layer at those
-# shapes, and under ncu with the caches flushed 14.7 us against Triton's 24 at 128k x 4. So
-# the CUDA kernel from 2,048 pages (a 131k-token table)
-IMPLEMENTATION = "auto"
+# CUDA_FROM_PAGES pages, else "triton". Why the CUDA kernel: one program per row leaves 100 of
+# the H200's 132 SMs idle at 131k x 4, where this kernel's straight-line code (~2,000
+# instructions per lane tier, four tiers) waits on instruction fetches (NOTES, sessions 27,
+# 34, 38). Alone, with its code cached, this kernel is the faster (session 38, coverage: 4.1 /
+# 7.3 / 9.1 us against 6.3 / 9.4 / 12.2 at 8k x 32, 64k x 8, 128k x 4); in a decode step
+# Attend's stream of K/V evicts its code from the L2, and the whole step (Estimate + Select +
+# Attend + Merge) with the CUDA Select was +4.9 / +2.1 / -10.5 us per layer (ncu, caches
+# flushed, at 128k x 4: 14.7 us against 24). In vLLM at 130k x 4 the CUDA Estimate and
+# Select took 4.1% off TPOT (session 37). But the host knows only the table's width, and in a
+# 2,048-page table (an engine admitting 131k tokens) rows of 8k-64k tokens made the step 3.9
+# to 7.5 us slower with the CUDA Select (no lane tiers: it pays for the width). So "triton";
+# "auto" with this width suits engines whose rows are all about as long as their table
+IMPLEMENTATION = "triton"
 CUDA_FROM_PAGES = 2048
 
 
