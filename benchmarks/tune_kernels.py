@@ -331,14 +331,19 @@ def main():
                                                 lists, counts, workspace=workspace, out=out))
             record("fraction", shape, f"{fraction:.0%} ({count} pages/row)", micros,
                    batch * KV_HEADS * count * PAGE_KV_BYTES)
+        def padded(width):
+            """The block table padded to ``width`` columns, as in an engine whose longest
+            admitted context is that many pages, and a workspace for it."""
+            return (torch.cat([table, torch.zeros(batch, width - pages, dtype=table.dtype,
+                                                  device="cuda")], dim=1),
+                    moira.DecodeWorkspace(batch, width, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
+                                          device="cuda"))
+
         if "wide" in kinds and args.table_pages > pages:
             # the engine's view: every row's table padded to the longest admitted context, so
             # grids sized by the width launch programs that find nothing to do
             width = args.table_pages
-            wide_table = torch.cat([table, torch.zeros(batch, width - pages, dtype=table.dtype,
-                                                       device="cuda")], dim=1)
-            wide = moira.DecodeWorkspace(batch, width, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
-                                         device="cuda")
+            wide_table, wide = padded(width)
             wide_masses, wide_lists, wide_counts = wide.selection_buffers(batch, width)
             name = f"table {width} pages"
             # each kernel in Triton and in CUDA C++ (whose "auto" rule goes by the width,
@@ -360,27 +365,30 @@ def main():
                 record("step22", shape, f"estimate+select+attend+merge, {name}, "
                        f"{estimate_kernel} estimate, {select_kernel} select", micros,
                        sparse_bytes + summary_bytes)
-        # the Triton Select's warps in the whole step, where its code comes cold from HBM
-        # (Attend's K/V evict it from the L2): more warps, fewer straight-line instructions
-        # per thread (half at 8 warps), so fewer to fetch; against the CUDA Select, in the
-        # shape's own table and in a --table-pages one, twice in alternation
+        # the Triton Select's warps and softmax form in the whole step, where its code comes
+        # cold from HBM (Attend's K/V evict it from the L2): more warps, fewer straight-line
+        # instructions per thread, so fewer to fetch (sm_90, 2,048 lanes: 4,720 at 4 warps,
+        # 3,264 at 8, 2,184 at 16; head by head, SOFTMAX_TILE 0: 3,456 / 2,760 / 2,088);
+        # against the CUDA Select, in the shape's own table and in a --table-pages one, twice
+        # in alternation
         widths = [pages] + ([args.table_pages] if args.table_pages > pages else [])
         for width in widths if "selectwarps" in kinds else []:
-            padded = torch.cat([table, torch.zeros(batch, width - pages, dtype=table.dtype,
-                                                   device="cuda")], dim=1)
-            space = moira.DecodeWorkspace(batch, width, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
-                                          device="cuda")
-            for label, warps, kernel in [("triton", None, "triton"),
-                                         ("triton 8 warps", 8, "triton"),
-                                         ("triton 16 warps", 16, "triton"),
-                                         ("cuda", None, "cuda")] * 2:
+            padded_table, space = padded(width)
+            for label, warps, tile, kernel in [
+                    ("triton", None, None, "triton"), ("triton 8 warps", 8, None, "triton"),
+                    ("triton 16 warps", 16, None, "triton"),
+                    ("triton head by head", None, 0, "triton"),
+                    ("triton 16 warps head by head", 16, 0, "triton"),
+                    ("cuda", None, None, "cuda")] * 2:
                 settings = dict(IMPLEMENTATION=kernel)
+                if tile is not None:
+                    settings["SOFTMAX_TILE"] = tile
                 if warps:
                     settings["num_warps"] = lambda block, warps=warps: warps
                 for mode, k in (("fixed 22%", top_k), ("coverage", None)):
                     with patched(select_module, **settings):
                         micros = bench(lambda: moira.sparse_decode(
-                            query, keys, values, summaries, padded, seq_lens, top_k=k,
+                            query, keys, values, summaries, padded_table, seq_lens, top_k=k,
                             workspace=space, out=out))
                     record("step", shape, f"{mode}, table {width} pages, {label} select",
                            micros)
