@@ -15,6 +15,7 @@ def triton_estimate(monkeypatch):
     one for wide tables on a GPU); test_estimate_cuda.py runs them on the CUDA one."""
     monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "triton")
 
+
 SEQ_LENS = {
     "one-token": [1],
     "one-page": [64],

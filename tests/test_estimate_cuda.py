@@ -199,4 +199,3 @@ def test_auto_takes_the_cuda_kernel_from_a_table_width(monkeypatch):
         monkeypatch.setattr(estimate_module, "CUDA_FROM_PAGES", threshold)
         assert estimate_module.implementation(query, keys, summaries, table, seq_lens, None,
                                               log_masses) == picked
-
