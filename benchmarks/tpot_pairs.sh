@@ -24,8 +24,9 @@
 #       since: the "moira" engine)
 #   "hnd": Moira on vLLM's head-major cache (VLLM_KV_CACHE_LAYOUT=HND: each page-head's K|V
 #     rows in one 32 KiB run, against the default's 256-byte rows 4 KiB apart), -hnd.json
-#   "kern": kernel tuning constants as KERNEL_SETTINGS says (e.g. "estimate.MAX_REGISTERS=96
-#     attend.IMPLEMENTATION=triton attend.PAGES_PER_ITER=1"), -kern.json
+#   "kern": kernel tuning constants as KERNEL_SETTINGS says (e.g. "estimate.IMPLEMENTATION=triton
+#     estimate.MAX_REGISTERS=96 attend.IMPLEMENTATION=triton attend.PAGES_PER_ITER=1"; a
+#     Triton kernel's knobs need its IMPLEMENTATION named), -kern.json
 #   TPOT_ARGS: more vllm_tpot.py options for every engine, e.g. "--max-model-len 131072" (the
 #     block table of serve_bench.sh's server, 2,048 pages per row, at any shape)
 # Results: $OUT/pair<i>/<model>-dense.json and <model>-moira-g098.json; report with
@@ -66,7 +67,7 @@ for pair in $(seq "$pairs"); do
       hnd) args="--backend moira"; layout=HND
            name=$model-moira-g098-hnd ;;
       # a candidate of the kernels' tuning constants, e.g. KERNEL_SETTINGS=
-      # "estimate.MAX_REGISTERS=96" (vllm_tpot.py --kernel-setting)
+      # "estimate_cuda.MIN_BLOCKS_PER_SM=4" (vllm_tpot.py --kernel-setting)
       kern) args="--backend moira"
             for setting in ${KERNEL_SETTINGS:?the kern arm needs KERNEL_SETTINGS}; do
               args="$args --kernel-setting $setting"

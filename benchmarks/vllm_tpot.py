@@ -93,9 +93,12 @@ KERNEL_SETTINGS = {"estimate": ("QUERY_HEAD_AHEAD", "TARGET_PROGRAMS", "PAGES_PE
                    "select": ("IMPLEMENTATION", "CUDA_FROM_PAGES"),
                    "attend": ("PAGE_IDS_AHEAD", "PAGES_PER_ITER", "NUM_STAGES", "NUM_WARPS",
                               "MAX_REGISTERS", "IMPLEMENTATION", "CUDA_STAGES")}
-# Attend's constants that only its Triton kernel reads
-TRITON_ATTEND_SETTINGS = ("attend.PAGES_PER_ITER", "attend.NUM_STAGES", "attend.NUM_WARPS",
-                          "attend.MAX_REGISTERS")
+# the constants that only a module's Triton kernel reads (Attend's and, from 512-page tables,
+# Estimate's "auto" default runs the CUDA one)
+TRITON_ONLY_SETTINGS = ("attend.PAGES_PER_ITER", "attend.NUM_STAGES", "attend.NUM_WARPS",
+                        "attend.MAX_REGISTERS", "estimate.QUERY_HEAD_AHEAD",
+                        "estimate.TARGET_PROGRAMS", "estimate.PAGES_PER_PROGRAM",
+                        "estimate.NUM_WARPS", "estimate.MAX_REGISTERS")
 # the settings that take a word, not an int
 WORD_SETTINGS = {"attend.IMPLEMENTATION": ("auto", "triton", "cuda"),
                  "estimate.IMPLEMENTATION": ("auto", "triton", "cuda"),
@@ -107,7 +110,7 @@ def add_kernel_settings(parser):
     parser.add_argument("--kernel-setting", action="append", default=[],
                         metavar="MODULE.NAME=INT",
                         help="a tuning constant of moira/kernels/<MODULE>.py, e.g. "
-                             "estimate.MAX_REGISTERS=96 or attend.IMPLEMENTATION=cuda "
+                             "estimate_cuda.MIN_BLOCKS_PER_SM=4 or attend.IMPLEMENTATION=cuda "
                              "(repeatable), to try a candidate before it becomes the default "
                              "(an engine runs in this process, so the kernels see it)")
 
@@ -127,12 +130,15 @@ def parse_kernel_settings(parser, items):
                          f"({', '.join(f'{k}: {v}' for k, v in WORD_SETTINGS.items())})")
         settings[key] = value if words else (bool(int(value)) if name.endswith("_AHEAD")
                                              else int(value))
-    # Attend's Triton knobs do nothing to the CUDA kernel that "auto" runs (session 36 on):
-    # a candidate for them must say which kernel it tunes
-    triton_knobs = [key for key in settings if key in TRITON_ATTEND_SETTINGS]
-    if triton_knobs and "attend.IMPLEMENTATION" not in settings:
-        parser.error(f"--kernel-setting {', '.join(triton_knobs)}: the Triton Attend's; add "
-                     f"attend.IMPLEMENTATION=triton (the default, 'auto', runs the CUDA one)")
+    # a Triton kernel's knobs do nothing to the CUDA kernel that "auto" may run (Attend from
+    # session 36, Estimate from 38): a candidate for them must say which kernel it tunes
+    for module in ("attend", "estimate"):
+        triton_knobs = [key for key in settings
+                        if key in TRITON_ONLY_SETTINGS and key.startswith(module + ".")]
+        if triton_knobs and f"{module}.IMPLEMENTATION" not in settings:
+            parser.error(f"--kernel-setting {', '.join(triton_knobs)}: the Triton {module} "
+                         f"kernel's; add {module}.IMPLEMENTATION=triton (the default, 'auto', "
+                         f"may run the CUDA one)")
     return settings
 
 

@@ -1234,13 +1234,18 @@ def test_vllm_tpot_kernel_settings_are_checked(monkeypatch):
     assert attend_module.PAGE_IDS_AHEAD is True and attend_module.NUM_STAGES == 3
     parser = argparse.ArgumentParser()
     assert tpot.parse_kernel_settings(parser, ["estimate.QUERY_HEAD_AHEAD=0",
+                                               "estimate.IMPLEMENTATION=triton",
                                                "attend.MAX_REGISTERS=96",
                                                "attend.IMPLEMENTATION=triton"]) \
-        == {"estimate.QUERY_HEAD_AHEAD": False, "attend.MAX_REGISTERS": 96,
-            "attend.IMPLEMENTATION": "triton"}
-    # the Triton Attend's knobs without the kernel named: the default runs CUDA's
+        == {"estimate.QUERY_HEAD_AHEAD": False, "estimate.IMPLEMENTATION": "triton",
+            "attend.MAX_REGISTERS": 96, "attend.IMPLEMENTATION": "triton"}
+    # the Triton Attend's or Estimate's knobs without the kernel named: the default may run
+    # the CUDA one
     with pytest.raises(SystemExit):
         tpot.parse_kernel_settings(parser, ["attend.MAX_REGISTERS=96"])
+    with pytest.raises(SystemExit):
+        tpot.parse_kernel_settings(parser, ["estimate.QUERY_HEAD_AHEAD=0",
+                                            "attend.IMPLEMENTATION=triton"])
     assert tpot.parse_kernel_settings(parser, ["attend.PAGE_IDS_AHEAD=1"]) \
         == {"attend.PAGE_IDS_AHEAD": True}
     assert tpot.parse_kernel_settings(parser, ["attend.IMPLEMENTATION=cuda",

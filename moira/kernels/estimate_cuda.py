@@ -32,8 +32,9 @@ TARGET_PROGRAMS = 660
 # of a tile's 8 summary loads together and the 8th after the next tile's block-table
 # entries, an exposed load per tile (its SASS, session 37); told to fit 5 it takes 94
 # registers and issues all 8 within the tile's first 181 instructions (the build takes 4 at
-# G = 8, where 5 spill). Untimed: session 37 timed 0; the next session times 0 / 4 / 5
-# (tune_kernels.py --kinds cuda)
+# G = 8, where 5 spill). Timed in session 38 (tune_kernels.py --kinds cuda): 5 the fastest
+# at every shape but 8k x 32 (15.1 against 14.9 us with 4), 13.7 against 15.2 us with 0 at
+# 128k x 4
 MIN_BLOCKS_PER_SM = 5
 # however many rows the batch has, a row as long as the table is split so that no program
 # loops over more tiles than this (the Triton kernel's MAX_TILES_PER_PROGRAM)
