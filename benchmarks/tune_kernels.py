@@ -375,7 +375,8 @@ def main():
         for width in widths if "selectwarps" in kinds else []:
             padded_table, space = padded(width)
             for label, warps, tile, kernel in [
-                    ("triton", None, None, "triton"), ("triton 8 warps", 8, None, "triton"),
+                    ("triton", None, None, "triton"), ("triton 4 warps", 4, None, "triton"),
+                    ("triton 8 warps", 8, None, "triton"),
                     ("triton 16 warps", 16, None, "triton"),
                     ("triton head by head", None, 0, "triton"),
                     ("triton 16 warps head by head", 16, 0, "triton"),

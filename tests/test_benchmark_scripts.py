@@ -1254,6 +1254,9 @@ def test_vllm_tpot_kernel_settings_are_checked(monkeypatch):
     assert tpot.parse_kernel_settings(parser, ["estimate.IMPLEMENTATION=cuda",
                                                "estimate_cuda.TARGET_PROGRAMS=1320"]) \
         == {"estimate.IMPLEMENTATION": "cuda", "estimate_cuda.TARGET_PROGRAMS": 1320}
+    # the Select's default is the Triton kernel: its knobs need no name (session 39's pair)
+    assert tpot.parse_kernel_settings(parser, ["select.EIGHT_WARPS_FROM=4096"]) \
+        == {"select.EIGHT_WARPS_FROM": 4096}
     for bad in ("estimate.TILE_STAGES=2", "estimate.IMPLEMENTATION=fast",
                 "estimate.NEXT_TILE_AHEAD=1",
                 "select.SHARES_IN_CHUNKS_FROM=1024", "estimate.MAX_REGISTERS=many",

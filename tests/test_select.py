@@ -176,7 +176,7 @@ def test_target_met_by_forced_pages_keeps_only_them():
 @pytest.mark.parametrize("top_k", [2, 3, 17, 64])
 def test_fixed_count_keeps_exactly_k(top_k):
     seq_lens = [1, 64 * 2, 64 * 17, 64 * 40 + 3, 64 * 200, 64 * 300]
-    # 1,000 pages wide (1,024 lanes, 8 warps): rows on 256 (up to 200 pages) and 512 lanes
+    # 1,000 pages wide (1,024 lanes, 4 warps): rows on 256 (up to 200 pages) and 512 lanes
     log_masses, seq_lens = random_log_masses(seq_lens, 2, 4, 2.0, width=1000)
     log_masses[3, 0, :, 5:15] = 1.0  # exact ties at the cut
     page_lists, page_counts = run_select(log_masses, seq_lens, top_k=top_k)
@@ -252,16 +252,17 @@ def test_fraction_mode_keeps_each_heads_share_of_every_row():
     assert torch.equal(page_counts, torch.minimum(expected, pages[:, None]).int())
 
 
-@pytest.mark.parametrize("pages", [4096, 16384])
+@pytest.mark.parametrize("pages", [2000, 4096, 16384])
 def test_long_rows(pages):
-    # 16,384 pages = 1M tokens on chip in one program
-    log_masses, seq_lens = random_log_masses([64 * pages - 5, 64 * 1000], 1, 2, 3.0,
-                                             width=pages)
+    # 16,384 pages = 1M tokens on chip in one program; 2,000 pages: 2,048 lanes in 8 warps
+    # (EIGHT_WARPS_FROM), a row on each of its lane tiers but the 512
+    log_masses, seq_lens = random_log_masses([64 * pages - 5, 64 * 1000, 64 * 100 + 7], 1, 2,
+                                             3.0, width=pages)
     page_lists, page_counts = run_select(log_masses, seq_lens, gamma=0.95)
     check_lists(page_lists, page_counts, seq_lens)
     expected_lists, expected_counts = ref.select(log_masses, seq_lens, gamma=0.95)
     shares = ref.group_shares(log_masses)
-    for b in range(2):
+    for b in range(3):
         got = set(page_lists[b, 0, : page_counts[b, 0]].tolist())
         want = set(expected_lists[b, 0, : expected_counts[b, 0]].tolist())
         pages_in_row = ref.num_pages(seq_lens[b], pages)

@@ -95,10 +95,12 @@ QUERY_HEAD_AHEAD = True
 # 64k x 8, 128k x 4; in the whole step (Estimate + Select + Attend + Merge) +0.7 / -2.5 /
 # -2.9 / -3.2 / -3.7 us; in a 2,048-page table +1.4 / -0.1 / -3.2 / -3.7 us at the first
 # four. In vLLM, TPOT -0.5 / -0.7 / -1.2% at 32k x 16, 64k x 8, 130k x 4. The width is all
-# the host knows of the rows (a CUDA graph serves every step of a batch size): from 512 pages
-# (an engine admitting 32k tokens), where rows of 8k tokens lose 1.4 us and longer ones gain
+# the host knows of the rows (a CUDA graph serves every step of a batch size): from 256 pages
+# (an engine admitting 16k tokens), where rows of 8k tokens lose up to 1.4 us and longer ones
+# gain. 256, not session 38's 512, from session 39: at 16k x 32 (a 261-page table) TPOT
+# 12.01 -> 11.92 ms (-0.7%) in one vLLM pair
 IMPLEMENTATION = "auto"
-CUDA_FROM_PAGES = 512
+CUDA_FROM_PAGES = 256
 
 
 def implementation(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses):

@@ -63,6 +63,15 @@ SOFTMAX_TILE = 16384
 # "auto" with this width suits engines whose rows are all about as long as their table
 IMPLEMENTATION = "triton"
 CUDA_FROM_PAGES = 2048
+# Tables of at least this many lanes run the Triton Select in 8 warps, not 4. Alone 4 warps
+# were the faster at 2,048 lanes (9.1 against 9.4 us, session 8); in a decode step, where
+# its code comes cold from HBM (see above), 8 warps (3,264 instructions against 4,720) made
+# the whole step at 128k x 4 in its 2,048-page table 162.4 -> 153.4 us per layer, level
+# with the CUDA Select's 152.2, and in vLLM TPOT at 130k x 4 8.52 -> 8.20 ms; rows of 8k-32k
+# tokens in a 2,048-page table pay +1.1-1.4 us. 16 warps: 151.4 at 128k x 4, but +16 us with
+# 8k rows in a 4,096-page table (their smallest lane tier is 512 lanes) (session 39,
+# ``tune_kernels --kinds selectwarps``)
+EIGHT_WARPS_FROM = 2048
 
 
 def num_warps(block):
@@ -73,11 +82,14 @@ def num_warps(block):
     Timed on the H200 with tables as wide as the rows (``tune_kernels.py --kinds select``):
     128 lanes (8k x 32) 1 / 2 / 4 / 8 warps 4.0 / 4.4 / 5.1 / 6.2 us (session 9); 256 (16k x
     32) 4.8 / 6.2 / 7.3 / 8.5; 512 (32k x 16) 7.7 / 7.1 / 6.2 / 8.2; 2,048 (131k x 4) 28.1 /
-    12.6 / 9.1 / 9.4; 4 warps beat 8 up to 2,048 lanes (session 8). In vLLM the table is as
-    wide as ``max_model_len`` allows, so one warp serves engines of up to 16k tokens."""
+    12.6 / 9.1 / 9.4; 4 warps beat 8 up to 2,048 lanes alone (session 8), not in a step
+    (``EIGHT_WARPS_FROM``). In vLLM the table is as wide as ``max_model_len`` allows, so one
+    warp serves engines of up to 16k tokens."""
     if block <= 256:
         return 1
-    return 4 if block <= 2048 else (8 if block <= 8192 else 16)
+    if block < EIGHT_WARPS_FROM:
+        return 4
+    return 8 if block <= 8192 else 16
 
 
 @triton.jit
