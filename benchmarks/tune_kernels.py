@@ -30,6 +30,8 @@ from moira.kernels import select as select_module
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import estimate_bytes, estimate_rotation, patched  # noqa: E402
 
+from moira.config import MoiraConfig  # noqa: E402
+
 KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
 SHAPES = [(8192, 32), (32768, 16), (65536, 8), (131072, 4)]
 EXTRA_SHAPES = [(16384, 32)]  # timed only when named in --shapes (256-page rows: Select's warps)
@@ -65,6 +67,13 @@ def step_inputs(context, batch):
     query = torch.randn(batch, KV_HEADS * GROUP, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     summaries = moira.summarize(keys, table, full)
     return query, keys, values, summaries, table, full - 1
+
+
+def binned_passes(k_b):
+    """K_B = ``k_b`` for every table (64: the CUDA Select's binned passes), or as configured
+    (None), for one measurement."""
+    return patched(MoiraConfig, **({"bisection_ways_for": lambda self, max_pages: k_b}
+                                   if k_b else {}))
 
 
 def main():
@@ -229,26 +238,32 @@ def main():
             with patched(select_module, BISECTION_BITS=bits):
                 select_modes(f" {bits} bits")
 
-        # Select in CUDA C++ (select.IMPLEMENTATION = "cuda", session 36): its page counts
-        # against the Triton kernel's in both modes (coverage may differ by pages at the
-        # threshold, fixed counts not at all), then both timed, twice in alternation
+        # Select in CUDA C++ (select.IMPLEMENTATION = "cuda", session 36), with the
+        # configured K_B and with K_B = 64, whose passes bin the shares (session 39): its page
+        # counts against the Triton kernel's in both modes (coverage may differ by pages at
+        # the threshold, fixed counts not at all), then all timed, twice in alternation
         if "cuda" in kinds:
             estimate_module.estimate(query, keys, summaries, table, seq_lens, scale, log_masses)
             for mode, kwargs in [("coverage", dict(gamma=0.98, top_k=None)),
                                  ("top22%", dict(gamma=0.98, top_k=top_k))]:
                 found = {}
-                for implementation in ("triton", "cuda"):
+                for label, implementation, k_b in [("triton", "triton", ways),
+                                                   ("cuda", "cuda", ways),
+                                                   ("cuda binned", "cuda", 64)]:
                     counts.fill_(-1)
                     with patched(select_module, IMPLEMENTATION=implementation):
                         select_module.select(log_masses, seq_lens, lists, counts,
-                                             num_kv_heads=KV_HEADS, max_pages=pages, ways=ways,
+                                             num_kv_heads=KV_HEADS, max_pages=pages, ways=k_b,
                                              **kwargs)
-                    found[implementation] = counts.clone()
-                differing = (found["cuda"] - found["triton"]).abs().max().item()
-                record("check", shape, f"select {mode} cuda - triton max |count| {differing}",
-                       0.0)
-            for label, implementation in [("", "triton"), (" cuda", "cuda")] * 2:
-                select_modes(label, implementation=implementation)
+                    found[label] = counts.clone()
+                for label in ("cuda", "cuda binned"):
+                    differing = (found[label] - found["triton"]).abs().max().item()
+                    record("check", shape,
+                           f"select {mode} {label} - triton max |count| {differing}", 0.0)
+            for label, implementation, k_b in [("", "triton", None), (" cuda", "cuda", None),
+                                               (" cuda binned", "cuda", 64)] * 2:
+                with binned_passes(k_b):
+                    select_modes(label, implementation=implementation)
 
         # the 22% lists from this shape's own estimates (whichever kinds ran before)
         estimate_module.estimate(query, keys, summaries, table, seq_lens, scale, log_masses)
@@ -380,14 +395,15 @@ def main():
                     ("triton 16 warps", 16, None, "triton"),
                     ("triton head by head", None, 0, "triton"),
                     ("triton 16 warps head by head", 16, 0, "triton"),
-                    ("cuda", None, None, "cuda")] * 2:
+                    ("cuda", None, None, "cuda"), ("cuda binned", None, None, "cuda")] * 2:
                 settings = dict(IMPLEMENTATION=kernel)
                 if tile is not None:
                     settings["SOFTMAX_TILE"] = tile
                 if warps:
                     settings["num_warps"] = lambda block, warps=warps: warps
                 for mode, k in (("fixed 22%", top_k), ("coverage", None)):
-                    with patched(select_module, **settings):
+                    with patched(select_module, **settings), \
+                            binned_passes(64 if label.endswith("binned") else None):
                         micros = bench(lambda: moira.sparse_decode(
                             query, keys, values, summaries, padded_table, seq_lens, top_k=k,
                             workspace=space, out=out))

@@ -7,15 +7,20 @@ import test_select
 import torch
 from helpers import DEVICE, check_struct_mirror, needs_nvrtc
 
+from moira.config import MoiraConfig
 from moira.kernels import cuda_build, select_cuda
 from moira.kernels import select as select_module
 
 cuda = pytest.mark.cuda
 
 
-@pytest.fixture
-def cuda_select(monkeypatch):
+@pytest.fixture(params=["compared", "binned"])
+def cuda_select(request, monkeypatch):
+    """The CUDA kernel with the configured K_B (each pass compares every page with every
+    threshold) and with K_B = 64 (each pass's sums from a histogram)."""
     monkeypatch.setattr(select_module, "IMPLEMENTATION", "cuda")
+    if request.param == "binned":
+        monkeypatch.setattr(MoiraConfig, "bisection_ways_for", lambda self, max_pages: 64)
     return monkeypatch
 
 

@@ -149,11 +149,107 @@ __device__ __forceinline__ void bisect(const float (&candidate)[P], float& lo, f
   }
 }
 
+// The same bisection with K_B = 64 (4 passes of 6 bits), each pass's 64 sums from one
+// histogram instead of 64 comparisons per page: a page inside [lo, hi) adds its measure to
+// the bin of the largest threshold it reaches (an atomic in shared memory), and the sum at a
+// threshold is the bins' suffix sum from it plus the sum at or above hi, carried from the
+// pass before, as is the sum at lo (bin 0 is never accumulated: in the first pass most
+// pages fall there and its atomics would queue). A thread's work per pass is O(P), not
+// O(P K_B), so 64 ways cost about what 4 did, in a third of the passes. The measures are
+// integers (a count, or a share in fixed point), so the sums do not depend on the atomics'
+// order and every run selects the same pages. The thresholds are the compared form's;
+// `hi` must start above every share (the sum there is 0) and `lo` at or below the lowest
+// middle share (the sum there is taken in the first pass).
+constexpr int BINS = 64;
+
+__device__ __forceinline__ float threshold(float lo, float hi, int j) {
+  return lo + (hi - lo) * (float(j) / BINS);  // as bisect's tau[j]
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T value) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) value += __shfl_xor_sync(FULL, value, o);
+  return value;
+}
+
+template <int P, typename T, typename Measure, typename Enough>
+__device__ __forceinline__ void bisect_binned(const float (&candidate)[P], float& lo, float& hi,
+                                              Measure measure, Enough enough) {
+  constexpr int PASSES = 4;
+  // three histograms in turn: one filled, one read, one being zeroed for the pass after
+  // next (a barrier lies between each of those steps and the next use); slot BINS of the
+  // first holds the sum at the starting lo
+  __shared__ T hist[3][BINS + 1];
+  for (int i = threadIdx.x; i < 3 * (BINS + 1); i += blockDim.x) (&hist[0][0])[i] = T(0);
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  T at_lo = T(0), at_hi = T(0);
+  {
+    T mine = T(0);
+#pragma unroll
+    for (int k = 0; k < P; ++k) mine += candidate[k] >= lo ? measure(candidate[k]) : T(0);
+    mine = warp_sum(mine);
+    if (lane == 0) atomicAdd(&hist[0][BINS], mine);  // read after the first pass's barrier
+  }
+  for (int pass = 0; pass < PASSES; ++pass) {
+    T* bins = hist[pass % 3];
+    const float scale = BINS / (hi - lo);  // used only where lo <= share < hi, so hi > lo
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const float share = candidate[k];
+      if (share >= lo && share < hi) {
+        int j = min(int((share - lo) * scale), BINS - 1);
+        // the bin of the largest threshold it reaches, by the thresholds themselves (the
+        // estimate may be a bin off, more where thresholds an ulp apart round alike)
+        while (j + 1 < BINS && share >= threshold(lo, hi, j + 1)) ++j;
+        while (j > 0 && share < threshold(lo, hi, j)) --j;
+        if (j > 0) atomicAdd(&bins[j], measure(share));
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < BINS + 1; i += blockDim.x) hist[(pass + 2) % 3][i] = T(0);
+    if (pass == 0) at_lo = hist[0][BINS];
+    // every warp alike: lane l holds bins 2l and 2l + 1; suffix sums over the lanes
+    const T even_bin = bins[2 * lane], odd_bin = bins[2 * lane + 1];
+    T suffix = even_bin + odd_bin;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const T after = __shfl_down_sync(FULL, suffix, o);
+      if (lane + o < 32) suffix += after;
+    }
+    const T at_even = lane == 0 ? at_lo : at_hi + suffix;  // the sums at thresholds 2l, 2l + 1
+    const T at_odd = at_hi + suffix - even_bin;
+    // the sums fall as the threshold rises: the largest threshold still enough
+    const unsigned even_enough = __ballot_sync(FULL, enough(at_even));
+    const unsigned odd_enough = __ballot_sync(FULL, enough(at_odd));
+    int best = -1;
+    if (even_enough) best = 2 * (31 - __clz(even_enough));
+    if (odd_enough) best = max(best, 2 * (31 - __clz(odd_enough)) + 1);
+    const int above = best + 1;  // the lowest threshold not enough (BINS: hi)
+    const T sum_best = __shfl_sync(FULL, (best & 1) ? at_odd : at_even, max(best, 0) >> 1);
+    const T sum_above = __shfl_sync(FULL, (above & 1) ? at_odd : at_even,
+                                    min(above, BINS - 1) >> 1);
+    const float new_lo = best >= 0 ? threshold(lo, hi, best) : lo;
+    const float new_hi = above < BINS ? threshold(lo, hi, above) : hi;
+    at_hi = best < 0 ? at_lo : (above < BINS ? sum_above : at_hi);
+    at_lo = best >= 0 ? sum_best : at_lo;
+    lo = new_lo;
+    hi = best < 0 ? lo : new_hi;
+  }
+}
+
+// shares in fixed point for the binned passes' sums: 2^40 per unit, rounded down (the
+// target rounded up), so a kept mass that reaches the target in fixed point reaches it
+constexpr float FIXED_ONE = 1099511627776.0f;  // 2^40
+
 template <int P, int WAYS, int GP>
 __device__ void select_row(const Params& p) {
   static_assert(GP <= MAX_GROUP, "G");
-  // two reduction buffers in turn, each [MAX_WARPS][max(WAYS, GP)]
-  constexpr int WIDTH = MAX_WARPS * (WAYS > GP ? WAYS : GP);
+  // two reduction buffers in turn, each [MAX_WARPS][max(K_B values reduced, GP)] (the
+  // binned passes reduce none)
+  constexpr int REDUCED = WAYS == BINS ? 1 : WAYS;
+  constexpr int WIDTH = MAX_WARPS * (REDUCED > GP ? REDUCED : GP);
   __shared__ float float_buffers[2][WIDTH];
   __shared__ int int_buffers[2][WIDTH];
   int turn = 0;
@@ -260,9 +356,14 @@ __device__ void select_row(const Params& p) {
     const int needed = top_k - 2;
     float lo = top * 0.f;
     float hi = top * (1.f + 1e-6f) + 1e-30f;  // strictly above every share
-    bisect<P, WAYS, int>(
-        candidate, lo, hi, [](float share, float tau) { return int(share >= tau); },
-        [needed](int above) { return above >= needed; }, &int_buffers[0][0], WIDTH, turn);
+    if constexpr (WAYS == BINS) {
+      bisect_binned<P, int>(candidate, lo, hi, [](float) { return 1; },
+                            [needed](int above) { return above >= needed; });
+    } else {
+      bisect<P, WAYS, int>(
+          candidate, lo, hi, [](float share, float tau) { return int(share >= tau); },
+          [needed](int above) { return above >= needed; }, &int_buffers[0][0], WIDTH, turn);
+    }
     // every page above hi, then pages tied in [lo, hi) in page order up to the count
     int sure_here = 0, tied_here = 0;
 #pragma unroll
@@ -291,9 +392,18 @@ __device__ void select_row(const Params& p) {
     // rounding makes it ambiguous, at the cost of a page there
     const float target = gamma - forced + 2e-6f;
     float lo = top * 0.f, hi = top;
-    bisect<P, WAYS, float>(
-        candidate, lo, hi, [](float share, float tau) { return share >= tau ? share : 0.f; },
-        [target](float mass) { return mass >= target; }, &float_buffers[0][0], WIDTH, turn);
+    if constexpr (WAYS == BINS) {
+      typedef unsigned long long u64;
+      hi = top * (1.f + 1e-6f) + 1e-30f;  // above every share: the sum there is 0
+      const u64 fixed_target = target > 0.f ? __double2ull_ru(double(target) * FIXED_ONE) : 0;
+      bisect_binned<P, u64>(candidate, lo, hi,
+                            [](float share) { return __float2ull_rz(share * FIXED_ONE); },
+                            [fixed_target](u64 mass) { return mass >= fixed_target; });
+    } else {
+      bisect<P, WAYS, float>(
+          candidate, lo, hi, [](float share, float tau) { return share >= tau ? share : 0.f; },
+          [target](float mass) { return mass >= target; }, &float_buffers[0][0], WIDTH, turn);
+    }
     // gamma = 1 keeps every page (even shares that underflow to 0); a target the forced
     // pages already meet keeps no middle page
     lo = gamma >= 1.f ? -0.5f : (gamma - forced <= 0.f ? 2.f : lo);

@@ -5,7 +5,9 @@ driver API (``cuda_build``).
 The same rule and outputs as the Triton kernel, one program per row, on up to 512 threads of
 P pages each with one barrier per bisection pass (the .cu file says why). It takes up to 8
 query heads per KV head, tables of up to ``max_table_pages(G)`` pages and K_B in ``WAYS``
-(``check_inputs``).
+(``check_inputs``). K_B = 64 (``MoiraConfig.bisection_ways``) takes each pass's sums from a
+histogram of the row's shares instead of comparing every page with every threshold: 4 passes
+at about the cost of a 4-way one (untimed; the .cu file's ``bisect_binned``).
 """
 
 import ctypes
@@ -20,7 +22,7 @@ SOURCE = "select_cuda.cu"  # in this folder (cuda_build.source_path)
 MAX_GROUP = 8  # the .cu file's MAX_GROUP
 MAX_THREADS = 512  # 32 * MAX_WARPS
 MAX_PAGES_PER_THREAD = 16  # 32 spills under the 128 registers 512 threads allow
-WAYS = (2, 4, 8, 16)
+WAYS = (2, 4, 8, 16, 64)  # 64: the binned passes
 
 
 class Params(ctypes.Structure):
