@@ -269,6 +269,17 @@ __device__ void select_row(const Params& p) {
     if (threadIdx.x == 0) *count_out = n;
     return;
   }
+  // lane tiers, as the Triton kernel's: a row that fits in half the pages per thread runs
+  // that build, whose per-thread work (loads, exponentials, passes) and code are half this
+  // one's; the program's width is the table's, so without them a short row in a wide table
+  // cost as much as a full one (session 38: +3.9 to +7.5 us per layer with 8k-64k rows in
+  // a 2,048-page table)
+  if constexpr (P > 1) {
+    if (n <= int(blockDim.x) * (P / 2)) {
+      select_row<P / 2, WAYS, GP>(p);
+      return;
+    }
+  }
   const int base = threadIdx.x * P;  // this thread's pages: [base, base + P)
   const float* masses = p.log_masses + row * p.stride_lr;
 

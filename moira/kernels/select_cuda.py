@@ -3,7 +3,8 @@ by NVRTC on first use (one build per pages-per-thread and K_B) and launched thro
 driver API (``cuda_build``).
 
 The same rule and outputs as the Triton kernel, one program per row, on up to 512 threads of
-P pages each with one barrier per bisection pass (the .cu file says why). It takes up to 8
+P pages each with one barrier per bisection pass (the .cu file says why); a row that fits in
+fewer pages per thread runs with P halved until it does not (lane tiers, as Triton's). It takes up to 8
 query heads per KV head, tables of up to ``max_table_pages(G)`` pages and K_B in ``WAYS``
 (``check_inputs``). K_B = 64 (``MoiraConfig.bisection_ways``) takes each pass's sums from a
 histogram of the row's shares instead of comparing every page with every threshold: 4 passes
