@@ -199,7 +199,9 @@ __device__ __forceinline__ void bisect_binned(const float (&candidate)[P], float
     for (int k = 0; k < P; ++k) {
       const float share = candidate[k];
       if (share >= lo && share < hi) {
-        int j = min(int((share - lo) * scale), BINS - 1);
+        // clamped before the conversion (inf, or NaN where scale is inf and share == lo,
+        // would be undefined): fminf drops a NaN, and the loops below correct the bin
+        int j = int(fminf((share - lo) * scale, float(BINS - 1)));
         // the bin of the largest threshold it reaches, by the thresholds themselves (the
         // estimate may be a bin off, more where thresholds an ulp apart round alike)
         while (j + 1 < BINS && share >= threshold(lo, hi, j + 1)) ++j;
