@@ -213,7 +213,7 @@ def build_cuda():
         (select_cuda.SOURCE, select_cuda.build_options(pages, ways, group))
         for pages in (1, 2, 4, 8, select_cuda.MAX_PAGES_PER_THREAD) for ways in select_cuda.WAYS
         for group in (1, 4, select_cuda.MAX_GROUP)
-        if pages * select_cuda.MAX_THREADS <= select_cuda.max_table_pages(group)]
+        if pages * select_cuda.MAX_THREADS <= select_cuda.max_table_pages(group, ways)]
     spilled = []
     for source, options in builds:
         with open(cuda_build.source_path(source), "rb") as f:

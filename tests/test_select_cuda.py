@@ -21,7 +21,7 @@ def cuda_select(request, monkeypatch):
     monkeypatch.setattr(select_module, "IMPLEMENTATION", "cuda")
     if request.param == "binned":
         monkeypatch.setattr(MoiraConfig, "bisection_ways_for", lambda self, max_pages: 64)
-    return monkeypatch
+    return request.param
 
 
 @needs_nvrtc
@@ -42,6 +42,7 @@ def test_program_shape_follows_the_table():
     assert select_cuda.shape(300) == (64, 8) and select_cuda.shape(2048) == (256, 8)
     assert select_cuda.shape(8192) == (512, 16) == select_cuda.shape(5000)
     assert select_cuda.max_table_pages(4) == 8192 and select_cuda.max_table_pages(8) == 4096
+    assert select_cuda.max_table_pages(4, 64) == 4096 and select_cuda.max_table_pages(8, 64) == 2048
 
 
 def test_refusals_name_the_fix(monkeypatch):
@@ -63,6 +64,7 @@ def test_refusals_name_the_fix(monkeypatch):
     assert select_module.implementation(*args, 8, 4, None) == "triton"  # narrower than 9
     assert select_module.implementation(*args, 9, 32, None) == "triton"  # K_B 32
     assert select_module.implementation(*args, 16384, 4, None) == "triton"  # too wide
+    assert select_module.implementation(*args, 8192, 64, None) == "triton"  # for K_B 64
     eight_heads = torch.zeros(2, 8, 16, device=DEVICE)  # 16 pages of 8 heads per thread spill
     assert select_module.implementation(eight_heads, *args[1:], 8192, 4, None) == "triton"
     monkeypatch.setattr(select_module, "IMPLEMENTATION", "cuda")
@@ -126,6 +128,10 @@ def test_short_rows_keep_every_page(cuda_select, mode):
 @cuda
 @pytest.mark.parametrize("pages", [2048, 4096, 8192])
 def test_long_rows(cuda_select, pages):
+    if cuda_select == "binned" and pages > select_cuda.max_table_pages(2, 64):
+        with pytest.raises(ValueError, match="K_B = 64"):  # refused, not run
+            test_select.test_long_rows(pages)
+        return
     test_select.test_long_rows(pages)
 
 

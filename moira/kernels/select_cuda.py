@@ -5,7 +5,7 @@ driver API (``cuda_build``).
 The same rule and outputs as the Triton kernel, one program per row, on up to 512 threads of
 P pages each with one barrier per bisection pass (the .cu file says why); a row that fits in
 fewer pages per thread runs with P halved until it does not (lane tiers, as Triton's). It takes up to 8
-query heads per KV head, tables of up to ``max_table_pages(G)`` pages and K_B in ``WAYS``
+query heads per KV head, tables of up to ``max_table_pages(G, K_B)`` pages and K_B in ``WAYS``
 (``check_inputs``). K_B = 64 (``MoiraConfig.bisection_ways``) takes each pass's sums from a
 histogram of the row's shares instead of comparing every page with every threshold: 4 passes
 at about the cost of a 4-way one (untimed; the .cu file's ``bisect_binned``).
@@ -40,10 +40,13 @@ class Params(ctypes.Structure):
         + [("gamma", ctypes.c_float)])
 
 
-def max_table_pages(group):
-    """The widest block table a row program takes: 512 threads of 16 pages, or of 8 above 4
-    query heads per KV head (16 pages of 8 heads spill)."""
-    return MAX_THREADS * (MAX_PAGES_PER_THREAD if group <= 4 else MAX_PAGES_PER_THREAD // 2)
+def max_table_pages(group, ways=2):
+    """The widest block table a row program takes at K_B = ``ways``: 512 threads of 16 pages,
+    or of 8 above 4 query heads per KV head (16 pages of 8 heads spill); half that for the
+    binned passes (K_B = 64: their 64-bit sums spilled at 16 pages of 4 heads and 8 of 8
+    under NVRTC 13.5)."""
+    pages = MAX_PAGES_PER_THREAD if group <= 4 else MAX_PAGES_PER_THREAD // 2
+    return MAX_THREADS * (pages // 2 if ways == 64 else pages)
 
 
 def shape(max_pages):
@@ -78,13 +81,13 @@ def check_inputs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
     if log_masses.shape[1] > MAX_GROUP:
         raise ValueError(f"{prefix} takes at most {MAX_GROUP} query heads per KV head, got "
                          f"{log_masses.shape[1]}: use 'triton'")
-    if max_pages > max_table_pages(log_masses.shape[1]):
-        raise ValueError(f"{prefix} takes block tables of at most "
-                         f"{max_table_pages(log_masses.shape[1])} pages at G = "
-                         f"{log_masses.shape[1]}, got "
-                         f"{max_pages}: use 'triton'")
     if ways not in WAYS:
         raise ValueError(f"{prefix} is built for K_B in {WAYS}, got {ways}: use 'triton'")
+    if max_pages > max_table_pages(log_masses.shape[1], ways):
+        raise ValueError(f"{prefix} takes block tables of at most "
+                         f"{max_table_pages(log_masses.shape[1], ways)} pages at G = "
+                         f"{log_masses.shape[1]} and K_B = {ways}, got {max_pages}: use "
+                         f"'triton'")
     tensors = [("log_masses", log_masses, torch.float32), ("seq_lens", seq_lens, torch.int32),
                ("page_lists", page_lists, torch.int32), ("page_counts", page_counts,
                                                          torch.int32)]
