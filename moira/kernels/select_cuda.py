@@ -4,9 +4,9 @@ driver API (``cuda_build``).
 
 The same rule and outputs as the Triton kernel, one program per row, on up to 512 threads of
 P pages each with one barrier per bisection pass (the .cu file says why); a row that fits in
-fewer pages per thread runs with P halved until it does not (lane tiers, as Triton's). It takes up to 8
-query heads per KV head, tables of up to ``max_table_pages(G, K_B)`` pages and K_B in ``WAYS``
-(``check_inputs``). K_B = 64 (``MoiraConfig.bisection_ways``) takes each pass's sums from a
+fewer pages per thread runs with P halved until it does not (lane tiers, as Triton's). It
+takes up to 8 query heads per KV head, tables of up to ``max_table_pages(G, K_B)`` pages and
+K_B in ``WAYS`` (``check_inputs``). K_B = 64 (``MoiraConfig.bisection_ways``) takes each pass's sums from a
 histogram of the row's shares instead of comparing every page with every threshold: 4 passes
 at about the cost of a 4-way one (untimed; the .cu file's ``bisect_binned``).
 """
