@@ -346,6 +346,7 @@ def main():
                                                 lists, counts, workspace=workspace, out=out))
             record("fraction", shape, f"{fraction:.0%} ({count} pages/row)", micros,
                    batch * KV_HEADS * count * PAGE_KV_BYTES)
+
         def padded(width):
             """The block table padded to ``width`` columns, as in an engine whose longest
             admitted context is that many pages, and a workspace for it."""

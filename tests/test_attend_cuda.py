@@ -25,8 +25,6 @@ def cuda_attend(monkeypatch):
     return monkeypatch
 
 
-
-
 @needs_nvrtc
 def test_params_mirror_the_kernels_struct():
     """``attend_cuda.Params`` (ctypes) mirrors the kernel's ``Params`` (size, field names in

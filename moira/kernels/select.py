@@ -47,11 +47,12 @@ from . import cuda_build, launch, select_cuda
 # head (the form timed before session 7)
 SOFTMAX_TILE = 16384
 # "triton" (this file's kernel), "cuda" (select_cuda.cu: the same rule on up to 512 threads
-# of P pages each, one barrier per pass; G <= 8, tables of up to 8,192 pages, 4,096 at G > 4,
-# K_B in 2-16) or "auto": "cuda" where it can run and the block table has at least
-# CUDA_FROM_PAGES pages, else "triton". Why the CUDA kernel: one program per row leaves 100 of
-# the H200's 132 SMs idle at 131k x 4, where this kernel's straight-line code (~2,000
-# instructions per lane tier, four tiers) waits on instruction fetches (NOTES, sessions 27,
+# of P pages each, one barrier per pass, lane tiers as this kernel's; G <= 8, tables of up
+# to 8,192 pages, 4,096 at G > 4, K_B in 2-16, or 64 in binned passes on tables half as
+# wide; select_cuda.check_inputs) or "auto": "cuda" where it can run and the block table has
+# at least CUDA_FROM_PAGES pages, else "triton". Why the CUDA kernel: one program per row
+# leaves 100 of the H200's 132 SMs idle at 131k x 4, where this kernel's straight-line code
+# (~2,000 instructions per lane tier, four tiers) waits on instruction fetches (NOTES, sessions 27,
 # 34, 38). Alone, with its code cached, this kernel is the faster (session 38, coverage: 4.1 /
 # 7.3 / 9.1 us against 6.3 / 9.4 / 12.2 at 8k x 32, 64k x 8, 128k x 4); in a decode step
 # Attend's stream of K/V evicts its code from the L2, and the whole step (Estimate + Select +
@@ -59,8 +60,9 @@ SOFTMAX_TILE = 16384
 # flushed, at 128k x 4: 14.7 us against 24). In vLLM at 130k x 4 the CUDA Estimate and
 # Select took 4.1% off TPOT (session 37). But the host knows only the table's width, and in a
 # 2,048-page table (an engine admitting 131k tokens) rows of 8k-64k tokens made the step 3.9
-# to 7.5 us slower with the CUDA Select (no lane tiers: it pays for the width). So "triton";
-# "auto" with this width suits engines whose rows are all about as long as their table
+# to 7.5 us slower with the CUDA Select (it had no lane tiers then: it paid for the width;
+# its tiers and binned passes, session 39, are untimed). So "triton"; "auto" with this
+# width suits engines whose rows are all about as long as their table
 IMPLEMENTATION = "triton"
 CUDA_FROM_PAGES = 2048
 # Tables of at least this many lanes run the Triton Select in 8 warps, not 4. Alone 4 warps
