@@ -60,9 +60,11 @@ SOFTMAX_TILE = 16384
 # flushed, at 128k x 4: 14.7 us against 24). In vLLM at 130k x 4 the CUDA Estimate and
 # Select took 4.1% off TPOT (session 37). But the host knows only the table's width, and in a
 # 2,048-page table (an engine admitting 131k tokens) rows of 8k-64k tokens made the step 3.9
-# to 7.5 us slower with the CUDA Select (it had no lane tiers then: it paid for the width;
-# its tiers and binned passes, session 39, are untimed). So "triton"; "auto" with this
-# width suits engines whose rows are all about as long as their table
+# to 7.5 us slower with the CUDA Select (it had no lane tiers then: it paid for the width).
+# With its tiers (session 40) 8k rows there cost as with this kernel, but rows that fill
+# their table 8-11 us more than before (128k x 4: 160.2 against 152.2, this kernel's 152.8
+# in 8 warps). So "triton"; "auto" with this width suits engines whose rows are all about as
+# long as their table
 IMPLEMENTATION = "triton"
 CUDA_FROM_PAGES = 2048
 # Tables of at least this many lanes run the Triton Select in 8 warps, not 4. Alone 4 warps
