@@ -33,9 +33,9 @@ from vllm_checks import model_dir  # noqa: E402
 from vllm_tpot import SHAPES, cached_prompts, imposed_mean, paper_knots  # noqa: E402
 
 # kernel class by a substring of the kernel's name, first match wins
-CLASSES = [("Attend", ("_attend_kernel", "_attend_balanced_kernel")),
-           ("Estimate", ("_estimate_kernel",)),
-           ("Select", ("_select_kernel",)),
+CLASSES = [("Attend", ("_attend_kernel", "_attend_balanced_kernel", "moira_attend_")),
+           ("Estimate", ("_estimate_kernel", "moira_estimate_")),
+           ("Select", ("_select_kernel", "moira_select_")),
            ("Merge", ("_merge_kernel", "_merge_balanced_kernel")),
            ("Summarize", ("_summarize",)),
            ("FA3", ("flash_fwd", "FlashAttn", "flash::")),
@@ -49,6 +49,25 @@ def kernel_class(name):
         if any(needle in name for needle in needles):
             return label
     return "other"
+
+
+def edges(kernels):
+    """Where a layer's Moira kernels wait, from ``(label, start_us, end_us)`` in start order:
+    the GPU time between each kernel's start and the end of the kernel before it (summed by
+    the later kernel's class: a launch gap or a drained wave that a fused or programmatic
+    launch could hide), and each chain's span from an Estimate's start to the next Merge's end
+    (the four kernels of one layer with their edges)."""
+    gaps, chains, busy_until, chain_start = {}, [], None, None
+    for label, start, end in kernels:
+        if busy_until is not None:
+            gaps.setdefault(label, []).append(max(0.0, start - busy_until))
+        busy_until = end if busy_until is None else max(busy_until, end)
+        if label == "Estimate":
+            chain_start = start
+        elif label == "Merge" and chain_start is not None:
+            chains.append(end - chain_start)
+            chain_start = None
+    return gaps, chains
 
 
 def call_stats(durations_us):
@@ -76,6 +95,8 @@ def main():
     args = parser.parse_args()
 
     import torch
+    import triton
+    import vllm
     from torch.profiler import ProfilerActivity, profile
     from vllm import LLM, SamplingParams
 
@@ -134,6 +155,8 @@ def main():
             idle_us += max(0.0, event.time_range.start - busy_until)
             busy_until = max(busy_until, event.time_range.end)
         span_us = busy_until - activity[0].time_range.start
+        gaps, chains = edges([(kernel_class(e.name), e.time_range.start, e.time_range.end)
+                              for e in kernels])
         top, calls = {}, {}
         for event in kernels:
             top[event.name] = top.get(event.name, 0.0) + event.device_time_total
@@ -149,6 +172,11 @@ def main():
                    wall_ms_per_step=wall_s / decode_steps * 1e3,
                    imposed_read_fraction=imposed_mean(knots, context)
                    if args.backend == "moira" else None,
+                   gap_before_ms_per_step={label: sum(values) / decode_steps / 1e3
+                                           for label, values in sorted(gaps.items())},
+                   gap_before_calls={label: call_stats(values)
+                                     for label, values in sorted(gaps.items())},
+                   moira_chain_us=call_stats(chains) if chains else None,
                    top_kernels_ms_per_step={name: top[name] / decode_steps / 1e3
                                             for name in top_names},
                    # per call: whether a class's extra time is every call's or a few slow ones'
@@ -156,11 +184,14 @@ def main():
         results.append(row)
         print(json.dumps({k: row[k] for k in ("shape", "kernels_per_step", "per_step_ms",
                                               "total_ms", "gpu_span_ms_per_step",
-                                              "gpu_idle_ms_per_step", "wall_ms_per_step")}), flush=True)
+                                              "gpu_idle_ms_per_step", "wall_ms_per_step",
+                                              "gap_before_ms_per_step", "moira_chain_us")}),
+              flush=True)
         with open(args.out, "w") as f:
             json.dump(dict(backend=args.backend, max_model_len=max_model_len,
                            gpu=torch.cuda.get_device_name(),
-                           versions=dict(torch=torch.__version__),
+                           versions=dict(torch=torch.__version__, vllm=vllm.__version__,
+                                         triton=triton.__version__),
                            moira_settings=settings.describe() if settings else None,
                            attend_split={key: getattr(settings.config, key) for key in
                                          ("chunk_pages", *SPLIT_SETTINGS)} if settings else None,

@@ -1298,3 +1298,20 @@ def test_tune_report_compares_each_variant_with_the_mean_of_the_default_runs():
     bases = report.baselines(step, ["triton"])
     assert bases == {"step,": {"8k x32": 11.0}}
     assert "| step, cuda select | 12.0 (+9%) |" in report.markdown(step, bases)
+
+
+def test_step_profile_classes_name_the_cuda_kernels_and_edges_sum_the_waits_before_each():
+    vllm_step_profile = load("vllm_step_profile")
+    assert vllm_step_profile.kernel_class("moira_attend_d128_s2") == "Attend"
+    assert vllm_step_profile.kernel_class("moira_estimate_d128_g4") == "Estimate"
+    assert vllm_step_profile.kernel_class("moira_select_p8_w16_g4") == "Select"
+    assert vllm_step_profile.kernel_class("_merge_kernel") == "Merge"
+    layer = [("GEMM", 0.0, 10.0), ("Estimate", 12.0, 20.0), ("Select", 21.0, 30.0),
+             ("Attend", 33.0, 80.0), ("Merge", 80.5, 84.0), ("GEMM", 90.0, 95.0)]
+    gaps, chains = vllm_step_profile.edges(layer + [(k, a + 100, b + 100) for k, a, b in layer])
+    assert gaps["Estimate"] == [2.0, 2.0] and gaps["GEMM"] == [6.0, 5.0, 6.0] and gaps["Select"] == [1.0, 1.0]
+    assert gaps["Attend"] == [3.0, 3.0] and gaps["Merge"] == [0.5, 0.5]
+    assert chains == [72.0, 72.0]
+    # a kernel overlapping the one before waits for nothing
+    assert vllm_step_profile.edges([("GEMM", 0.0, 10.0), ("other", 5.0, 8.0),
+                                    ("Merge", 9.0, 12.0)])[0] == {"other": [0.0], "Merge": [0.0]}
