@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from readme_section import repo_path, write_section  # noqa: E402
 
 CLASSES = ["Attend", "Estimate", "Select", "Merge", "FA3", "GEMM", "other"]
+MOIRA = ("Estimate", "Select", "Attend", "Merge")
 # paper Table 4 (Nsight Systems, Llama-3.1-8B): dense step, FA3; Moira step, att, est, sel, mrg,
 # GEMM
 PAPER = {"8k32": dict(dense=12.72, FA3=8.16, moira=9.38, Attend=4.02, Estimate=0.38,
@@ -35,9 +36,16 @@ PAPER = {"8k32": dict(dense=12.72, FA3=8.16, moira=9.38, Attend=4.02, Estimate=0
 
 
 def profiled_steps(runs):
-    """``(shape, name, row)`` in report order: shapes as the runs first give them; under each,
+    """``(shape, name, row)`` in report order: shapes by context (else as the runs first give
+    them); under each,
     dense runs then Moira runs, each in folder order, named by backend and folder label."""
-    shapes = dict.fromkeys(r["shape"] for _, _, run in runs for r in run["results"])
+    rows = [r for _, _, run in runs for r in run["results"]]
+    # by context where the rows give it (a run of one backend may hold fewer shapes), else
+    # as the runs first give them
+    contexts = {}
+    for r in rows:
+        contexts.setdefault(r["shape"], r.get("context", 0))
+    shapes = sorted(dict.fromkeys(r["shape"] for r in rows), key=lambda shape: contexts[shape])
     for shape in shapes:
         for backend in ("dense", "moira"):
             for label, _, run in (x for x in runs if x[1] == backend):
@@ -47,11 +55,22 @@ def profiled_steps(runs):
                     yield shape, name + (f" ({label})" if label else ""), row
 
 
+def moira_waits(row):
+    """ms per step the GPU waited before Moira's four kernels (each one's start after the end
+    of the kernel before it: the launch edges a fused or programmatic launch could hide); "–"
+    for dense rows and runs older than the measure."""
+    gaps = row.get("gap_before_ms_per_step")
+    if not gaps or not any(name in gaps for name in MOIRA):
+        return "–"
+    return f"{sum(gaps.get(name, 0.0) for name in MOIRA):.3f}"
+
+
 def table(runs):
     """``runs``: ``[(label, backend, run)]`` in folder order; one row per run under each shape,
     then the paper's rows."""
-    lines = ["| shape | backend | " + " | ".join(CLASSES) + " | kernels | GPU idle | wall |",
-             "|---|---|" + "---|" * (len(CLASSES) + 3)]
+    lines = ["| shape | backend | " + " | ".join(CLASSES)
+             + " | kernels | waits before Moira's kernels | GPU idle | wall |",
+             "|---|---|" + "---|" * (len(CLASSES) + 4)]
     steps = list(profiled_steps(runs))
     for shape in dict.fromkeys(shape for shape, _, _ in steps):
         for _, backend, row in (step for step in steps if step[0] == shape):
@@ -59,6 +78,7 @@ def table(runs):
                      else "–" for name in CLASSES]
             lines.append(f"| {shape} | {backend} | "
                          + " | ".join(cells) + f" | **{row['total_ms']:.2f}** | "
+                         f"{moira_waits(row)} | "
                          f"{row.get('gpu_idle_ms_per_step', float('nan')):.2f} | "
                          f"{row.get('wall_ms_per_step', float('nan')):.2f} |")
         paper = PAPER.get(shape)
@@ -68,7 +88,7 @@ def table(runs):
                 cells = [f"{paper[name]:.2f}" if name in names and name in paper else "–"
                          for name in CLASSES]
                 lines.append(f"| {shape} | {label} | " + " | ".join(cells)
-                             + f" | {step:.2f} (step) | – | – |")
+                             + f" | {step:.2f} (step) | – | – | – |")
     return "\n".join(lines)
 
 
@@ -123,6 +143,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("folders", nargs="+")
     parser.add_argument("--readme")
+    parser.add_argument("--section", default="step-profile",
+                        help="the --readme file's section to write")
     parser.add_argument("--plot", metavar="PATH", help="also draw the steps as stacked bars")
     args = parser.parse_args()
     runs = load(args.folders)
@@ -139,10 +161,12 @@ def main():
                 "each JSON). ms per decode step, GPU time by kernel class from the PyTorch "
                 "profiler over a traced run of 32 steps inside vLLM's FULL CUDA graphs "
                 "(Llama-3.1-8B geometry, random weights, Moira at the paper's γ = 0.98 reads, "
-                "imposed); GPU idle: gaps between kernels in the traced span; wall: the traced "
+                "imposed); waits before Moira's kernels: the time between each of Estimate, "
+                "Select, Attend and Merge and the end of the kernel before it; GPU idle: all "
+                "gaps between kernels in the traced span; wall: the traced "
                 "run's wall time per step, profiler overhead included. Paper rows: its Table 4 "
                 "(Nsight Systems).")
-        write_section(args.readme, "step-profile", text + "\n\n" + note)
+        write_section(args.readme, args.section, text + "\n\n" + note)
 
 
 if __name__ == "__main__":

@@ -203,10 +203,17 @@ def test_step_report_puts_each_backend_and_the_papers_rows_under_each_shape():
                          ("", "moira", run(dict(Attend=2.5, Estimate=0.5, GEMM=4.0)))])
     lines = text.splitlines()
     assert lines[2] == "| 130k4 | dense FA3 | – | – | – | – | 15.00 | 4.00 | – | **19.00** | " \
-        "1.00 | 12.00 |"
+        "– | 1.00 | 12.00 |"
     assert lines[3].startswith("| 130k4 | Moira | 2.50 | 0.50 | – | – | – | 4.00 |")
     assert lines[4].startswith("| 130k4 | paper, dense | – | – | – | – | 15.76 |")
     assert lines[5].startswith("| 130k4 | paper, Moira | 2.78 | 0.43 | 0.42 | 0.13 | – | 3.83 |")
+    assert lines[5].endswith("| 8.18 (step) | – | – | – |")
+    # the waits before Moira's four kernels, summed; other classes' waits left out
+    row = run(dict(Attend=2.5))["results"][0]
+    row["gap_before_ms_per_step"] = dict(Estimate=0.014, Select=0.023, Attend=0.015,
+                                         Merge=0.010, other=1.7)
+    assert report.moira_waits(row) == "0.062"
+    assert " | 0.062 | 1.00 | 12.00 |" in report.table([("", "moira", dict(results=[row]))])
 
 
 def test_step_report_labels_each_folders_rows_by_its_session(tmp_path):
