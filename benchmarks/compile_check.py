@@ -207,15 +207,21 @@ def build_cuda():
     if cuda_build.nvrtc_library() is None:
         print("CUDA kernels                             skipped: no libnvrtc", flush=True)
         return []
-    builds = [(attend_cuda.SOURCE, ()),
-              (estimate_cuda.SOURCE, estimate_cuda.build_options(estimate_cuda.MIN_BLOCKS_PER_SM))
-              ] + [
-        (select_cuda.SOURCE, select_cuda.build_options(pages, ways, group))
+    fits = estimate_cuda.MIN_BLOCKS_PER_SM
+    builds = [(attend_cuda.SOURCE, (), ""),
+              (estimate_cuda.SOURCE, estimate_cuda.build_options(fits, estimate_cuda.VARIANTS),
+               "")] + [
+        # the candidate changes not yet timed, each alone and all together
+        (estimate_cuda.SOURCE, estimate_cuda.build_options(fits, variants),
+         " with " + "+".join(variants))
+        for variants in [(name,) for name in estimate_cuda.CANDIDATES]
+        + [estimate_cuda.CANDIDATES]] + [
+        (select_cuda.SOURCE, select_cuda.build_options(pages, ways, group), "")
         for pages in (1, 2, 4, 8, select_cuda.MAX_PAGES_PER_THREAD) for ways in select_cuda.WAYS
         for group in (1, 4, select_cuda.MAX_GROUP)
         if pages * select_cuda.MAX_THREADS <= select_cuda.max_table_pages(group, ways)]
     spilled = []
-    for source, options in builds:
+    for source, options, label in builds:
         with open(cuda_build.source_path(source), "rb") as f:
             _, log = cuda_build.compile_cubin(f.read(), "90", ["--ptxas-options=-v", *options],
                                               name=source)
@@ -226,10 +232,10 @@ def build_cuda():
             attend_build = re.fullmatch(r"moira_attend_d(\d+)_s(\d)", name)
             shared = (f"  shared {attend_cuda.shared_bytes(*map(int, attend_build.groups()))}"
                       if attend_build else "")
-            print(f"{name} (CUDA)   registers {registers}  spilled bytes {spill}{shared}",
-                  flush=True)
+            print(f"{name} (CUDA{label})   registers {registers}  spilled bytes {spill}"
+                  f"{shared}", flush=True)
             if int(spill):
-                spilled.append(f"{name} (CUDA)")
+                spilled.append(f"{name} (CUDA{label})")
     return spilled
 
 

@@ -40,9 +40,10 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # register ceilings; "query": Estimate's query of the next head loaded ahead; "cuda":
 # Estimate in CUDA C++ at several grid sizes and Select in CUDA C++, each checked against the
 # Triton kernel first, then the whole step with each and the step's parts per Select;
-# "selectwarps": the whole step with the Triton Select at 4 / 8 / 16 warps and the CUDA one)
+# "selectwarps": the whole step with the Triton Select at 4 / 8 / 16 warps and the CUDA one;
+# "cudavariants": the CUDA Estimate's candidate changes, estimate_cuda.CANDIDATES)
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
-         "balanced", "fractions", "step", "wide", "selectwarps")
+         "balanced", "fractions", "step", "wide", "selectwarps", "cudavariants")
 
 
 def bench(fn):
@@ -128,12 +129,13 @@ def main():
         # rates were of data in the L2)
         rotation = estimate_rotation(summaries, table, pages, summary_bytes)
 
-        def time_estimate(label, rotation=rotation, masses=log_masses, **settings):
+        def time_estimate(label, rotation=rotation, masses=log_masses, lens=seq_lens,
+                          **settings):
             """Time Estimate with some of its module's settings changed (the sweeps are of the
             Triton kernel's knobs: its IMPLEMENTATION unless ``settings`` name one)."""
             with patched(estimate_module, **{"IMPLEMENTATION": "triton", **settings}):
                 micros = bench(lambda: [estimate_module.estimate(
-                    query, keys, copy, rolled, seq_lens, scale, masses)
+                    query, keys, copy, rolled, lens, scale, masses)
                     for copy, rolled in rotation]) / len(rotation)
             record("estimate", shape, label, micros, summary_bytes)
 
@@ -354,6 +356,45 @@ def main():
                                                   device="cuda")], dim=1),
                     moira.DecodeWorkspace(batch, width, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
                                           device="cuda"))
+
+        # estimate_cuda.cu's candidate changes (written in session 43 on the CPU): each
+        # build's log-masses against the build without them on the first copy of the inputs,
+        # then all timed twice in alternation, in the shape's own table and, where
+        # --table-pages is wider, in that table with every row a page longer (as vLLM's
+        # 8,193-token rows: 129 pages, idle programs and a tile of one page)
+        cases = [("", table, seq_lens)]
+        if args.table_pages > pages:
+            cases.append((f", table {args.table_pages} pages, rows +1 page",
+                          padded(args.table_pages)[0], seq_lens + 64))
+        candidates = [("base", ())] + [
+            (name.removeprefix("ESTIMATE_").lower().replace("_", " "), (name,))
+            for name in estimate_cuda.CANDIDATES if name != "ESTIMATE_FIRST_IDS_AHEAD"] + [
+            ("first ids ahead + idle exit", ("ESTIMATE_IDLE_EXIT", "ESTIMATE_FIRST_IDS_AHEAD")),
+            ("all four", estimate_cuda.CANDIDATES)]
+        for suffix, case_table, case_lens in cases if "cudavariants" in kinds else []:
+            width = case_table.shape[1]
+            case_rotation = estimate_rotation(summaries, case_table, pages, summary_bytes)
+            case_masses = torch.empty(batch * KV_HEADS, GROUP, width, device="cuda")
+            written = {}
+            for label, variants in candidates:
+                case_masses.fill_(float("nan"))
+                with patched(estimate_module, IMPLEMENTATION="cuda"), \
+                        patched(estimate_cuda, VARIANTS=variants):
+                    estimate_module.estimate(query, keys, *case_rotation[0], case_lens, scale,
+                                             case_masses)
+                written[label] = case_masses.clone()
+                base = written["base"]
+                difference = (case_masses - base).nan_to_num(0).abs().max().item()
+                same_pages = torch.equal(case_masses.isnan(), base.isnan())
+                record("check", shape, f"{label}{suffix} - base max |log-mass| "
+                       f"{difference:.2e}, same pages written {same_pages}", 0.0)
+                if not (difference < 1e-3 and same_pages):
+                    raise SystemExit(f"estimate_cuda {variants} differs from the base build")
+            for label, variants in candidates * 2:
+                with patched(estimate_cuda, VARIANTS=variants):
+                    time_estimate(f"cuda {label}{suffix}", masses=case_masses,
+                                  rotation=case_rotation, lens=case_lens,
+                                  IMPLEMENTATION="cuda")
 
         if "wide" in kinds and args.table_pages > pages:
             # the engine's view: every row's table padded to the longest admitted context, so
