@@ -264,6 +264,39 @@ __device__ __forceinline__ void reduce_scatter(float* values, int lane) {
   }
 }
 
+// mvar's coefficients for a lane's 8 channels from `channel` on: s q (mean), (s q)^2 / 2
+// (variance), each of the group's heads (zeros for padding heads)
+template <int GP>
+__device__ __forceinline__ void mvar_coefficients(const Params& p, int b, int head, int channel,
+                                                  bool variance, float (&coef)[GP][8]) {
+#pragma unroll
+  for (int g = 0; g < GP; ++g) {
+    float q[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (g < p.group)
+      unpack8(*reinterpret_cast<const uint4*>(
+                  p.query + b * p.stride_qb + (i64(head) * p.group + g) * p.stride_qh + channel),
+              q);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float scaled = q[j] * p.scale;
+      coef[g][j] = variance ? 0.5f * scaled * scaled : scaled;
+    }
+  }
+}
+
+// which of N values a lane ends with after reduce_scatter<N, LANES / 2>: its halving, replayed
+template <int N, int LANES>
+__device__ __forceinline__ int first_value_of(int lane) {
+  int first_value = 0, n = N;
+#pragma unroll
+  for (int o = LANES / 2; o > 0; o /= 2)
+    if (n > 1) {
+      first_value += (lane & o) ? n / 2 : 0;
+      n /= 2;
+    }
+  return first_value;
+}
+
 template <int D, int GP>
 struct MvarShape {
   static constexpr int LANES = D / 4;               // 16-byte chunks of a page's two summaries
@@ -298,38 +331,14 @@ __device__ void mvar_pages(const Params& p, int row, int b, int head, int pages_
   const int sub = lane / S::LANES;  // which page of a load
   const bool variance = in_page >= D / 8;
   const int channel = (in_page % (D / 8)) * 8;
-  // mvar's coefficients for this lane's 8 channels: s q (mean), (s q)^2 / 2 (variance)
   float coef[GP][8];
-#pragma unroll
-  for (int g = 0; g < GP; ++g) {
-    float q[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (g < p.group)
-      unpack8(*reinterpret_cast<const uint4*>(
-                  p.query + b * p.stride_qb + (i64(head) * p.group + g) * p.stride_qh + channel),
-              q);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float scaled = q[j] * p.scale;
-      coef[g][j] = variance ? 0.5f * scaled * scaled : scaled;
-    }
-  }
-  // which (load, head) total this lane ends with: the reduce-scatter's halving, replayed
-  int first_value = 0;
-  {
-    int n = S::VALUES;
-#pragma unroll
-    for (int o = S::LANES / 2; o > 0; o /= 2)
-      if (n > 1) {
-        first_value += (lane & o) ? n / 2 : 0;
-        n /= 2;
-      }
-  }
+  mvar_coefficients<GP>(p, b, head, channel, variance, coef);
+  // which (load, head) total this lane ends with
+  const int first_value = first_value_of<S::VALUES, S::LANES>(lane);
   const bool stores = (lane & S::COPIES_MASK) == 0;
   const bf16* lane_summaries = p.summaries + head * p.stride_sh +
                                (variance ? p.stride_ss : 0) + channel;
   float* dst = p.log_masses + row * p.stride_lr;
-
-
   const int warp_first = warp * S::WARP_PAGES + sub;
   int ids[S::LOADS];  // physical pages of this pass's middle pages, -1 elsewhere
 #if ESTIMATE_FIRST_IDS_AHEAD
@@ -419,29 +428,8 @@ __device__ void mvar_rolling(const Params& p, int row, int b, int head, int page
     ids_b[i] = id_of(first, 1, i);
   }
   float coef[GP][8];
-#pragma unroll
-  for (int g = 0; g < GP; ++g) {
-    float q[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (g < p.group)
-      unpack8(*reinterpret_cast<const uint4*>(
-                  p.query + b * p.stride_qb + (i64(head) * p.group + g) * p.stride_qh + channel),
-              q);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float scaled = q[j] * p.scale;
-      coef[g][j] = variance ? 0.5f * scaled * scaled : scaled;
-    }
-  }
-  int first_value = 0;
-  {
-    int n = HV;
-#pragma unroll
-    for (int o = S::LANES / 2; o > 0; o /= 2)
-      if (n > 1) {
-        first_value += (lane & o) ? n / 2 : 0;
-        n /= 2;
-      }
-  }
+  mvar_coefficients<GP>(p, b, head, channel, variance, coef);
+  const int first_value = first_value_of<HV, S::LANES>(lane);
   const bool stores = (lane & HCOPIES) == 0;
   const bf16* lane_summaries = p.summaries + head * p.stride_sh +
                                (variance ? p.stride_ss : 0) + channel;
