@@ -241,7 +241,7 @@ def main():
                 select_modes(f" {bits} bits")
 
         # Select in CUDA C++ (select.IMPLEMENTATION = "cuda", session 36), with the
-        # configured K_B and with K_B = 64, whose passes bin the shares (session 39): its page
+        # configured K_B, with 16 and with 64, whose passes bin the shares (session 39): its page
         # counts against the Triton kernel's in both modes (coverage may differ by pages at
         # the threshold, fixed counts not at all), then all timed, twice in alternation
         if "cuda" in kinds:
@@ -251,6 +251,7 @@ def main():
                 found = {}
                 for label, implementation, k_b in [("triton", "triton", ways),
                                                    ("cuda", "cuda", ways),
+                                                   ("cuda K_B=16", "cuda", 16),
                                                    ("cuda binned", "cuda", 64)]:
                     counts.fill_(-1)
                     with patched(select_module, IMPLEMENTATION=implementation):
@@ -258,11 +259,14 @@ def main():
                                              num_kv_heads=KV_HEADS, max_pages=pages, ways=k_b,
                                              **kwargs)
                     found[label] = counts.clone()
-                for label in ("cuda", "cuda binned"):
+                for label in ("cuda", "cuda K_B=16", "cuda binned"):
                     differing = (found[label] - found["triton"]).abs().max().item()
                     record("check", shape,
                            f"select {mode} {label} - triton max |count| {differing}", 0.0)
+            # K_B = 16: 6 passes instead of 12, each a 16-value reduce-scatter that costs about
+            # what a 1-value one does (5 shuffle rounds; Triton's wider passes cost more)
             for label, implementation, k_b in [("", "triton", None), (" cuda", "cuda", None),
+                                               (" cuda K_B=16", "cuda", 16),
                                                (" cuda binned", "cuda", 64)] * 2:
                 with binned_passes(k_b):
                     select_modes(label, implementation=implementation)
