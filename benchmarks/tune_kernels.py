@@ -374,7 +374,9 @@ def main():
             (name.removeprefix("ESTIMATE_").lower().replace("_", " "), (name,))
             for name in estimate_cuda.CANDIDATES if name != "ESTIMATE_FIRST_IDS_AHEAD"] + [
             ("first ids ahead + idle exit", ("ESTIMATE_IDLE_EXIT", "ESTIMATE_FIRST_IDS_AHEAD")),
-            ("all four", estimate_cuda.CANDIDATES)]
+            # the rolling loop does not use the ids loaded ahead: the other three together
+            ("exact loads first + idle exit + rolling", ("ESTIMATE_EXACT_LOADS_FIRST",
+                                                         "ESTIMATE_IDLE_EXIT", "ESTIMATE_ROLLING"))]
         for suffix, case_table, case_lens in cases if "cudavariants" in kinds else []:
             width = case_table.shape[1]
             case_rotation = estimate_rotation(summaries, case_table, pages, summary_bytes)

@@ -27,7 +27,8 @@
 //   length, on the guess that the row is as long as the table (reloaded when it is not).
 // - ESTIMATE_ROLLING (D = 128): a warp's 8 summary loads in two groups of 4, a group's
 //   registers taking the next tile's loads as soon as it is summed, so loads stay in flight
-//   while the other group computes (same registers; 18% more instructions).
+//   while the other group computes (same registers; 18% more instructions). It does not use
+//   the ids ESTIMATE_FIRST_IDS_AHEAD loads.
 #ifndef ESTIMATE_EXACT_LOADS_FIRST
 #define ESTIMATE_EXACT_LOADS_FIRST 0
 #endif
