@@ -10,9 +10,51 @@ import triton.language as tl
 
 @triton.jit
 def merged(partial_out, partial_lse, first_slot, num_chunks, g, GROUP: tl.constexpr,
-           HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLITS_PER_LOAD: tl.constexpr):
+           HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLITS_PER_LOAD: tl.constexpr,
+           LOADS_TOGETHER: tl.constexpr = False):
     """The LSE combination of query head ``g``'s partials in slots ``[first_slot, first_slot +
-    num_chunks)`` (``partial_lse[slot * GROUP + g]``, ``partial_out[(slot * GROUP + g) * D]``)."""
+    num_chunks)`` (``partial_lse[slot * GROUP + g]``, ``partial_out[(slot * GROUP + g) * D]``).
+    ``LOADS_TOGETHER``: a row of at most ``SPLITS_PER_LOAD`` chunks loads its LSEs and its
+    partials at once (one memory round trip, where the form below waits for the LSEs, then
+    loads them again with the partials behind a mask made from them: three)."""
+    if LOADS_TOGETHER:
+        if num_chunks <= SPLITS_PER_LOAD:
+            result = _merged_in_one_load(partial_out, partial_lse, first_slot, num_chunks, g,
+                                         GROUP, HEAD_DIM, SPLITS_PER_LOAD)
+        else:
+            result = _merged_in_loads(partial_out, partial_lse, first_slot, num_chunks, g,
+                                      GROUP, HEAD_DIM, SPLITS_PAD, SPLITS_PER_LOAD)
+    else:
+        result = _merged_in_loads(partial_out, partial_lse, first_slot, num_chunks, g, GROUP,
+                                  HEAD_DIM, SPLITS_PAD, SPLITS_PER_LOAD)
+    return result
+
+
+@triton.jit
+def _merged_in_one_load(partial_out, partial_lse, first_slot, num_chunks, g,
+                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        SPLITS_PER_LOAD: tl.constexpr):
+    split = tl.arange(0, SPLITS_PER_LOAD)
+    slot = (first_slot + split) * GROUP + g
+    real = split < num_chunks
+    dims = tl.arange(0, HEAD_DIM)
+    lse = tl.load(partial_lse + slot, mask=real, other=float("-inf"), cache_modifier=".cg")
+    # every chunk's partial, written or not: a chunk without keys (lse -inf, weight 0) is
+    # dropped by the where below, so whatever its slot holds (NaN included) cannot leak in
+    part = tl.load(partial_out + slot[:, None] * HEAD_DIM + dims[None, :], mask=real[:, None],
+                   other=0.0, cache_modifier=".cg")
+    peak = tl.max(lse, axis=0)
+    peak = tl.where(peak == float("-inf"), 0.0, peak)
+    weight = tl.exp(lse - peak)
+    total = tl.sum(weight, axis=0)
+    acc = tl.sum(tl.where((weight > 0.0)[:, None], weight[:, None] * part, 0.0), axis=0)
+    return acc / tl.where(total == 0.0, 1.0, total)
+
+
+@triton.jit
+def _merged_in_loads(partial_out, partial_lse, first_slot, num_chunks, g, GROUP: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                     SPLITS_PER_LOAD: tl.constexpr):
     splits = tl.arange(0, SPLITS_PAD)
     # .cg (L2, not L1): chosen when Attend could fold the merge in (other SMs wrote these in
     # the same kernel; removed since), kept so that Merge's loads stay as they were timed
