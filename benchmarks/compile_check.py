@@ -130,9 +130,11 @@ def kernels(group, head_dim, block, pdl=False):
               FA3_ORDER=attend.FA3_TILE_ORDER, EVEN_CHUNKS=attend.EVEN_CHUNKS,
               PAGES_AHEAD=attend.PAGE_IDS_AHEAD, PDL=pdl),
          attend.NUM_WARPS, attend.NUM_STAGES, attend.MAX_REGISTERS),
-        (f"merge {tag}", merge._merge_kernel,
-         dict(GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
-              HAS_STATS=True, PAGE=PAGE, EVEN_CHUNKS=attend.EVEN_CHUNKS, PDL=pdl), 4, 3, None),
+        *[(f"merge {tag}" + (", loads together" if together else ""), merge._merge_kernel,
+           dict(GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
+                HAS_STATS=True, PAGE=PAGE, EVEN_CHUNKS=attend.EVEN_CHUNKS, PDL=pdl,
+                LOADS_TOGETHER=together), 4, 3, None)
+          for together in dict.fromkeys([merge.LOADS_TOGETHER, True])],
     ]
     if pdl:
         return decode_step
