@@ -285,6 +285,25 @@ __device__ __forceinline__ void mvar_coefficients(const Params& p, int b, int he
   }
 }
 
+// a lane's partial mvar sums: for each of its N loads (8 channels of a page's mean or
+// variance) and each head, the loaded values dotted with the head's coefficients
+template <int N, int GP>
+__device__ __forceinline__ void mvar_partials(const uint4 (&data)[N], const float (&coef)[GP][8],
+                                              float (&values)[N * GP]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float x[8];
+    unpack8(data[i], x);
+#pragma unroll
+    for (int g = 0; g < GP; ++g) {
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sum += coef[g][j] * x[j];
+      values[i * GP + g] = sum;
+    }
+  }
+}
+
 // which of N values a lane ends with after reduce_scatter<N, LANES / 2>: its halving, replayed
 template <int N, int LANES>
 __device__ __forceinline__ int first_value_of(int lane) {
@@ -318,13 +337,9 @@ __device__ void mvar_pages(const Params& p, int row, int b, int head, int pages_
   typedef MvarShape<D, GP> S;
 #if ESTIMATE_IDLE_EXIT
   const int tiles = cdiv(max(last, 0), S::TILE);  // tiles holding a middle page (< last)
-#else
-  const int tiles = cdiv(pages_in_row, S::TILE);
-#endif
   const int share = cdiv(tiles, p.mvar_programs);
   const int first = program * share;
   const int end = min(first + share, tiles);
-#if ESTIMATE_IDLE_EXIT
   if (first >= end) return;
 #endif
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -340,6 +355,12 @@ __device__ void mvar_pages(const Params& p, int row, int b, int head, int pages_
   const bf16* lane_summaries = p.summaries + head * p.stride_sh +
                                (variance ? p.stride_ss : 0) + channel;
   float* dst = p.log_masses + row * p.stride_lr;
+#if !ESTIMATE_IDLE_EXIT
+  const int tiles = cdiv(pages_in_row, S::TILE);
+  const int share = cdiv(tiles, p.mvar_programs);
+  const int first = program * share;
+  const int end = min(first + share, tiles);
+#endif
   const int warp_first = warp * S::WARP_PAGES + sub;
   int ids[S::LOADS];  // physical pages of this pass's middle pages, -1 elsewhere
 #if ESTIMATE_FIRST_IDS_AHEAD
@@ -370,18 +391,7 @@ __device__ void mvar_pages(const Params& p, int row, int b, int head, int pages_
       ids[i] = tile + 1 < end && page > 0 && page < last ? row_table[page] : -1;
     }
     float values[S::VALUES];
-#pragma unroll
-    for (int i = 0; i < S::LOADS; ++i) {
-      float x[8];
-      unpack8(data[i], x);
-#pragma unroll
-      for (int g = 0; g < GP; ++g) {
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) sum += coef[g][j] * x[j];
-        values[i * GP + g] = sum;
-      }
-    }
+    mvar_partials(data, coef, values);
     reduce_scatter<S::VALUES, S::LANES / 2>(values, lane);
     if (stores) {
 #pragma unroll
@@ -444,18 +454,7 @@ __device__ void mvar_rolling(const Params& p, int row, int b, int head, int page
   };
   auto sum_store = [&](const uint4 (&buf)[H], int tile, int half) {
     float values[HV];
-#pragma unroll
-    for (int i = 0; i < H; ++i) {
-      float x[8];
-      unpack8(buf[i], x);
-#pragma unroll
-      for (int g = 0; g < GP; ++g) {
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) sum += coef[g][j] * x[j];
-        values[i * GP + g] = sum;
-      }
-    }
+    mvar_partials(buf, coef, values);
     reduce_scatter<HV, S::LANES / 2>(values, lane);
     if (stores) {
 #pragma unroll
