@@ -36,12 +36,10 @@ PAPER = {"8k32": dict(dense=12.72, FA3=8.16, moira=9.38, Attend=4.02, Estimate=0
 
 
 def profiled_steps(runs):
-    """``(shape, name, row)`` in report order: shapes by context (else as the runs first give
-    them); under each,
+    """``(shape, name, row)`` in report order: shapes by context where the rows give it (a run
+    of one backend may hold fewer shapes), else as the runs first give them; under each,
     dense runs then Moira runs, each in folder order, named by backend and folder label."""
     rows = [r for _, _, run in runs for r in run["results"]]
-    # by context where the rows give it (a run of one backend may hold fewer shapes), else
-    # as the runs first give them
     contexts = {}
     for r in rows:
         contexts.setdefault(r["shape"], r.get("context", 0))
