@@ -130,11 +130,9 @@ def kernels(group, head_dim, block, pdl=False):
               FA3_ORDER=attend.FA3_TILE_ORDER, EVEN_CHUNKS=attend.EVEN_CHUNKS,
               PAGES_AHEAD=attend.PAGE_IDS_AHEAD, PDL=pdl),
          attend.NUM_WARPS, attend.NUM_STAGES, attend.MAX_REGISTERS),
-        *[(f"merge {tag}" + (", loads together" if together else ""), merge._merge_kernel,
-           dict(GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
-                HAS_STATS=True, PAGE=PAGE, EVEN_CHUNKS=attend.EVEN_CHUNKS, PDL=pdl,
-                LOADS_TOGETHER=together), 4, 3, None)
-          for together in dict.fromkeys([merge.LOADS_TOGETHER, True])],
+        (f"merge {tag}", merge._merge_kernel,
+         dict(GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
+              HAS_STATS=True, PAGE=PAGE, EVEN_CHUNKS=attend.EVEN_CHUNKS, PDL=pdl), 4, 3, None),
     ]
     if pdl:
         return decode_step
@@ -211,13 +209,7 @@ def build_cuda():
         return []
     fits = estimate_cuda.MIN_BLOCKS_PER_SM
     builds = [(attend_cuda.SOURCE, (), ""),
-              (estimate_cuda.SOURCE, estimate_cuda.build_options(fits, estimate_cuda.VARIANTS),
-               "")] + [
-        # the candidate changes not yet timed, each alone and all together
-        (estimate_cuda.SOURCE, estimate_cuda.build_options(fits, variants),
-         " with " + "+".join(variants))
-        for variants in [(name,) for name in estimate_cuda.CANDIDATES]
-        + [estimate_cuda.CANDIDATES]] + [
+              (estimate_cuda.SOURCE, estimate_cuda.build_options(fits), "")] + [
         (select_cuda.SOURCE, select_cuda.build_options(pages, ways, group), "")
         for pages in (1, 2, 4, 8, select_cuda.MAX_PAGES_PER_THREAD) for ways in select_cuda.WAYS
         for group in (1, 4, select_cuda.MAX_GROUP)

@@ -25,7 +25,6 @@ import moira
 from moira.kernels import attend as attend_module
 from moira.kernels import estimate as estimate_module
 from moira.kernels import estimate_cuda
-from moira.kernels import merge as merge_module
 from moira.kernels import select as select_module
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,11 +40,9 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # register ceilings; "query": Estimate's query of the next head loaded ahead; "cuda":
 # Estimate in CUDA C++ at several grid sizes and Select in CUDA C++, each checked against the
 # Triton kernel first, then the whole step with each and the step's parts per Select;
-# "selectwarps": the whole step with the Triton Select at 4 / 8 / 16 warps and the CUDA one;
-# "cudavariants": the CUDA Estimate's candidate changes, estimate_cuda.CANDIDATES; "merge":
-# Attend + Merge with Merge's loads together and in turn)
+# "selectwarps": the whole step with the Triton Select at 4 / 8 / 16 warps and the CUDA one)
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
-         "balanced", "fractions", "step", "wide", "selectwarps", "cudavariants", "merge")
+         "balanced", "fractions", "step", "wide", "selectwarps")
 
 
 def bench(fn):
@@ -283,30 +280,6 @@ def main():
             batch, KV_HEADS, pages).contiguous()
         full_counts = torch.full((batch, KV_HEADS), pages, device="cuda", dtype=torch.int32)
         out = torch.empty_like(query)
-        # Merge's LSEs and partials loaded at once (merge.LOADS_TOGETHER, session 43) against
-        # the form in turn, in Attend + Merge (the default Attend) on the 22% lists: the
-        # outputs first (bit-equal but for the order of a sum), then timed twice in alternation
-        if "merge" in kinds:
-            merged_out = {}
-            for together in (False, True):
-                merged_out[together] = torch.full_like(query, float("nan"))
-                with patched(merge_module, LOADS_TOGETHER=together):
-                    moira.attend(query, keys, values, table, seq_lens, sparse_lists,
-                                 sparse_counts, workspace=workspace, out=merged_out[together])
-            together, in_turn = merged_out[True].float(), merged_out[False].float()
-            difference = (together - in_turn).abs()
-            record("check", shape, f"merge loads together - in turn max |out| "
-                   f"{difference.max().item():.2e}", 0.0)
-            # a bf16 ulp or two of each element (NaN fails: an element one did not write)
-            if not (difference <= 1e-2 + 1.6e-2 * in_turn.abs()).all():
-                raise SystemExit(f"Merge's two forms differ by {difference.max().item()}")
-            for together in (False, True) * 2:
-                with patched(merge_module, LOADS_TOGETHER=together):
-                    micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
-                                                        sparse_lists, sparse_counts,
-                                                        workspace=workspace, out=out))
-                record("attend22", shape, "attend + merge, merge loads "
-                       + ("together" if together else "in turn"), micros, sparse_bytes)
         variants = itertools.product([4, 8, 16, 24], [4096, 16384], [(4, 2), (4, 3), (8, 2)])
         if args.quick:
             variants = [(c, n, (4, 3)) for c in (4, 8, 16, 24) for n in (4096, 16384)]
@@ -386,46 +359,6 @@ def main():
                                                   device="cuda")], dim=1),
                     moira.DecodeWorkspace(batch, width, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
                                           device="cuda"))
-
-        # estimate_cuda.cu's candidate changes (written in session 43 on the CPU): each
-        # build's log-masses against the build without them on the first copy of the inputs,
-        # then all timed twice in alternation, in the shape's own table and, where
-        # --table-pages is wider, in that table with every row a page longer (as vLLM's
-        # 8,193-token rows: 129 pages, idle programs and a tile of one page)
-        cases = [("", table, seq_lens)] if "cudavariants" in kinds else []
-        if cases and args.table_pages > pages:
-            cases.append((f", table {args.table_pages} pages, rows +1 page",
-                          padded(args.table_pages)[0], seq_lens + 64))
-        candidates = [("base", ())] + [
-            (name.removeprefix("ESTIMATE_").lower().replace("_", " "), (name,))
-            for name in estimate_cuda.CANDIDATES if name != "ESTIMATE_FIRST_IDS_AHEAD"] + [
-            ("first ids ahead + idle exit", ("ESTIMATE_IDLE_EXIT", "ESTIMATE_FIRST_IDS_AHEAD")),
-            # the rolling loop does not use the ids loaded ahead: the other three together
-            ("exact loads first + idle exit + rolling", ("ESTIMATE_EXACT_LOADS_FIRST",
-                                                         "ESTIMATE_IDLE_EXIT", "ESTIMATE_ROLLING"))]
-        for suffix, case_table, case_lens in cases:
-            width = case_table.shape[1]
-            case_rotation = estimate_rotation(summaries, case_table, pages, summary_bytes)
-            case_masses = torch.empty(batch * KV_HEADS, GROUP, width, device="cuda")
-            for label, variants in candidates:
-                case_masses.fill_(float("nan"))
-                with patched(estimate_module, IMPLEMENTATION="cuda"), \
-                        patched(estimate_cuda, VARIANTS=variants):
-                    estimate_module.estimate(query, keys, *case_rotation[0], case_lens, scale,
-                                             case_masses)
-                if not variants:
-                    base = case_masses.clone()
-                difference = (case_masses - base).nan_to_num(0).abs().max().item()
-                same_pages = torch.equal(case_masses.isnan(), base.isnan())
-                record("check", shape, f"{label}{suffix} - base max |log-mass| "
-                       f"{difference:.2e}, same pages written {same_pages}", 0.0)
-                if not (difference < 1e-3 and same_pages):
-                    raise SystemExit(f"estimate_cuda {variants} differs from the base build")
-            for label, variants in candidates * 2:
-                with patched(estimate_cuda, VARIANTS=variants):
-                    time_estimate(f"cuda {label}{suffix}", masses=case_masses,
-                                  rotation=case_rotation, lens=case_lens,
-                                  IMPLEMENTATION="cuda")
 
         if "wide" in kinds and args.table_pages > pages:
             # the engine's view: every row's table padded to the longest admitted context, so

@@ -186,33 +186,6 @@ def test_new_tokens_written_and_filled_pages_summarized(cuda_estimate, group, he
         check_log_masses(log_masses, query, k, s, table, seq_lens, scale, dense_below_pages)
 
 
-# each candidate change of estimate_cuda.cu alone, and all four together
-CANDIDATE_BUILDS = [(name,) for name in estimate_cuda.CANDIDATES] + [estimate_cuda.CANDIDATES]
-
-
-@cuda
-@pytest.mark.parametrize("variants", CANDIDATE_BUILDS, ids="+".join)
-@pytest.mark.parametrize("group, head_dim", [(1, 128), (4, 128), (7, 128), (8, 64)])
-def test_candidate_builds_match_the_reference(cuda_estimate, variants, group, head_dim):
-    """A candidate build writes what the reference estimates, in the cases above that its
-    change touches: the exact pages (one token to several tiles), the mvar programs' shares
-    of a wide table (idle programs, several tiles each), the token's write and summary."""
-    cuda_estimate.setattr(estimate_cuda, "VARIANTS", variants)
-    for lengths in ("one-token", "two-pages-partial", "mixed"):
-        test_cuda_estimate_matches_reference(cuda_estimate, group, head_dim, lengths)
-    for target_programs in (8, 660):
-        test_programs_share_a_rows_tiles_in_a_wide_table(cuda_estimate, target_programs, group,
-                                                         head_dim)
-    test_new_tokens_written_and_filled_pages_summarized(cuda_estimate, group, head_dim, "hnd")
-
-
-def test_an_unknown_candidate_is_refused():
-    with pytest.raises(ValueError, match="unknown \\['ESTIMATE_FAST'\\]"):
-        estimate_cuda.build_options(5, ("ESTIMATE_IDLE_EXIT", "ESTIMATE_FAST"))
-    assert estimate_cuda.build_options(5, ("ESTIMATE_IDLE_EXIT",)) == (
-        "-DESTIMATE_MIN_BLOCKS=5", "-DESTIMATE_IDLE_EXIT=1")
-
-
 def test_auto_takes_the_cuda_kernel_from_a_table_width(monkeypatch):
     """"auto": the CUDA kernel for tables of at least CUDA_FROM_PAGES pages (where it was
     timed faster), Triton's for narrower ones, on a device where both can run."""

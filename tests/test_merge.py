@@ -5,20 +5,12 @@ import torch
 from helpers import DEVICE, poisoned
 
 from moira import reference as ref
-from moira.kernels import merge as merge_module
 from moira.kernels.merge import merge
-
-
-@pytest.fixture(params=[False, True], ids=["loads-in-turn", "loads-together"])
-def loads_together(request, monkeypatch):
-    """Both forms of the LSE combination (merge.LOADS_TOGETHER)."""
-    monkeypatch.setattr(merge_module, "LOADS_TOGETHER", request.param)
-    return request.param
 
 
 @pytest.mark.parametrize("group", [1, 4, 7, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_merge_matches_reference(group, head_dim, loads_together):
+def test_merge_matches_reference(group, head_dim):
     # chunk floor 1, J = 6: a row of n pages has min(n, 6) chunks
     chunks_per_row, num_kv_heads, batch = 6, 2, 3
     page_counts = torch.tensor([[1, 2], [6, 4], [0, 5]], dtype=torch.int32, device=DEVICE)
@@ -43,7 +35,7 @@ def test_merge_matches_reference(group, head_dim, loads_together):
 
 
 @pytest.mark.parametrize("chunks_per_row", [33, 40])
-def test_merge_of_more_chunks_than_one_load(chunks_per_row, loads_together):
+def test_merge_of_more_chunks_than_one_load(chunks_per_row):
     """Rows of more than 32 chunks (the default at batch 1, J up to 128) merge in several
     loads of SPLITS_PER_LOAD chunks; the largest partial sits in the last load."""
     group, head_dim, num_kv_heads = 4, 64, 1

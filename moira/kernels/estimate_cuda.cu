@@ -14,33 +14,14 @@
 // the Triton kernel is latency-bound (NOTES, sessions 25-26, 34: 28% occupancy, DRAM at 33%
 // of peak at 131k x 4, each program a chain of dependent loads), 2x its bytes' time.
 
-// Candidate changes, each off unless the build defines it to 1 (estimate_cuda.VARIANTS names
-// them; `tune_kernels.py --kinds cudavariants` times each against the build without them and
-// checks it writes the same log-masses; a winner becomes the code, the others go):
-// - ESTIMATE_EXACT_LOADS_FIRST: an exact-page program issues its page's id, its keys and the
-//   group's queries together, one barrier after (the present code waits on each query load
-//   before the next, then on the table, then on the keys: ~7 dependent round trips, ~9 with
-//   the token's write); the write loads key and value before storing either.
-// - ESTIMATE_IDLE_EXIT: an mvar program whose share of the row holds no middle page returns
-//   before loading its query (in a table as wide as vLLM's, 8k rows leave most programs idle).
-// - ESTIMATE_FIRST_IDS_AHEAD: the first tile's block-table entries load beside the row's
-//   length, on the guess that the row is as long as the table (reloaded when it is not).
-// - ESTIMATE_ROLLING (D = 128): a warp's 8 summary loads in two groups of 4, a group's
-//   registers taking the next tile's loads as soon as it is summed, so loads stay in flight
-//   while the other group computes (same registers; 18% more instructions). It does not use
-//   the ids ESTIMATE_FIRST_IDS_AHEAD loads.
-#ifndef ESTIMATE_EXACT_LOADS_FIRST
-#define ESTIMATE_EXACT_LOADS_FIRST 0
-#endif
-#ifndef ESTIMATE_ROLLING
-#define ESTIMATE_ROLLING 0
-#endif
-#ifndef ESTIMATE_FIRST_IDS_AHEAD
-#define ESTIMATE_FIRST_IDS_AHEAD 0
-#endif
-#ifndef ESTIMATE_IDLE_EXIT
-#define ESTIMATE_IDLE_EXIT 0
-#endif
+// Session 44 timed four changes of session 43 (tune_kernels.py, NOTES) and kept two: an
+// exact-page program issues its page's id, its keys and the group's queries together, one
+// barrier after (it had waited on each query load, then the table, then the keys), and an
+// mvar program whose share of the row holds no middle page returns before loading its query
+// (vLLM's table is as wide as the longest admitted context: at 8k most programs are idle).
+// Together: 16.8 -> 15.0 us at 8k x 32 in a 2,048-page table, 0.1-0.3 us less in the rows'
+// own tables. A rolling two-group pipeline (+1.1 to +2.5 us) and the first tile's ids loaded
+// beside the row's length (+0.3) lost.
 namespace {
 
 #include "moira_cuda.cuh"
@@ -94,17 +75,12 @@ __device__ void write_new_token(const Params& p, int b, int head) {
   const i64 page = slot / PAGE;
   const i64 offset = slot % PAGE;
   for (int d = threadIdx.x; d < D; d += THREADS) {
-#if ESTIMATE_EXACT_LOADS_FIRST
+    // both loads before either store (a store may alias a load: the compiler would not
+    // move the value's load above the key's store)
     const bf16 k = p.new_keys[b * p.stride_knb + head * p.stride_knh + d];
     const bf16 v = p.new_values[b * p.stride_vnb + head * p.stride_vnh + d];
     p.key_cache[page * p.stride_kp + offset * p.stride_kt + head * p.stride_kh + d] = k;
     p.value_cache[page * p.stride_vp + offset * p.stride_vt + head * p.stride_vh + d] = v;
-#else
-    p.key_cache[page * p.stride_kp + offset * p.stride_kt + head * p.stride_kh + d] =
-        p.new_keys[b * p.stride_knb + head * p.stride_knh + d];
-    p.value_cache[page * p.stride_vp + offset * p.stride_vt + head * p.stride_vh + d] =
-        p.new_values[b * p.stride_vnb + head * p.stride_vnh + d];
-#endif
   }
 }
 
@@ -135,7 +111,6 @@ __device__ void exact_page(const Params& p, int row, int b, int head, int page, 
                            const int* row_table) {
   __shared__ float query[GP][D];  // the group's queries, scaled, float32
   __shared__ float partial[WARPS][GP];
-#if ESTIMATE_EXACT_LOADS_FIRST
   static_assert(THREADS == 2 * PAGE, "a pair of threads per token");
   const int token = threadIdx.x / 2, half = threadIdx.x % 2;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -173,31 +148,6 @@ __device__ void exact_page(const Params& p, int row, int b, int head, int page, 
     for (int c = 0; c < D / 2; c += 8) {
       float k[8];
       unpack8(kraw[c / 8], k);
-#else
-  for (int i = threadIdx.x; i < GP * D; i += THREADS) {
-    const int g = i / D, d = i % D;
-    query[g][d] = g < p.group
-        ? to_float(p.query[b * p.stride_qb + (i64(head) * p.group + g) * p.stride_qh + d]) *
-              p.scale
-        : 0.f;
-  }
-  __syncthreads();
-  static_assert(THREADS == 2 * PAGE, "a pair of threads per token");
-  const int token = threadIdx.x / 2, half = threadIdx.x % 2;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const bool valid = token < seq_len - page * PAGE;  // at least token 0 of a page in the row
-  float logits[GP];
-#pragma unroll
-  for (int g = 0; g < GP; ++g) logits[g] = 0.f;
-  if (valid) {
-    const i64 physical = row_table[page];
-    const bf16* keys = p.key_cache + physical * p.stride_kp + token * p.stride_kt +
-                       head * p.stride_kh + half * (D / 2);
-#pragma unroll
-    for (int c = 0; c < D / 2; c += 8) {
-      float k[8];
-      unpack8(*reinterpret_cast<const uint4*>(keys + c), k);
-#endif
 #pragma unroll
       for (int g = 0; g < GP; ++g)
 #pragma unroll
@@ -331,17 +281,14 @@ struct MvarShape {
 };
 
 template <int D, int GP>
-__device__ void mvar_pages(const Params& p, int row, int b, int head, int pages_in_row,
-                           int last, const int* row_table, int program, const int* spec,
-                           int spec_first) {
+__device__ void mvar_pages(const Params& p, int row, int b, int head, int last,
+                           const int* row_table, int program) {
   typedef MvarShape<D, GP> S;
-#if ESTIMATE_IDLE_EXIT
   const int tiles = cdiv(max(last, 0), S::TILE);  // tiles holding a middle page (< last)
   const int share = cdiv(tiles, p.mvar_programs);
   const int first = program * share;
   const int end = min(first + share, tiles);
-  if (first >= end) return;
-#endif
+  if (first >= end) return;  // before the query's loads: idle programs of a wide table
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int in_page = lane % S::LANES;
   const int sub = lane / S::LANES;  // which page of a load
@@ -355,27 +302,12 @@ __device__ void mvar_pages(const Params& p, int row, int b, int head, int pages_
   const bf16* lane_summaries = p.summaries + head * p.stride_sh +
                                (variance ? p.stride_ss : 0) + channel;
   float* dst = p.log_masses + row * p.stride_lr;
-#if !ESTIMATE_IDLE_EXIT
-  const int tiles = cdiv(pages_in_row, S::TILE);
-  const int share = cdiv(tiles, p.mvar_programs);
-  const int first = program * share;
-  const int end = min(first + share, tiles);
-#endif
   const int warp_first = warp * S::WARP_PAGES + sub;
   int ids[S::LOADS];  // physical pages of this pass's middle pages, -1 elsewhere
-#if ESTIMATE_FIRST_IDS_AHEAD
-  if (first == spec_first) {  // the guess (rows as long as the table) held: no reload
-#pragma unroll
-    for (int i = 0; i < S::LOADS; ++i) {
-      const int page = first * S::TILE + warp_first + i * S::PAGES_PER_LOAD;
-      ids[i] = first < end && page > 0 && page < last ? spec[i] : -1;
-    }
-  } else
-#endif
 #pragma unroll
   for (int i = 0; i < S::LOADS; ++i) {
     const int page = first * S::TILE + warp_first + i * S::PAGES_PER_LOAD;
-    ids[i] = first < end && page > 0 && page < last ? row_table[page] : -1;
+    ids[i] = page > 0 && page < last ? row_table[page] : -1;
   }
   for (int tile = first; tile < end; ++tile) {
     uint4 data[S::LOADS];
@@ -406,88 +338,6 @@ __device__ void mvar_pages(const Params& p, int row, int b, int head, int pages_
   }
 }
 
-#if ESTIMATE_ROLLING
-// mvar_pages with each warp's 8 loads as two groups of 4 in a rolling pipeline: a group's
-// registers take the next tile's loads as soon as the group is summed, so one group is in
-// flight while the other computes (no more registers: each group is reduced on its own)
-template <int D, int GP>
-__device__ void mvar_rolling(const Params& p, int row, int b, int head, int pages_in_row,
-                             int last, const int* row_table, int program) {
-  typedef MvarShape<D, GP> S;
-  static_assert(S::PAGES_PER_LOAD == 1, "D = 128");
-  constexpr int H = S::LOADS / 2, HV = H * GP;
-  constexpr int HKEPT = HV > S::LANES ? HV / S::LANES : 1;
-  constexpr int HCOPIES = HV < S::LANES ? S::LANES / HV - 1 : 0;
-  const int tiles = cdiv(max(last, 0), S::TILE);
-  const int share = cdiv(tiles, p.mvar_programs);
-  const int first = program * share;
-  const int end = min(first + share, tiles);
-  if (first >= end) return;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int in_page = lane % S::LANES;
-  const bool variance = in_page >= D / 8;
-  const int channel = (in_page % (D / 8)) * 8;
-  const int warp_first = warp * S::WARP_PAGES;
-  auto id_of = [&](int tile, int half, int i) {
-    const int page = tile * S::TILE + warp_first + half * H + i;
-    return tile < end && page > 0 && page < last ? row_table[page] : -1;
-  };
-  int ids_a[H], ids_b[H];
-#pragma unroll
-  for (int i = 0; i < H; ++i) {
-    ids_a[i] = id_of(first, 0, i);
-    ids_b[i] = id_of(first, 1, i);
-  }
-  float coef[GP][8];
-  mvar_coefficients<GP>(p, b, head, channel, variance, coef);
-  const int first_value = first_value_of<HV, S::LANES>(lane);
-  const bool stores = (lane & HCOPIES) == 0;
-  const bf16* lane_summaries = p.summaries + head * p.stride_sh +
-                               (variance ? p.stride_ss : 0) + channel;
-  float* dst = p.log_masses + row * p.stride_lr;
-  auto load = [&](const int (&ids)[H], uint4 (&buf)[H]) {
-#pragma unroll
-    for (int i = 0; i < H; ++i)
-      buf[i] = ids[i] >= 0
-          ? *reinterpret_cast<const uint4*>(lane_summaries + i64(ids[i]) * p.stride_sp)
-          : make_uint4(0u, 0u, 0u, 0u);
-  };
-  auto sum_store = [&](const uint4 (&buf)[H], int tile, int half) {
-    float values[HV];
-    mvar_partials(buf, coef, values);
-    reduce_scatter<HV, S::LANES / 2>(values, lane);
-    if (stores) {
-#pragma unroll
-      for (int k = 0; k < HKEPT; ++k) {
-        const int value = first_value + k;
-        const int g = value % GP;
-        const int page = tile * S::TILE + warp_first + half * H + value / GP;
-        if (g < p.group && page > 0 && page < last)
-          dst[g * p.stride_lg + page] = values[k] + LOG_PAGE;
-      }
-    }
-  };
-  uint4 buf_a[H], buf_b[H];
-  load(ids_a, buf_a);
-  load(ids_b, buf_b);
-#pragma unroll
-  for (int i = 0; i < H; ++i) {
-    ids_a[i] = id_of(first + 1, 0, i);
-    ids_b[i] = id_of(first + 1, 1, i);
-  }
-  for (int tile = first; tile < end; ++tile) {
-    sum_store(buf_a, tile, 0);
-    load(ids_a, buf_a);  // tile + 1's first half, in flight while the second half sums
-#pragma unroll
-    for (int i = 0; i < H; ++i) ids_a[i] = id_of(tile + 2, 0, i);
-    sum_store(buf_b, tile, 1);
-    load(ids_b, buf_b);
-#pragma unroll
-    for (int i = 0; i < H; ++i) ids_b[i] = id_of(tile + 2, 1, i);
-  }
-}
-#endif
-
 template <int D, int GP>
 __device__ void estimate_program(const Params& p) {
   const int row = blockIdx.x;
@@ -496,23 +346,6 @@ __device__ void estimate_program(const Params& p) {
   const int head = row % p.num_kv_heads;
   const int* row_table = p.block_table + b * p.stride_bt;
   const int seq_len = p.seq_lens[b];
-  // the first tile's block-table entries of an mvar program, loaded beside the row's length
-  // on the guess that the row is as long as the table (its share then as computed below)
-  int spec[MvarShape<D, GP>::LOADS];
-  int spec_first = -1;
-#if ESTIMATE_FIRST_IDS_AHEAD
-  if (block >= 2) {
-    typedef MvarShape<D, GP> S;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int warp_first = warp * S::WARP_PAGES + lane / S::LANES;
-    spec_first = (block - 2) * cdiv(cdiv(max(p.max_pages - 1, 0), S::TILE), p.mvar_programs);
-#pragma unroll
-    for (int i = 0; i < S::LOADS; ++i) {
-      const int page = spec_first * S::TILE + warp_first + i * S::PAGES_PER_LOAD;
-      spec[i] = page < p.max_pages ? row_table[page] : -1;
-    }
-  }
-#endif
   const int pages_in_row = min(cdiv(seq_len, PAGE), p.max_pages);
   const int last = pages_in_row - 1;
   if (block == 1) {
@@ -530,14 +363,7 @@ __device__ void estimate_program(const Params& p) {
     exact_page<D, GP>(p, row, b, head, block == 0 ? 0 : last, seq_len, row_table);
     return;
   }
-#if ESTIMATE_ROLLING
-  if constexpr (D == 128) {
-    mvar_rolling<D, GP>(p, row, b, head, pages_in_row, last, row_table, block - 2);
-    return;
-  }
-#endif
-  mvar_pages<D, GP>(p, row, b, head, pages_in_row, last, row_table, block - 2, spec,
-                    spec_first);
+  mvar_pages<D, GP>(p, row, b, head, last, row_table, block - 2);
 }
 
 }  // namespace

@@ -39,12 +39,6 @@ MIN_BLOCKS_PER_SM = 5
 # however many rows the batch has, a row as long as the table is split so that no program
 # loops over more tiles than this (the Triton kernel's MAX_TILES_PER_PROGRAM)
 MAX_TILES_PER_PROGRAM = 8
-# the .cu file's candidate changes built in (each off unless named here; the file says what
-# each does): none is the default until `tune_kernels.py --kinds cudavariants` has timed it
-# on a GPU (session 43 wrote them on the CPU, where they only compile)
-CANDIDATES = ("ESTIMATE_EXACT_LOADS_FIRST", "ESTIMATE_IDLE_EXIT", "ESTIMATE_FIRST_IDS_AHEAD",
-              "ESTIMATE_ROLLING")
-VARIANTS = ()
 
 
 class Params(ctypes.Structure):
@@ -83,24 +77,18 @@ def programs_per_row(rows, max_pages, head_dim, group):
                                        triton.cdiv(table_tiles, MAX_TILES_PER_PROGRAM))))
 
 
-def build_options(min_blocks, variants=()):
-    """NVRTC's defines for a build told to fit ``min_blocks`` blocks per SM, with the
-    candidate changes ``variants`` (names from ``CANDIDATES``) built in."""
-    unknown = set(variants) - set(CANDIDATES)
-    if unknown:
-        raise ValueError(f"estimate_cuda.VARIANTS: unknown {sorted(unknown)}; known: "
-                         f"{', '.join(CANDIDATES)}")
-    return (f"-DESTIMATE_MIN_BLOCKS={min_blocks}", *(f"-D{name}=1" for name in variants))
+def build_options(min_blocks):
+    """NVRTC's defines for a build told to fit ``min_blocks`` blocks per SM."""
+    return (f"-DESTIMATE_MIN_BLOCKS={min_blocks}",)
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(device_index, head_dim, group, min_blocks, variants=()):
+def kernel(device_index, head_dim, group, min_blocks):
     """The loaded function ``moira_estimate_d<D>_g<G padded>`` on a device, built to fit
-    ``min_blocks`` blocks per SM with ``variants`` built in."""
+    ``min_blocks`` blocks per SM."""
     return cuda_build.function(device_index, SOURCE,
                                f"moira_estimate_d{head_dim}_g{group_pad(group)}",
-                               "estimate.IMPLEMENTATION",
-                               options=build_options(min_blocks, variants))
+                               "estimate.IMPLEMENTATION", options=build_options(min_blocks))
 
 
 def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses):
@@ -157,7 +145,7 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     group = num_heads // num_kv_heads
     rows = batch * num_kv_heads
     function = kernel(cuda_build.device_index(query.device), head_dim, group,
-                      MIN_BLOCKS_PER_SM, tuple(VARIANTS))
+                      MIN_BLOCKS_PER_SM)
     if build_only or rows == 0:
         return log_masses
     max_pages = block_table.shape[1]

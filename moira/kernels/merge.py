@@ -20,11 +20,6 @@ from . import launch
 from .attend import plan_row, short_row_pages
 from .combine import add_page_stats, merged
 
-# a row of at most 32 chunks loads its LSEs and partials at once (combine.merged): written in
-# session 43 on the CPU (Merge took 4.2-5.7 us per layer in vLLM's step, median, for a few KB
-# per program: a chain of dependent loads), off until `tune_kernels.py --kinds merge` times it
-LOADS_TOGETHER = False
-
 
 @triton.jit
 def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_stats,
@@ -33,8 +28,7 @@ def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_sta
                   step_programs, short_pages, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                   SPLITS_PAD: tl.constexpr,
                   SPLITS_PER_LOAD: tl.constexpr, HAS_STATS: tl.constexpr, PAGE: tl.constexpr,
-                  EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr,
-                  LOADS_TOGETHER: tl.constexpr):
+                  EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     g = tl.program_id(1)
@@ -49,7 +43,7 @@ def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_sta
     if num_chunks == 1:
         return
     result = merged(partial_out, partial_lse, row.to(tl.int64) * chunks_per_row, num_chunks, g,
-                    GROUP, HEAD_DIM, SPLITS_PAD, SPLITS_PER_LOAD, LOADS_TOGETHER)
+                    GROUP, HEAD_DIM, SPLITS_PAD, SPLITS_PER_LOAD)
     dims = tl.arange(0, HEAD_DIM)
     tl.store(out + b.to(tl.int64) * stride_ob + (head * GROUP + g) * stride_oh
              + dims * stride_od, result.to(out.dtype.element_ty))
@@ -73,8 +67,7 @@ def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_flo
         short_row_pages(chunk_floor, step_rows, step_programs),
         GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
         SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)), HAS_STATS=has_stats,
-        PAGE=PAGE_SIZE, EVEN_CHUNKS=attend_module.EVEN_CHUNKS, LOADS_TOGETHER=LOADS_TOGETHER,
-        num_warps=4,
+        PAGE=PAGE_SIZE, EVEN_CHUNKS=attend_module.EVEN_CHUNKS, num_warps=4,
         **launch.options(programmatic_launch, "merge"),
     )
     return out
