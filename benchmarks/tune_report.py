@@ -28,12 +28,19 @@ def baselines(by_variant, words=("default",)):
     """``{mode: {shape: µs}}``: per mode (the words before ``default``; "" for a plain
     ``default``), the mean of its default's runs (``default`` and ``default again``).
     ``words``: the names that mark a baseline, ``default`` unless a sweep names its own
-    (e.g. ``triton`` where Triton's kernel is the one compared against)."""
+    (e.g. ``triton`` where Triton's kernel is the one compared against). A baseline word
+    followed by a case (``cuda base, table 2048 pages``) is that case's baseline: its mode is
+    ``cuda …, table 2048 pages``, the baseline of the variants ending in the same case."""
     runs = {}
     for name, by_shape in by_variant.items():
         for suffix in [form for word in words for form in (word, word + " again")]:
-            if name == suffix or name.endswith(" " + suffix):
-                runs.setdefault(name[:-len(suffix)].strip(), []).append(by_shape)
+            head, case = name, ""
+            if f" {suffix}, " in f" {name}":
+                start = f" {name}".index(f" {suffix}, ")
+                head, case = name[:start + len(suffix)], name[start + len(suffix):]
+            if head == suffix or head.endswith(" " + suffix):
+                mode = head[:-len(suffix)].strip()
+                runs.setdefault(f"{mode} …{case}" if case else mode, []).append(by_shape)
     if not runs:
         raise SystemExit(f"no {' or '.join(map(repr, words))} variant to compare with")
     return {mode: {shape: statistics.mean(run[shape] for run in mode_runs if shape in run)
@@ -41,9 +48,14 @@ def baselines(by_variant, words=("default",)):
 
 
 def base_of(variant, bases):
-    """The baseline of ``variant``: its mode's (the longest mode it starts with)."""
-    modes = [mode for mode in bases if variant == mode or variant.startswith(mode + " ")
-             or not mode]
+    """The baseline of ``variant``: its mode's (the longest mode it starts with, of those
+    whose case, if any, it ends with)."""
+    def matches(mode):
+        prefix, _, case = mode.partition(" …")
+        if not variant.endswith(case):
+            return False
+        return variant == prefix or variant.startswith(prefix + " ") or not prefix
+    modes = [mode for mode in bases if matches(mode)]
     return bases[max(modes, key=len)] if modes else None
 
 

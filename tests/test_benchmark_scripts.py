@@ -1305,6 +1305,15 @@ def test_tune_report_compares_each_variant_with_the_mean_of_the_default_runs():
     bases = report.baselines(step, ["triton"])
     assert bases == {"step,": {"8k x32": 11.0}}
     assert "| step, cuda select | 12.0 (+9%) |" in report.markdown(step, bases)
+    # a case after the baseline's word (a wider table): that case's variants against it
+    cases = {"cuda base": {"8k x32": 10.0}, "cuda idle exit": {"8k x32": 9.0},
+             "cuda base, table 2048 pages": {"8k x32": 20.0},
+             "cuda idle exit, table 2048 pages": {"8k x32": 15.0}}
+    bases = report.baselines(cases, ["base"])
+    assert bases == {"cuda": {"8k x32": 10.0}, "cuda …, table 2048 pages": {"8k x32": 20.0}}
+    text = report.markdown(cases, bases)
+    assert "| cuda idle exit | 9.0 (-10%) |" in text
+    assert "| cuda idle exit, table 2048 pages | 15.0 (-25%) |" in text
 
 
 def test_step_profile_classes_name_the_cuda_kernels_and_edges_sum_the_waits_before_each():

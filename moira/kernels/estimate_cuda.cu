@@ -14,14 +14,14 @@
 // the Triton kernel is latency-bound (NOTES, sessions 25-26, 34: 28% occupancy, DRAM at 33%
 // of peak at 131k x 4, each program a chain of dependent loads), 2x its bytes' time.
 
-// Session 44 timed four changes of session 43 (tune_kernels.py, NOTES) and kept two: an
+// Session 44 timed four changes of session 43 (benchmarks/RESULTS.md) and kept two: an
 // exact-page program issues its page's id, its keys and the group's queries together, one
 // barrier after (it had waited on each query load, then the table, then the keys), and an
 // mvar program whose share of the row holds no middle page returns before loading its query
 // (vLLM's table is as wide as the longest admitted context: at 8k most programs are idle).
 // Together: 16.8 -> 15.0 us at 8k x 32 in a 2,048-page table, 0.1-0.3 us less in the rows'
-// own tables. A rolling two-group pipeline (+1.1 to +2.5 us) and the first tile's ids loaded
-// beside the row's length (+0.3) lost.
+// own tables. A rolling two-group pipeline (+1.1 to +2.9 us) and the first tile's ids loaded
+// beside the row's length (+0.3 to +0.8) lost.
 namespace {
 
 #include "moira_cuda.cuh"

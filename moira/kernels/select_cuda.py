@@ -6,12 +6,13 @@ The same rule and outputs as the Triton kernel, one program per row, on up to 51
 P pages each with one barrier per bisection pass (the .cu file says why); a row that fits in
 fewer pages per thread runs with P halved until it does not (lane tiers, as Triton's). It
 takes up to 8 query heads per KV head, tables of up to ``max_table_pages(G, K_B)`` pages and
-K_B in ``WAYS`` (``check_inputs``). K_B = 64 (``MoiraConfig.bisection_ways``) takes each pass's sums from a
-histogram of the row's shares instead of comparing every page with every threshold (the .cu
-file's ``bisect_binned``): 4 passes instead of 12. At 131k x 4 alone (session 40) that is
-faster in fixed-count mode (10.8 against 12.8 us) and slower in coverage mode (20.7 against
-11.9): coverage's 64-bit fixed-point sums go through shared-memory atomics that sm_90 runs
-as compare-and-swap loops (ATOMS.CAST.SPIN.64), and near-equal shares all fall in one bin.
+K_B in ``WAYS`` (``check_inputs``). K_B = 64 (``MoiraConfig.bisection_ways``) takes each
+pass's sums from a histogram of the row's shares instead of comparing every page with every
+threshold (the .cu file's ``bisect_binned``): 4 passes instead of 12. At 131k x 4 alone
+(session 40) that is faster in fixed-count mode (10.8 against 12.8 us) and slower in
+coverage mode (20.7 against 11.9): coverage's 64-bit fixed-point sums go through
+shared-memory atomics that sm_90 runs as compare-and-swap loops (ATOMS.CAST.SPIN.64), and
+near-equal shares all fall in one bin.
 """
 
 import ctypes
