@@ -26,11 +26,10 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
                      that many warps (``PAGES_PER_ITER``, ``NUM_STAGES``, ``NUM_WARPS``; 4),
                      e.g. ``moira_ahead13``, ``moira_ahead13w8``; with a chunk floor too,
                      ``moira_c<N>_ahead<P><S>[w<warps>]``, e.g. ``moira_c32_ahead13``.
-- ``moira_cuda<S>[a]``  ``moira`` with the CUDA Attend (``attend.IMPLEMENTATION = "cuda"``,
+- ``moira_cuda<S>``  ``moira`` with the CUDA Attend (``attend.IMPLEMENTATION = "cuda"``,
                      attend_cuda.cu) and S pages in flight per program (``CUDA_STAGES``,
-                     2-4), e.g. ``moira_cuda2``; ``a``: each copy issued before the wait
-                     (``CUDA_COPY_AHEAD``), e.g. ``moira_cuda2a``; after a packed layout or
-                     a floor too, e.g. ``moira_packed_hnd_c32_cuda3``.
+                     2-4), e.g. ``moira_cuda2``; after a packed layout or a floor too,
+                     e.g. ``moira_packed_hnd_c32_cuda3``.
 - ``moira_triton``   ``moira`` with the Triton Attend (``attend.IMPLEMENTATION = "triton"``;
                      also after a packed layout or a floor, ``moira_c32_triton``).
 - ``fa3_varlen``     vLLM's FA3 (``vllm_flash_attn``, ``fa_version=3``), each (request, KV head)
@@ -375,7 +374,7 @@ ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_eq4", "moira_t128", "fa3_
 # the configured arms of ``moira``: vLLM's packed caches, a chunk floor, the CUDA Attend or
 # Attend's page ids a tile ahead, or several of them
 CONFIGURED_ARM = re.compile(r"moira(_packed(?:_hnd)?)?(?:_c([1-9][0-9]*))?"
-                            r"(?:_cuda([2-4])(a?)|_(triton)|_ahead([124])([1-9])(?:w([48]))?)?")
+                            r"(?:_cuda([2-4])|_(triton)|_ahead([124])([1-9])(?:w([48]))?)?")
 
 
 def cache_layout(arm):
@@ -410,10 +409,9 @@ def attend_settings(arm):
     configured = CONFIGURED_ARM.fullmatch(arm)
     if not configured:
         return {}
-    cuda_stages, copy_ahead, triton, pages, stages, warps = configured.groups()[2:]
+    cuda_stages, triton, pages, stages, warps = configured.groups()[2:]
     if cuda_stages:
-        return dict(IMPLEMENTATION="cuda", CUDA_STAGES=int(cuda_stages),
-                    CUDA_COPY_AHEAD=bool(copy_ahead))
+        return dict(IMPLEMENTATION="cuda", CUDA_STAGES=int(cuda_stages))
     if triton:
         return dict(IMPLEMENTATION="triton")
     if not pages:

@@ -208,9 +208,7 @@ def build_cuda():
         print("CUDA kernels                             skipped: no libnvrtc", flush=True)
         return []
     fits = estimate_cuda.MIN_BLOCKS_PER_SM
-    builds = [(attend_cuda.SOURCE, attend_cuda.build_options(attend.CUDA_COPY_AHEAD), ""),
-              # the candidate not yet timed
-              (attend_cuda.SOURCE, attend_cuda.build_options(True), " copy ahead"),
+    builds = [(attend_cuda.SOURCE, (), ""),
               (estimate_cuda.SOURCE, estimate_cuda.build_options(fits), "")] + [
         (select_cuda.SOURCE, select_cuda.build_options(pages, ways, group), "")
         for pages in (1, 2, 4, 8, select_cuda.MAX_PAGES_PER_THREAD) for ways in select_cuda.WAYS

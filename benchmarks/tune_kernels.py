@@ -40,10 +40,9 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # register ceilings; "query": Estimate's query of the next head loaded ahead; "cuda":
 # Estimate in CUDA C++ at several grid sizes and Select in CUDA C++, each checked against the
 # Triton kernel first, then the whole step with each and the step's parts per Select;
-# "selectwarps": the whole step with the Triton Select at 4 / 8 / 16 warps and the CUDA one;
-# "copies": Attend + Merge with the CUDA Attend's copies issued before its wait and after)
+# "selectwarps": the whole step with the Triton Select at 4 / 8 / 16 warps and the CUDA one)
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
-         "balanced", "fractions", "step", "wide", "selectwarps", "copies")
+         "balanced", "fractions", "step", "wide", "selectwarps")
 
 
 def bench(fn):
@@ -281,27 +280,6 @@ def main():
             batch, KV_HEADS, pages).contiguous()
         full_counts = torch.full((batch, KV_HEADS), pages, device="cuda", dtype=torch.int32)
         out = torch.empty_like(query)
-        # the CUDA Attend's copies issued before the wait (attend.CUDA_COPY_AHEAD, session 44)
-        # against after it, in Attend + Merge on the 22% lists: the outputs first (the same
-        # arithmetic in the same order: bit-equal), then timed twice in alternation
-        if "copies" in kinds:
-            copies_out = {}
-            for ahead in (False, True):
-                copies_out[ahead] = torch.full_like(query, float("nan"))
-                with patched(attend_module, IMPLEMENTATION="cuda", CUDA_COPY_AHEAD=ahead):
-                    moira.attend(query, keys, values, table, seq_lens, sparse_lists,
-                                 sparse_counts, workspace=workspace, out=copies_out[ahead])
-            same = torch.equal(copies_out[True], copies_out[False])
-            record("check", shape, f"copy ahead - after the wait bit-equal {same}", 0.0)
-            if not same:  # NaN too: an element one of them did not write
-                raise SystemExit("the CUDA Attend's copies ahead change its output")
-            for ahead in (False, True) * 2:
-                with patched(attend_module, IMPLEMENTATION="cuda", CUDA_COPY_AHEAD=ahead):
-                    micros = bench(lambda: moira.attend(query, keys, values, table, seq_lens,
-                                                        sparse_lists, sparse_counts,
-                                                        workspace=workspace, out=out))
-                record("attend22", shape, "attend + merge, cuda copies "
-                       + ("ahead" if ahead else "after the wait"), micros, sparse_bytes)
         variants = itertools.product([4, 8, 16, 24], [4096, 16384], [(4, 2), (4, 3), (8, 2)])
         if args.quick:
             variants = [(c, n, (4, 3)) for c in (4, 8, 16, 24) for n in (4096, 16384)]

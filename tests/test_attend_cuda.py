@@ -129,19 +129,12 @@ def test_unsupported_inputs_are_refused(cuda_attend):
         moira.attend(query, keys, values, *args, config=SMALL_SPLIT)
 
 
-@pytest.fixture(params=[False, True], ids=["copy-after-wait", "copy-ahead"])
-def copy_ahead(request, cuda_attend):
-    """Both builds of the page loop (attend.CUDA_COPY_AHEAD, the candidate not yet timed)."""
-    cuda_attend.setattr(attend_module, "CUDA_COPY_AHEAD", request.param)
-    return request.param
-
-
 @cuda
 @pytest.mark.parametrize("group", [1, 4, 7, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "packed", "hnd"])
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_cuda_attend_matches_reference(cuda_attend, copy_ahead, group, head_dim, layout, stages):
+def test_cuda_attend_matches_reference(cuda_attend, group, head_dim, layout, stages):
     """Rows of one token, a partial second page, uneven chunks, full and empty rows, shuffled
     lists; split (Merge) and whole rows; NaN in every slot no row may read."""
     cuda_attend.setattr(attend_module, "CUDA_STAGES", stages)
@@ -155,7 +148,7 @@ def test_cuda_attend_matches_reference(cuda_attend, copy_ahead, group, head_dim,
 
 @cuda
 @pytest.mark.parametrize("chunk_pages", [1000, 300])
-def test_chunks_longer_than_the_staged_ids(cuda_attend, copy_ahead, chunk_pages):
+def test_chunks_longer_than_the_staged_ids(cuda_attend, chunk_pages):
     """A chunk of more pages than the kernel stages at once (256): 625 pages in one chunk
     (three segments), or in chunks of 300 / 300 / 25 (a segment boundary inside a chunk)."""
     keys, values = make_cache(700, 1, 64)

@@ -614,10 +614,7 @@ def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
     assert bench.config_fields("moira_hnd_packed") is None
     # the CUDA Attend, alone or after a layout and a floor; not with the lookahead
     assert bench.config_fields("moira_cuda3") == {}
-    assert bench.attend_settings("moira_cuda3") == dict(IMPLEMENTATION="cuda", CUDA_STAGES=3,
-                                                        CUDA_COPY_AHEAD=False)
-    assert bench.attend_settings("moira_cuda2a") == dict(IMPLEMENTATION="cuda", CUDA_STAGES=2,
-                                                         CUDA_COPY_AHEAD=True)
+    assert bench.attend_settings("moira_cuda3") == dict(IMPLEMENTATION="cuda", CUDA_STAGES=3)
     assert bench.config_fields("moira_packed_hnd_c32_cuda4") == {"chunk_pages": 32}
     assert bench.attend_settings("moira_packed_hnd_c32_cuda4")["CUDA_STAGES"] == 4
     # the Triton Attend (the default until session 36), alone or after a layout and a floor
@@ -626,8 +623,7 @@ def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
     assert bench.config_fields("moira_packed_c32_triton") == {"chunk_pages": 32}
     assert bench.attend_settings("moira_packed_c32_triton") == triton
     for unknown in ("moira_cuda", "moira_cuda5", "moira_cuda3_ahead13", "moira_ahead13_cuda3",
-                    "moira_cuda3w", "moira_cuda3w4", "moira_triton_cuda2", "moira_triton2",
-                    "moira_cuda2b", "moira_cudaa"):
+                    "moira_cuda3w", "moira_cuda3w4", "moira_triton_cuda2", "moira_triton2"):
         assert bench.config_fields(unknown) is None and bench.attend_settings(unknown) == {}
     from moira.kernels import attend as attend_module
     default = (attend_module.PAGE_IDS_AHEAD, attend_module.NUM_STAGES)

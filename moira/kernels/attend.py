@@ -96,10 +96,6 @@ IMPLEMENTATION = "auto"
 # D = 128). Session 34: 2 stages beat 3 on spreads by 2-5% and tied at CV 0 (3 ahead at
 # 16k x 32 only, by 2%); 4 was 24-41% slower in session 33
 CUDA_STAGES = 2
-# each page's copy issued before the wait for the page computed next (attend_cuda.cu's
-# candidate, written in session 44 on the CPU: with 2 stages one page in flight during the
-# wait, none before; NOTES); off until `tune_kernels.py --kinds copies` has timed it
-CUDA_COPY_AHEAD = False
 # Not here: each page-head's K and V by Hopper's bulk tensor copy (TMA, Triton's tensor
 # descriptors) instead of this gather. Timed in session 32 (one page per tile, 2-4 stages,
 # with and without the lookahead): +12 to +27% at 22% of the pages at 8k x 32, 32k x 16 and
@@ -344,7 +340,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
             chunks_per_row=chunks_per_row, out=out, partial_out=partial_out,
             partial_lse=partial_lse, step_rows=step_rows, step_programs=step_programs,
             short_pages=short_row_pages(chunk_floor, step_rows, step_programs),
-            stages=CUDA_STAGES, copy_ahead=CUDA_COPY_AHEAD, build_only=launch.building_only())
+            stages=CUDA_STAGES, build_only=launch.building_only())
     launch.on(_attend_kernel, (batch * num_kv_heads, chunks_per_row))(
         query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
         out, partial_out, partial_lse,

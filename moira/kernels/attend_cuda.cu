@@ -17,14 +17,6 @@
 // the copies and both ldmatrix forms are free of bank conflicts. The 4 warps' (max, sum,
 // output) merge through shared memory at the end.
 
-// A candidate (session 44, written on the CPU; off unless the build defines it to 1:
-// attend.CUDA_COPY_AHEAD): the page loop below issues a page's copy before waiting
-// for the page it computes next, not after. With 2 stages a program now has one page in
-// flight while it waits; 8k x 32's Attend + Merge reads at 0.81 of dense FA3's bandwidth,
-// where many programs wait at once (NOTES, session 44)
-#ifndef ATTEND_COPY_AHEAD
-#define ATTEND_COPY_AHEAD 0
-#endif
 namespace {
 
 #include "moira_cuda.cuh"
@@ -298,16 +290,6 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     // page i's stage and page i + STAGES - 1's (i - 1's), rotated rather than divided
     int stage = 0, next_stage = STAGES - 1;
     for (int i = 0; i < pages; ++i) {
-#if ATTEND_COPY_AHEAD
-      // page i - 1's stage is free once this warp has computed it (its rows are the warp's
-      // own), so the next copy goes out before the wait for page i: STAGES pages in flight
-      // during the wait instead of STAGES - 1 (one at 2 stages)
-      __syncwarp();
-      if (i + STAGES - 1 < pages) load_page(i + STAGES - 1, next_stage);
-      cp_async_commit();
-      cp_async_wait<STAGES - 1>();
-      __syncwarp();  // page i landed for this warp, the only one that reads its rows
-#else
       cp_async_wait<STAGES - 2>();
       // page i landed for this warp, the only one that reads its rows; page i - 1's stage
       // is free
@@ -316,7 +298,6 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
       // STAGES - 1 pages are in flight while it is (issued after it, one fewer: none at 2)
       if (i + STAGES - 1 < pages) load_page(i + STAGES - 1, next_stage);
       cp_async_commit();
-#endif
       attend_page(stage, page_tokens[i]);
       next_stage = stage;
       stage = stage + 1 == STAGES ? 0 : stage + 1;

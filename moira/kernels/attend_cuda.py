@@ -46,16 +46,9 @@ def shared_bytes(head_dim, stages):
     return stages * 2 * PAGE_SIZE * head_dim * 2 + STAGED_IDS * (8 + 4)
 
 
-def build_options(copy_ahead):
-    """NVRTC's defines: the page loop's next copy issued before its wait (``copy_ahead``, the
-    .cu file's candidate) or after it."""
-    return ("-DATTEND_COPY_AHEAD=1",) if copy_ahead else ()
-
-
 @functools.lru_cache(maxsize=None)
-def kernel(device_index, head_dim, stages, copy_ahead=False):
-    """The loaded function ``moira_attend_d<D>_s<S>`` on a device (its module loaded once),
-    built with ``build_options(copy_ahead)``."""
+def kernel(device_index, head_dim, stages):
+    """The loaded function ``moira_attend_d<D>_s<S>`` on a device (its module loaded once)."""
     limit = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
     if shared_bytes(head_dim, stages) > limit:
         raise ValueError(f"attend.CUDA_STAGES = {stages} needs "
@@ -63,8 +56,7 @@ def kernel(device_index, head_dim, stages, copy_ahead=False):
                          f"program at head_dim {head_dim}; this GPU allows {limit}: "
                          f"lower CUDA_STAGES")
     return cuda_build.function(device_index, SOURCE, f"moira_attend_d{head_dim}_s{stages}",
-                               "attend.IMPLEMENTATION", shared_bytes(head_dim, stages),
-                               options=build_options(copy_ahead))
+                               "attend.IMPLEMENTATION", shared_bytes(head_dim, stages))
 
 
 def check_inputs(query, key_cache, value_cache, head_dim, group, stages):
@@ -108,15 +100,14 @@ def usable(index, head_dim, stages):
 
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
            qk_scale_log2, chunk_floor, chunks_per_row, out, partial_out, partial_lse,
-           step_rows, step_programs, short_pages, stages, copy_ahead=False,
-           build_only=False):
+           step_rows, step_programs, short_pages, stages, build_only=False):
     """Launch ``attend_cuda.cu``'s kernel on the current stream: the arguments of
     ``attend.attend`` (the scale already in log2 units, the short-row bound computed), inputs
     that ``check_inputs`` passed."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    function = kernel(cuda_build.device_index(query.device), head_dim, stages, copy_ahead)
+    function = kernel(cuda_build.device_index(query.device), head_dim, stages)
     if build_only:
         return out
     params = Params(
