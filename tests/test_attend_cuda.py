@@ -147,10 +147,13 @@ def test_cuda_attend_matches_reference(cuda_attend, group, head_dim, layout, sta
 
 
 @cuda
+@pytest.mark.parametrize("fold_tail", [0, 4])
 @pytest.mark.parametrize("chunk_pages", [1000, 300])
-def test_chunks_longer_than_the_staged_ids(cuda_attend, chunk_pages):
+def test_chunks_longer_than_the_staged_ids(cuda_attend, chunk_pages, fold_tail):
     """A chunk of more pages than the kernel stages at once (256): 625 pages in one chunk
-    (three segments), or in chunks of 300 / 300 / 25 (a segment boundary inside a chunk)."""
+    (three segments), or in chunks of 300 / 300 / 25 (a segment boundary inside a chunk), or
+    with the tail folded (``FOLD_TAIL`` 4) 300 / 325."""
+    cuda_attend.setattr(attend_module, "FOLD_TAIL", fold_tail)
     keys, values = make_cache(700, 1, 64)
     table, seq_lens = make_table([64 * 624 + 17], 700)
     query = make_query(1, 4, 64)
