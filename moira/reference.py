@@ -325,7 +325,7 @@ def work_split(page_counts, num_rows, config=MoiraConfig(), max_pages=None, even
         chunks = torch.clamp(-(-counts // chunk_pages), min=1)
         chunk_pages = torch.clamp(-(-counts // chunks), min=1)
     num_chunks = torch.clamp(-(-counts // chunk_pages), min=1)
-    if fold_tail:
+    if fold_tail > 0:
         tail = counts - (num_chunks - 1) * chunk_pages
         num_chunks = num_chunks - ((num_chunks > 1) & (tail * fold_tail <= chunk_pages)).long()
     return chunks_per_row, chunk_pages, num_chunks

@@ -452,6 +452,17 @@ def test_a_short_tail_folded_into_the_chunk_before(monkeypatch, fold_tail, imple
                          chunks_per_row) == [m if m > 1 else 0 for m in chunks.tolist()]
 
 
+@pytest.mark.parametrize("fold_tail", [-1, 65, 4.0, True])
+def test_a_fold_outside_its_range_is_refused(monkeypatch, fold_tail):
+    """``FOLD_TAIL`` is an int in [0, 64]: beyond it the kernels' int32 product (or the CUDA
+    launch's C int) could plan otherwise than Merge and the reference."""
+    monkeypatch.setattr(attend_module, "FOLD_TAIL", fold_tail)
+    query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows()
+    with pytest.raises(ValueError, match="FOLD_TAIL"):
+        moira.attend(query, keys, values, table, seq_lens, page_lists, page_counts,
+                     config=SMALL_SPLIT)
+
+
 @pytest.mark.parametrize("even", [True, False])
 def test_equal_chunks_and_eq4_chunks(monkeypatch, even):
     """Rows whose Eq. (4) chunks are unequal (C = 4, J = 3: 5, 6 and 9 pages are 4 + 1, 4 + 2

@@ -331,6 +331,9 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
 def implementation(query, key_cache, value_cache):
     """The Attend that runs a call, "triton" or "cuda": ``IMPLEMENTATION`` with "auto" resolved
     (a ValueError for an unknown name, or for "cuda" with an option only Triton has)."""
+    if isinstance(FOLD_TAIL, bool) or not (isinstance(FOLD_TAIL, int) and 0 <= FOLD_TAIL <= 64):
+        raise ValueError(f"attend.FOLD_TAIL = {FOLD_TAIL!r}: use an int from 0 (off) to 64 "
+                         f"(a last chunk of at most c / FOLD_TAIL pages folds)")
     triton_only = dict(PAGE_IDS_AHEAD=PAGE_IDS_AHEAD, FA3_TILE_ORDER=FA3_TILE_ORDER,
                        EVEN_CHUNKS=EVEN_CHUNKS, SUM_ROUNDED_WEIGHTS=not SUM_ROUNDED_WEIGHTS)
     if IMPLEMENTATION == "cuda" and any(triton_only.values()):
