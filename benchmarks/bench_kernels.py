@@ -26,9 +26,6 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
                      that many warps (``PAGES_PER_ITER``, ``NUM_STAGES``, ``NUM_WARPS``; 4),
                      e.g. ``moira_ahead13``, ``moira_ahead13w8``; with a chunk floor too,
                      ``moira_c<N>_ahead<P><S>[w<warps>]``, e.g. ``moira_c32_ahead13``.
-- ``moira_fold<F>``  ``moira`` with a row's last chunk of at most c / F pages read by the
-                     program before it (``attend.FOLD_TAIL``), e.g. ``moira_fold4``; after
-                     a floor too, before the Attend's options, e.g. ``moira_c16_fold4_cuda3``.
 - ``moira_cuda<S>``  ``moira`` with the CUDA Attend (``attend.IMPLEMENTATION = "cuda"``,
                      attend_cuda.cu) and S pages in flight per program (``CUDA_STAGES``,
                      2-4), e.g. ``moira_cuda2``; after a packed layout or a floor too,
@@ -374,9 +371,9 @@ ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_eq4", "moira_t128", "fa3_
         "pow2", "flashinfer", "flex"}
 
 
-# the configured arms of ``moira``: vLLM's packed caches, a chunk floor, a short tail folded,
-# the CUDA Attend or Attend's page ids a tile ahead, or several of them
-CONFIGURED_ARM = re.compile(r"moira(_packed(?:_hnd)?)?(?:_c([1-9][0-9]*))?(?:_fold([1-9]))?"
+# the configured arms of ``moira``: vLLM's packed caches, a chunk floor, the CUDA Attend or
+# Attend's page ids a tile ahead, or several of them
+CONFIGURED_ARM = re.compile(r"moira(_packed(?:_hnd)?)?(?:_c([1-9][0-9]*))?"
                             r"(?:_cuda([2-4])|_(triton)|_ahead([124])([1-9])(?:w([48]))?)?")
 
 
@@ -405,23 +402,22 @@ def config_fields(arm):
 
 def attend_settings(arm):
     """Attend's module constants under which a configured arm launches
-    (``_fold<F>``: a last chunk of at most c / F pages folded into the one before,
-    ``FOLD_TAIL``; ``[_c<N>][_fold<F>]_cuda<S>``: the CUDA Attend with S pages in flight;
-    ``..._triton``: the Triton Attend; ``..._ahead<P><S>[w<warps>]``: page ids a tile ahead,
-    P pages per tile, S stages, that many warps); {} for any other arm."""
+    (``[_c<N>]_cuda<S>``: the CUDA Attend with S pages in flight; ``[_c<N>]_triton``: the
+    Triton Attend; ``[_c<N>]_ahead<P><S>
+    [w<warps>]``: page ids a tile ahead, P pages per tile, S stages, that many warps); {} for
+    any other arm."""
     configured = CONFIGURED_ARM.fullmatch(arm)
     if not configured:
         return {}
-    fold, cuda_stages, triton, pages, stages, warps = configured.groups()[2:]
-    settings = {"FOLD_TAIL": int(fold)} if fold else {}
+    cuda_stages, triton, pages, stages, warps = configured.groups()[2:]
     if cuda_stages:
-        return settings | dict(IMPLEMENTATION="cuda", CUDA_STAGES=int(cuda_stages))
+        return dict(IMPLEMENTATION="cuda", CUDA_STAGES=int(cuda_stages))
     if triton:
-        return settings | dict(IMPLEMENTATION="triton")
+        return dict(IMPLEMENTATION="triton")
     if not pages:
-        return settings
-    settings |= dict(IMPLEMENTATION="triton", PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(pages),
-                     NUM_STAGES=int(stages))
+        return {}
+    settings = dict(IMPLEMENTATION="triton", PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(pages),
+                    NUM_STAGES=int(stages))
     return settings | ({"NUM_WARPS": int(warps)} if warps else {})
 
 

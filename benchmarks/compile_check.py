@@ -128,12 +128,11 @@ def kernels(group, head_dim, block, pdl=False):
          dict(GROUP=group, GROUP_PAD=max(16, group_pad), HEAD_DIM=head_dim, PAGE=PAGE,
               PAGES_PER_TILE=attend.PAGES_PER_ITER, SUM_ROUNDED=attend.SUM_ROUNDED_WEIGHTS,
               FA3_ORDER=attend.FA3_TILE_ORDER, EVEN_CHUNKS=attend.EVEN_CHUNKS,
-              FOLD=attend.FOLD_TAIL, PAGES_AHEAD=attend.PAGE_IDS_AHEAD, PDL=pdl),
+              PAGES_AHEAD=attend.PAGE_IDS_AHEAD, PDL=pdl),
          attend.NUM_WARPS, attend.NUM_STAGES, attend.MAX_REGISTERS),
         (f"merge {tag}", merge._merge_kernel,
          dict(GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
-              HAS_STATS=True, PAGE=PAGE, EVEN_CHUNKS=attend.EVEN_CHUNKS, FOLD=attend.FOLD_TAIL,
-              PDL=pdl), 4, 3, None),
+              HAS_STATS=True, PAGE=PAGE, EVEN_CHUNKS=attend.EVEN_CHUNKS, PDL=pdl), 4, 3, None),
     ]
     if pdl:
         return decode_step

@@ -296,8 +296,7 @@ def imposed_fractions(seq_lens, log_tokens, tables):
     return fractions.permute(1, 0, 2)
 
 
-def work_split(page_counts, num_rows, config=MoiraConfig(), max_pages=None, even=False,
-               fold_tail=0):
+def work_split(page_counts, num_rows, config=MoiraConfig(), max_pages=None, even=False):
     """Eq. (4) as a pure function of the row lengths.
 
     Attend launches J = max(N_J, ceil(N_T / num_rows)) programs per row (at most
@@ -308,11 +307,8 @@ def work_split(page_counts, num_rows, config=MoiraConfig(), max_pages=None, even
     ``even`` (Attend's ``EVEN_CHUNKS``), the m chunks are made equal: c' = ceil(n / m), and m'
     = ceil(n / c') <= m chunks (as many programs, none longer). Program 0 always runs (it
     writes the output of an empty row). With ``config.step_programs`` T, C of a row of n
-    pages is min(C, max(2, ceil(n * num_rows / T))). With ``fold_tail`` F > 0 (Attend's
-    ``FOLD_TAIL``), a row of m > 1 chunks whose last one has at most c / F pages has m - 1,
-    the last one pages ``[(m - 2) c, n)``: every chunk j reads ``[j c, j c + c)`` but the last,
-    which runs to n. Returns ``(J, chunk_pages, num_chunks)``, the last two shaped like
-    ``page_counts``.
+    pages is min(C, max(2, ceil(n * num_rows / T))). Returns ``(J, chunk_pages,
+    num_chunks)``, the last two shaped like ``page_counts``.
     """
     chunks_per_row = config.chunks_per_row(num_rows, max_pages)
     counts = page_counts.long()
@@ -325,9 +321,6 @@ def work_split(page_counts, num_rows, config=MoiraConfig(), max_pages=None, even
         chunks = torch.clamp(-(-counts // chunk_pages), min=1)
         chunk_pages = torch.clamp(-(-counts // chunks), min=1)
     num_chunks = torch.clamp(-(-counts // chunk_pages), min=1)
-    if fold_tail > 0:
-        tail = counts - (num_chunks - 1) * chunk_pages
-        num_chunks = num_chunks - ((num_chunks > 1) & (tail * fold_tail <= chunk_pages)).long()
     return chunks_per_row, chunk_pages, num_chunks
 
 

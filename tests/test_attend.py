@@ -151,12 +151,11 @@ def kernel_chunks(query, keys, values, table, seq_lens, page_lists, page_counts,
 @triton.jit
 def _plan_probe(page_counts, chunk_out, chunks_out, stride_cb, stride_ch, chunk_floor,
                 chunks_per_row, step_rows, step_programs, short_pages, num_kv_heads,
-                EVEN: tl.constexpr, FOLD: tl.constexpr):
+                EVEN: tl.constexpr):
     row = tl.program_id(0)
     b, head = row // num_kv_heads, row % num_kv_heads
     _, chunk, chunks = plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor,
-                                chunks_per_row, step_rows, step_programs, short_pages, EVEN,
-                                FOLD)
+                                chunks_per_row, step_rows, step_programs, short_pages, EVEN)
     tl.store(chunk_out + row, chunk)
     tl.store(chunks_out + row, chunks)
 
@@ -164,8 +163,7 @@ def _plan_probe(page_counts, chunk_out, chunks_out, stride_cb, stride_ch, chunk_
 def test_plan_row_is_the_reference_split_for_random_steps():
     """``plan_row`` (Attend's and Merge's plan) against ``reference.work_split`` on random
     steps: J and the floors binding, empty rows and all-empty steps, a planned batch larger
-    than the launched one, page counts in a transposed view, both chunk rules, with and
-    without a short tail folded (``FOLD_TAIL``)."""
+    than the launched one, page counts in a transposed view, both chunk rules."""
     generator = torch.Generator().manual_seed(30)
 
     def pick(*options):
@@ -189,18 +187,17 @@ def test_plan_row_is_the_reference_split_for_random_steps():
         floor = config.chunk_floor(planned_rows)
         chunks_per_row = config.chunks_per_row(planned_rows, width)
         short = attend_module.short_row_pages(floor, planned_rows, config.step_programs)
-        for even, fold_tail in [(False, 0), (True, 0), (False, pick(1, 4)), (True, 4)]:
+        for even in (False, True):
             out = [torch.full((rows,), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
             counts_dev = counts.to(DEVICE)
             _plan_probe[(rows,)](counts_dev, *out, *counts_dev.stride(), floor, chunks_per_row,
                                  planned_rows, config.step_programs, short, num_kv_heads,
-                                 EVEN=even, FOLD=fold_tail)
+                                 EVEN=even)
             chunk, chunks = (t.cpu() for t in out)
             _, ref_chunk, ref_chunks = ref.work_split(counts.flatten(), planned_rows, config,
-                                                      max_pages=width, even=even,
-                                                      fold_tail=fold_tail)
-            assert torch.equal(chunk, ref_chunk.int()), (case, even, fold_tail)
-            assert torch.equal(chunks, ref_chunks.int()), (case, even, fold_tail)
+                                                      max_pages=width, even=even)
+            assert torch.equal(chunk, ref_chunk.int()), (case, even)
+            assert torch.equal(chunks, ref_chunks.int()), (case, even)
             assert (chunks <= chunks_per_row).all()
 
 
@@ -418,49 +415,6 @@ def test_list_entries_outside_the_table_read_nothing(monkeypatch, pages_per_iter
                             torch.full((2, 1), 2, dtype=torch.int32, device=DEVICE),
                             config=SMALL_SPLIT)
     torch.testing.assert_close(out, expected, rtol=0, atol=2e-3)
-
-
-@pytest.mark.parametrize("implementation",
-                         ["auto", pytest.param("triton", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("fold_tail", [0, 4])
-def test_a_short_tail_folded_into_the_chunk_before(monkeypatch, fold_tail, implementation):
-    """``FOLD_TAIL`` (C = 8, J = 4): rows of 9, 10, 11, 18 and 26 pages are 8 + 1, 8 + 2,
-    8 + 3, 8 + 8 + 2 and 8 + 8 + 8 + 2 chunks by Eq. (4); at 4 the tails of at most 2 pages
-    fold (9, 10, 18 and 26: 1, 1, 2 and 3 chunks, the last running to the row's end; 11
-    stays 2), at 0 nothing does. Attend and Merge (the kernel's own chunk count) against the
-    reference, the CUDA Attend on a GPU ("auto") and Triton's."""
-    monkeypatch.setattr(attend_module, "IMPLEMENTATION", implementation)
-    monkeypatch.setattr(attend_module, "FOLD_TAIL", fold_tail)
-    config = MoiraConfig(chunk_pages=8, floor_rows=1, min_chunks_per_row=4, min_programs=1,
-                         step_programs=0)
-    num_kv_heads, group, head_dim = 1, 4, 64
-    lengths = [9, 10, 11, 18, 26]
-    keys, values = make_cache(140, num_kv_heads, head_dim)
-    table, seq_lens = make_table([64 * (n - 1) + 7 for n in lengths], 140)
-    query = make_query(len(lengths), num_kv_heads * group, head_dim)
-    page_lists = torch.full((len(lengths), num_kv_heads, table.shape[1]), -1, dtype=torch.int32)
-    for row, n in enumerate(lengths):  # every page, the partial last one among the first
-        page_lists[row, 0, :n] = torch.roll(torch.arange(n, dtype=torch.int32), 1)
-    page_counts = torch.tensor(lengths, dtype=torch.int32)[:, None]
-    page_lists, page_counts = page_lists.to(DEVICE), page_counts.to(DEVICE)
-    chunks_per_row, _, chunks = ref.work_split(page_counts.cpu().flatten(), len(lengths),
-                                               config, max_pages=table.shape[1],
-                                               fold_tail=fold_tail)
-    assert chunks.tolist() == ([1, 1, 2, 2, 3] if fold_tail else [2, 2, 2, 3, 4])
-    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
-    assert kernel_chunks(query, keys, values, table, seq_lens, page_lists, page_counts, config,
-                         chunks_per_row) == [m if m > 1 else 0 for m in chunks.tolist()]
-
-
-@pytest.mark.parametrize("fold_tail", [-1, 65, 4.0, True])
-def test_a_fold_outside_its_range_is_refused(monkeypatch, fold_tail):
-    """``FOLD_TAIL`` is an int in [0, 64]: beyond it the kernels' int32 product (or the CUDA
-    launch's C int) could plan otherwise than Merge and the reference."""
-    monkeypatch.setattr(attend_module, "FOLD_TAIL", fold_tail)
-    query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows()
-    with pytest.raises(ValueError, match="FOLD_TAIL"):
-        moira.attend(query, keys, values, table, seq_lens, page_lists, page_counts,
-                     config=SMALL_SPLIT)
 
 
 @pytest.mark.parametrize("even", [True, False])

@@ -147,13 +147,10 @@ def test_cuda_attend_matches_reference(cuda_attend, group, head_dim, layout, sta
 
 
 @cuda
-# (a 625-page chunk has no tail to fold)
-@pytest.mark.parametrize("chunk_pages, fold_tail", [(1000, 0), (300, 0), (300, 4)])
-def test_chunks_longer_than_the_staged_ids(cuda_attend, chunk_pages, fold_tail):
+@pytest.mark.parametrize("chunk_pages", [1000, 300])
+def test_chunks_longer_than_the_staged_ids(cuda_attend, chunk_pages):
     """A chunk of more pages than the kernel stages at once (256): 625 pages in one chunk
-    (three segments), or in chunks of 300 / 300 / 25 (a segment boundary inside a chunk), or
-    with the tail folded (``FOLD_TAIL`` 4) 300 / 325."""
-    cuda_attend.setattr(attend_module, "FOLD_TAIL", fold_tail)
+    (three segments), or in chunks of 300 / 300 / 25 (a segment boundary inside a chunk)."""
     keys, values = make_cache(700, 1, 64)
     table, seq_lens = make_table([64 * 624 + 17], 700)
     query = make_query(1, 4, 64)

@@ -622,15 +622,6 @@ def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
     assert bench.attend_settings("moira_triton") == triton
     assert bench.config_fields("moira_packed_c32_triton") == {"chunk_pages": 32}
     assert bench.attend_settings("moira_packed_c32_triton") == triton
-    # a short tail folded (attend.FOLD_TAIL), alone, after a floor, before the Attend's options
-    assert bench.config_fields("moira_fold4") == {}
-    assert bench.attend_settings("moira_fold4") == {"FOLD_TAIL": 4}
-    assert bench.config_fields("moira_c16_fold4_cuda3") == {"chunk_pages": 16}
-    assert bench.attend_settings("moira_c16_fold4_cuda3") == dict(
-        FOLD_TAIL=4, IMPLEMENTATION="cuda", CUDA_STAGES=3)
-    assert bench.attend_settings("moira_fold2_ahead13")["FOLD_TAIL"] == 2
-    for unknown in ("moira_fold", "moira_fold0", "moira_fold4_c16", "moira_cuda3_fold4"):
-        assert bench.config_fields(unknown) is None and bench.attend_settings(unknown) == {}
     for unknown in ("moira_cuda", "moira_cuda5", "moira_cuda3_ahead13", "moira_ahead13_cuda3",
                     "moira_cuda3w", "moira_cuda3w4", "moira_triton_cuda2", "moira_triton2"):
         assert bench.config_fields(unknown) is None and bench.attend_settings(unknown) == {}

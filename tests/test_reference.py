@@ -71,23 +71,6 @@ def test_even_chunks_keep_the_programs_and_shorten_the_longest():
     assert (chunk[28], chunks[28], chunk[54], chunks[54]) == (14, 2, 18, 3)
 
 
-def test_a_folded_tail_removes_one_chunk_and_no_page():
-    """``fold_tail`` F: a row loses its last chunk exactly when that chunk has at most c / F
-    pages, and the chunks left still cover the row (the last one, at most c + c / F pages,
-    runs to n); e.g. 28 pages at C = 24: one chunk, 30 one, 31 two (24 + 7 > 24 + 6)."""
-    config = MoiraConfig(chunk_pages=24, min_chunks_per_row=32, min_programs=4096)
-    counts = torch.arange(0, 3000)
-    _, chunk, chunks = ref.work_split(counts, 256, config)
-    _, folded_chunk, folded = ref.work_split(counts, 256, config, fold_tail=4)
-    assert torch.equal(folded_chunk, chunk)
-    tail = counts - (chunks - 1) * chunk
-    assert torch.equal(chunks - folded, ((chunks > 1) & (4 * tail <= chunk)).long())
-    last = counts - (folded - 1) * folded_chunk  # the last chunk's pages
-    busy = counts > 0
-    assert ((last[busy] >= 1) & (4 * last[busy] <= 5 * folded_chunk[busy])).all()
-    assert (folded[28], folded[30], folded[31], folded[54], folded[55]) == (1, 1, 2, 2, 3)
-
-
 def test_capping_j_at_the_block_table_changes_no_chunk():
     config = MoiraConfig(chunk_pages=3, min_chunks_per_row=40, min_programs=1)
     counts = torch.arange(0, 61)

@@ -7,9 +7,7 @@ alone. Program (row, j) reads the row's list length n from GPU memory and plans 
     m = ceil(n / c)              chunks of this row (at least 1)
 
 and processes pages [j c, min((j + 1) c, n)) or exits if j >= m. (``EVEN_CHUNKS``, off,
-makes the m chunks equal instead, c = ceil(n / m): timed slower at 8k x 32. ``FOLD_TAIL``,
-off, lets the last chunk's program take a short tail instead: m - 1 chunks, the last one
-[(m - 2) c, n).) All G query
+makes the m chunks equal instead, c = ceil(n / m): timed slower at 8k x 32.) All G query
 heads of the group share each K/V tile (one read of every K/V byte per group). A
 single-chunk row writes its output directly; otherwise each chunk writes its normalized
 partial output and log-sum-exp for Merge.
@@ -64,16 +62,6 @@ FA3_TILE_ORDER = False
 # on the H200 (session 9, tune_kernels.py --kinds step, 22% of every row) 7% slower at 8k x 32
 # (72.2 against 67.4 us) and equal at 32k-131k (within 0.3%): off, Eq. (4) as is
 EVEN_CHUNKS = False
-# a row's last chunk of at most c / FOLD_TAIL pages (c: the row's chunk) is read by the
-# program before it, whose chunk runs to the row's end: one program and one partial fewer, so
-# no Merge for a row of c + c / FOLD_TAIL pages or fewer (0: off, Eq. (4) as is). Why: at
-# 8k x 32's 22% (rows of 28 pages, C = 24: 24 + 4) the floor at 28 instead of 24, one chunk
-# per row, made the CUDA Attend + Merge 7.4% faster at CV 0 and 1-5% on spreads, -4 to +7% on
-# the real-like lists, but 1.7-3.1% slower at 16k x 32 (rows of 56: 28 + 28; session 45,
-# results/kernels-2026-12-02-s45-floors.json); at FOLD_TAIL = 4 only tails of at most 6 of 24
-# pages fold (8k x 32's 4, not 16k x 32's 24 + 24 + 8). Both kernels, Merge and
-# reference.work_split plan with it. Off until timed
-FOLD_TAIL = 0
 # each tile's page ids (list entry -> block table) loaded one tile ahead and carried by the
 # loop. Why: Triton's pipeliner gives K and V one shared-memory buffer each when their
 # addresses come from loads in the same iteration (the default, at any NUM_STAGES: one tile
@@ -117,15 +105,11 @@ CUDA_STAGES = 2
 
 @triton.jit
 def plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per_row,
-             step_rows, step_programs, short_pages, EVEN: tl.constexpr,
-             FOLD: tl.constexpr = 0):
+             step_rows, step_programs, short_pages, EVEN: tl.constexpr):
     """(list length n, pages per chunk c, chunks m) of a row: Eq. (4) with the short-row floor
     (``step_programs`` over ``step_rows``, the planned step's rows; rows of at most
     ``short_pages`` pages, ``short_row_pages``: -1 when off), its chunks made equal with
-    ``EVEN`` (``EVEN_CHUNKS``), a last chunk of at most c / ``FOLD`` pages folded into the one
-    before (``FOLD_TAIL``; 0: off, a constant, so the default build plans as before), shared
-    with Merge (``reference.work_split``). Chunk j reads pages [j c, j c + c), the last one
-    [(m - 1) c, n)."""
+    ``EVEN`` (``EVEN_CHUNKS``), shared with Merge (``reference.work_split``)."""
     count = tl.load(page_counts + b * stride_cb + head * stride_ch)
     floor = chunk_floor
     if count <= short_pages:  # only where the floor binds: n * rows <= (C - 1) * T, so
@@ -134,11 +118,7 @@ def plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per
     chunk = tl.maximum(floor, tl.cdiv(count, chunks_per_row))
     if EVEN:
         chunk = tl.maximum(tl.cdiv(count, tl.maximum(tl.cdiv(count, chunk), 1)), 1)
-    chunks = tl.maximum(tl.cdiv(count, chunk), 1)
-    if FOLD > 0:
-        folds = (chunks > 1) & ((count - (chunks - 1) * chunk) * FOLD <= chunk)
-        chunks = tl.where(folds, chunks - 1, chunks)
-    return count, chunk, chunks
+    return count, chunk, tl.maximum(tl.cdiv(count, chunk), 1)
 
 
 def short_row_pages(chunk_floor, step_rows, step_programs):
@@ -290,8 +270,7 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
                    step_rows, step_programs, short_pages,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr, SUM_ROUNDED: tl.constexpr,
-                   FA3_ORDER: tl.constexpr, EVEN_CHUNKS: tl.constexpr, FOLD: tl.constexpr,
-                   PDL: tl.constexpr,
+                   FA3_ORDER: tl.constexpr, EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr,
                    PAGES_AHEAD: tl.constexpr = False):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
@@ -300,18 +279,14 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
     head = row % num_kv_heads
     count, chunk, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
                                         chunk_floor, chunks_per_row, step_rows,
-                                        step_programs, short_pages, EVEN_CHUNKS, FOLD)
+                                        step_programs, short_pages, EVEN_CHUNKS)
     if chunk_id >= num_chunks:
         return
 
     start = chunk_id * chunk
-    if FOLD:  # the last chunk to the row's end: the folded tail too
-        end = tl.where(chunk_id == num_chunks - 1, count, start + chunk)
-    else:
-        end = tl.minimum(start + chunk, count)
     result, lse = attend_segment(
         query, key_cache, value_cache, block_table, seq_lens, page_lists, b, head, start,
-        end, stride_qb, stride_qh, stride_qd,
+        tl.minimum(start + chunk, count), stride_qb, stride_qh, stride_qd,
         stride_kp, stride_kt, stride_kh, stride_kd, stride_vp, stride_vt, stride_vh, stride_vd,
         stride_bt, stride_pb, stride_ph, max_pages, qk_scale_log2,
         GROUP, GROUP_PAD, HEAD_DIM, PAGE, PAGES_PER_TILE, SUM_ROUNDED, FA3_ORDER, PAGES_AHEAD)
@@ -331,9 +306,6 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
 def implementation(query, key_cache, value_cache):
     """The Attend that runs a call, "triton" or "cuda": ``IMPLEMENTATION`` with "auto" resolved
     (a ValueError for an unknown name, or for "cuda" with an option only Triton has)."""
-    if isinstance(FOLD_TAIL, bool) or not (isinstance(FOLD_TAIL, int) and 0 <= FOLD_TAIL <= 64):
-        raise ValueError(f"attend.FOLD_TAIL = {FOLD_TAIL!r}: use an int from 0 (off) to 64 "
-                         f"(a last chunk of at most c / FOLD_TAIL pages folds)")
     triton_only = dict(PAGE_IDS_AHEAD=PAGE_IDS_AHEAD, FA3_TILE_ORDER=FA3_TILE_ORDER,
                        EVEN_CHUNKS=EVEN_CHUNKS, SUM_ROUNDED_WEIGHTS=not SUM_ROUNDED_WEIGHTS)
     if IMPLEMENTATION == "cuda" and any(triton_only.values()):
@@ -368,7 +340,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
             chunks_per_row=chunks_per_row, out=out, partial_out=partial_out,
             partial_lse=partial_lse, step_rows=step_rows, step_programs=step_programs,
             short_pages=short_row_pages(chunk_floor, step_rows, step_programs),
-            fold_tail=FOLD_TAIL, stages=CUDA_STAGES, build_only=launch.building_only())
+            stages=CUDA_STAGES, build_only=launch.building_only())
     launch.on(_attend_kernel, (batch * num_kv_heads, chunks_per_row))(
         query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
         out, partial_out, partial_lse,
@@ -379,8 +351,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         short_row_pages(chunk_floor, step_rows, step_programs),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE=PAGE_SIZE, PAGES_PER_TILE=PAGES_PER_ITER, SUM_ROUNDED=SUM_ROUNDED_WEIGHTS,
-        FA3_ORDER=FA3_TILE_ORDER, EVEN_CHUNKS=EVEN_CHUNKS, FOLD=FOLD_TAIL,
-        PAGES_AHEAD=PAGE_IDS_AHEAD,
+        FA3_ORDER=FA3_TILE_ORDER, EVEN_CHUNKS=EVEN_CHUNKS, PAGES_AHEAD=PAGE_IDS_AHEAD,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS,
         **launch.options(programmatic_launch, "attend"),
     )

@@ -49,7 +49,7 @@ struct Params {
   i64 stride_bt, stride_pb, stride_ph, stride_cb, stride_ch;
   i64 stride_ob, stride_oh, stride_od;
   int num_kv_heads, max_pages, group, chunk_floor, chunks_per_row;
-  int step_rows, step_programs, short_pages, fold_tail;
+  int step_rows, step_programs, short_pages;
   float qk_scale_log2;
 };
 
@@ -125,17 +125,14 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
 
   const int row = blockIdx.x, chunk_id = blockIdx.y;
   const int b = row / p.num_kv_heads, head = row % p.num_kv_heads;
-  // plan_row (attend.py): Eq. (4) with the short-row floor and a short tail folded into the
-  // chunk before it (fold_tail; 0: off); the last chunk runs to the row's end
+  // plan_row (attend.py): Eq. (4) with the short-row floor
   const int count = p.page_counts[b * p.stride_cb + head * p.stride_ch];
   int floor_pages = p.chunk_floor;
   if (count <= p.short_pages) floor_pages = max(2, cdiv(count * p.step_rows, p.step_programs));
   const int chunk = max(floor_pages, cdiv(count, p.chunks_per_row));
-  int chunks = max(cdiv(count, chunk), 1);
-  if (p.fold_tail > 0 && chunks > 1 && (count - (chunks - 1) * chunk) * p.fold_tail <= chunk)
-    --chunks;
+  const int chunks = max(cdiv(count, chunk), 1);
   if (chunk_id >= chunks) return;
-  const int first = chunk_id * chunk, last = chunk_id == chunks - 1 ? count : first + chunk;
+  const int first = chunk_id * chunk, last = min(first + chunk, count);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates

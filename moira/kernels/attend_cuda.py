@@ -36,7 +36,7 @@ class Params(ctypes.Structure):
             "stride_ch", "stride_ob", "stride_oh", "stride_od")]
         + [(name, ctypes.c_int) for name in (
             "num_kv_heads", "max_pages", "group", "chunk_floor", "chunks_per_row", "step_rows",
-            "step_programs", "short_pages", "fold_tail")]
+            "step_programs", "short_pages")]
         + [("qk_scale_log2", ctypes.c_float)])
 
 
@@ -100,7 +100,7 @@ def usable(index, head_dim, stages):
 
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
            qk_scale_log2, chunk_floor, chunks_per_row, out, partial_out, partial_lse,
-           step_rows, step_programs, short_pages, fold_tail, stages, build_only=False):
+           step_rows, step_programs, short_pages, stages, build_only=False):
     """Launch ``attend_cuda.cu``'s kernel on the current stream: the arguments of
     ``attend.attend`` (the scale already in log2 units, the short-row bound computed), inputs
     that ``check_inputs`` passed."""
@@ -119,7 +119,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         block_table.stride(0), page_lists.stride(0), page_lists.stride(1),
         page_counts.stride(0), page_counts.stride(1), *out.stride(),
         num_kv_heads, block_table.shape[1], group, chunk_floor, chunks_per_row, step_rows,
-        step_programs, short_pages, fold_tail, qk_scale_log2)
+        step_programs, short_pages, qk_scale_log2)
     cuda_build.launch(function, (batch * num_kv_heads, chunks_per_row), THREADS,
                       shared_bytes(head_dim, stages), query.device, params)
     return out

@@ -28,7 +28,7 @@ def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_sta
                   step_programs, short_pages, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                   SPLITS_PAD: tl.constexpr,
                   SPLITS_PER_LOAD: tl.constexpr, HAS_STATS: tl.constexpr, PAGE: tl.constexpr,
-                  EVEN_CHUNKS: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr):
+                  EVEN_CHUNKS: tl.constexpr, PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
     row = tl.program_id(0)
     g = tl.program_id(1)
@@ -36,7 +36,7 @@ def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_sta
     head = row % num_kv_heads
     count, _, num_chunks = plan_row(page_counts, b, head, stride_cb, stride_ch,
                                     chunk_floor, chunks_per_row, step_rows, step_programs,
-                                    short_pages, EVEN_CHUNKS, FOLD)
+                                    short_pages, EVEN_CHUNKS)
     if HAS_STATS:
         if g == 0:
             add_page_stats(page_stats, seq_lens, b, count, max_pages, PAGE)
@@ -67,8 +67,7 @@ def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_flo
         short_row_pages(chunk_floor, step_rows, step_programs),
         GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
         SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)), HAS_STATS=has_stats,
-        PAGE=PAGE_SIZE, EVEN_CHUNKS=attend_module.EVEN_CHUNKS, FOLD=attend_module.FOLD_TAIL,
-        num_warps=4,
+        PAGE=PAGE_SIZE, EVEN_CHUNKS=attend_module.EVEN_CHUNKS, num_warps=4,
         **launch.options(programmatic_launch, "merge"),
     )
     return out
