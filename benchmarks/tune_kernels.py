@@ -40,9 +40,10 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # register ceilings; "query": Estimate's query of the next head loaded ahead; "cuda":
 # Estimate in CUDA C++ at several grid sizes and Select in CUDA C++, each checked against the
 # Triton kernel first, then the whole step with each and the step's parts per Select;
-# "selectwarps": the whole step with the Triton Select at 4 / 8 / 16 warps and the CUDA one)
+# "selectwarps": the whole step with the Triton Select at 4 / 8 / 16 warps and the CUDA one;
+# "halfbytes": the CUDA Estimate with half its summary bytes, same instructions (below))
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
-         "balanced", "fractions", "step", "wide", "selectwarps")
+         "balanced", "fractions", "step", "wide", "selectwarps", "halfbytes")
 
 
 def bench(fn):
@@ -129,14 +130,14 @@ def main():
         rotation = estimate_rotation(summaries, table, pages, summary_bytes)
 
         def time_estimate(label, rotation=rotation, masses=log_masses, lens=seq_lens,
-                          **settings):
+                          bytes_read=summary_bytes, **settings):
             """Time Estimate with some of its module's settings changed (the sweeps are of the
             Triton kernel's knobs: its IMPLEMENTATION unless ``settings`` name one)."""
             with patched(estimate_module, **{"IMPLEMENTATION": "triton", **settings}):
                 micros = bench(lambda: [estimate_module.estimate(
                     query, keys, copy, rolled, lens, scale, masses)
                     for copy, rolled in rotation]) / len(rotation)
-            record("estimate", shape, label, micros, summary_bytes)
+            record("estimate", shape, label, micros, bytes_read)
 
         blocks = [16, 32, 64] if not args.quick else [32, 64]
         for block, warps in itertools.product(blocks if "estimate" in kinds else [],
@@ -195,6 +196,22 @@ def main():
                 with patched(estimate_cuda, TARGET_PROGRAMS=cuda_programs or 660,
                              MIN_BLOCKS_PER_SM=min_blocks):
                     time_estimate(label, **({"IMPLEMENTATION": "cuda"} if cuda_programs else {}))
+
+        # What fewer summary bytes could save (session 49, before building FP8 summaries):
+        # the CUDA Estimate as configured, and with the variance lanes pointed at the mean
+        # (the summaries' stride_ss = 0), so each page's loads read 256 of its 512 bytes from
+        # DRAM with the same instructions and pages. An FP8 form would add its conversions,
+        # so this bounds its gain. The half arm's log-masses are not mvar's: timing only.
+        # Both arms rotate over the same copies, enough for the half arm to exceed the L2.
+        if "halfbytes" in kinds:
+            half_bytes = estimate_bytes(batch * KV_HEADS, pages, 1)  # one byte per value
+            full = estimate_rotation(summaries, table, pages, half_bytes)
+            halved = [(copy.as_strided(copy.shape, (copy.stride(0), copy.stride(1), 0,
+                                                    copy.stride(3))), rolled)
+                      for copy, rolled in full]
+            for label, arm, arm_bytes in [("cuda", full, summary_bytes),
+                                          ("cuda half summary bytes", halved, half_bytes)] * 2:
+                time_estimate(label, rotation=arm, bytes_read=arm_bytes, IMPLEMENTATION="cuda")
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)
