@@ -1331,3 +1331,36 @@ def test_step_profile_classes_name_the_cuda_kernels_and_edges_sum_the_waits_befo
     # a kernel overlapping the one before waits for nothing
     assert vllm_step_profile.edges([("GEMM", 0.0, 10.0), ("other", 5.0, 8.0),
                                     ("Merge", 9.0, 12.0)])[0] == {"other": [0.0], "Merge": [0.0]}
+
+
+def test_summary_precision_forms_and_their_comparison():
+    study = load("summary_precision_study")
+    generator = torch.Generator().manual_seed(3)
+    summaries = torch.randn(6, 2, 2, 64, generator=generator) * 5
+    summaries[:, :, 1] = summaries[:, :, 1].abs()  # variances are not negative
+    scaled = study.FORMS["e4m3 scaled"](summaries)
+    peak = summaries.abs().amax(dim=-1, keepdim=True)
+    # e4m3 keeps 3 mantissa bits: within 2^-4 of each value, and of the vector's peak
+    assert ((scaled - summaries).abs() <= summaries.abs() / 16 + peak * 2**-9).all()
+    assert not torch.equal(scaled, summaries)
+    mixed = study.FORMS["var e4m3"](summaries)
+    assert torch.equal(mixed[:, :, 0], summaries[:, :, 0].to(torch.bfloat16).float())
+    assert torch.equal(mixed[:, :, 1], scaled[:, :, 1])
+
+    # one decode step of a batch-1 row of 5 pages: every form selects, the bf16 one is returned
+    batch, kv_heads, group, head_dim, pages = 1, 2, 2, 64, 5
+    keys = torch.randn(pages, 64, kv_heads, head_dim, generator=generator)
+    table = torch.arange(pages, dtype=torch.int32).view(1, pages)
+    seq_lens = torch.tensor([pages * 64 - 10], dtype=torch.int32)
+    query = torch.randn(batch, kv_heads * group, head_dim, generator=generator) * 3
+    stats = {}
+    select = study.comparing_select(0.98, stats)
+    lists, counts = select(0, query, keys, table, seq_lens, head_dim ** -0.5)
+    summaries = moira.reference.summarize(keys, table, seq_lens)
+    expected = moira.reference.select(moira.reference.estimate(
+        query, keys, study.FORMS["bf16"](summaries), table, seq_lens), seq_lens, gamma=0.98)
+    assert torch.equal(lists, expected[0]) and torch.equal(counts, expected[1])
+    assert set(stats) == set(study.FORMS)
+    assert stats["bf16"]["rows"] == kv_heads and stats["bf16"]["identical"] == kv_heads
+    assert stats["bf16"]["only_here"] == stats["bf16"]["only_base"] == 0
+    assert 0 < stats["bf16"]["kept_mass"] <= kv_heads + 1e-5
