@@ -3,7 +3,8 @@
 The Estimate streams every page's summary (mean and variance, 2 x D values in the cache's
 dtype) at about the HBM's peak rate per extra byte (NOTES, session 43: T ~ 6.4 us + 0.207 us
 per MB at 130k x 4), so summaries of one byte per value would take ~3.5 us per layer off
-130k x 4's Estimate. This study asks what that costs in selection, before any kernel is
+130k x 4's Estimate (the bound measured since, ``tune_kernels.py --kinds halfbytes``: 1.3 us;
+NOTES, session 49). This study asks what that costs in selection, before any kernel is
 built: on a trained model, each decode step of each layer selects its pages (coverage rule,
 ``moira.reference``) from summaries rounded to bfloat16 (what the kernels store now) and
 to FP8 in several forms, on the same queries and keys, and records how the FP8 lists differ
@@ -30,12 +31,12 @@ import time
 import torch
 
 from moira import reference
-from moira.evaluation import experiments, hf
-from moira.evaluation.tasks import read_text, windows
+from moira.evaluation import hf
+from moira.evaluation.tasks import windows
 
-DEFAULT_MODEL = os.path.expanduser("~/.cache/moira-models/smollm2-135m-hf")
-DEFAULT_TEXT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
-                            "paul_graham_essays.json")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from calibration_study import DEFAULT_MODEL, DEFAULT_TEXT, load  # noqa: E402
+
 E4M3_MAX = 448.0
 
 
@@ -108,15 +109,8 @@ def main():
     parser.add_argument("--plot", help="a PNG of the table")
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    hf.register()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,
-                                                 attn_implementation=hf.ATTENTION_NAME)
-    lm = experiments.CausalLM(model)
-    ids = tokenizer(read_text(args.text), add_special_tokens=False)["input_ids"]
-    docs = windows(ids[len(ids) // 2:], args.context, args.documents, seed=11)
+    lm, _, evaluation_ids = load(args)  # the text's second half, as the calibration study's
+    docs = windows(evaluation_ids, args.context, args.documents, seed=11)
     stats, start = {}, time.time()
     for index, doc in enumerate(docs):
         cache, logprobs = lm.prefill(doc)
