@@ -4,7 +4,9 @@
 #
 #   PYTHONPATH=/tmp/site:. bash benchmarks/serve_bench.sh BACKEND [SETS...]
 #   BACKEND: dense | flashinfer | moira (imposed reads of the paper at gamma 0.98)
-#   SETS:    e.g. A:1 A:16 B:1 B:8 (default: all four)
+#   SETS:    e.g. A:1 A:16 B:1 B:8 (default: all four); SET:C@K runs from prompt K, SET:C@K+N
+#            prompts K..K+N-1 (given after SERVE_BENCH_ARGS, so they override its --offset and
+#            --limit), e.g. A:1@8+8 B:1@7+6
 #   SERVE_STATS_INTERVAL: the plugin's stats_interval for the moira server (default 30, the
 #   page-read log line; 0 turns Merge's counters off, as in the TPOT and profile engines);
 #   other plugin settings through MOIRA_* variables, e.g. MOIRA_FUSED_CACHE_WRITE=1
@@ -53,8 +55,14 @@ for _ in $(seq 600); do
   sleep 1
 done
 for run in $runs; do
+  slice=()
+  if [[ $run == *@* ]]; then
+    from=${run#*@}; run=${run%@*}
+    slice=(--offset "${from%+*}")
+    [[ $from == *+* ]] && slice+=(--limit "${from#*+}")
+  fi
   set_name=${run%:*}; concurrency=${run#*:}
   python3 benchmarks/serve_bench.py --set "$set_name" --concurrency "$concurrency" \
     --label "$backend" --out "$out/serve-$backend-$set_name-$concurrency.json" \
-    ${SERVE_BENCH_ARGS:-}
+    ${SERVE_BENCH_ARGS:-} "${slice[@]}"
 done
