@@ -3,12 +3,14 @@ median TPOT per arm, and each arm's throughput against dense FA3's on the same (
 concurrency, prompts, output tokens).
 
     python benchmarks/serve_report.py benchmarks/results/serve-2026-11-30-s8 [--readme benchmarks/RESULTS.md]
+    python benchmarks/serve_report.py FOLDER FOLDER ... --plot PATH.png [--readme ...]
 
-The folder holds ``serve-<arm>-<set>-<concurrency>[-<anything>].json`` (``serve_bench.sh``).
+A folder holds ``serve-<arm>-<set>-<concurrency>[-<anything>].json`` (``serve_bench.sh``).
 Slices of one set run apart (``serve_bench.py --offset K --limit N``, same arm, concurrency and
-output length) are pooled into one row: requests and tokens added, throughput = all tokens /
-all slices' wall time, medians over all requests' records. Writes ``<folder>.png`` and, with
-``--readme``, that file's ``serve`` section (benchmarks/RESULTS.md; ``--section`` another).
+output length), in one folder or several, are pooled into one row: requests and tokens added,
+throughput = all tokens / all slices' wall time, medians over all requests' records. Writes
+``<folder>.png`` (with several folders, ``--plot``) and, with ``--readme``, that file's
+``serve`` section (benchmarks/RESULTS.md; ``--section`` another).
 """
 
 import argparse
@@ -24,17 +26,23 @@ from readme_section import repo_path, write_section  # noqa: E402
 ARMS = {"dense": "dense FA3", "flashinfer": "dense FlashInfer", "moira": "Moira"}
 
 
-def load(folder):
-    """The runs of a folder; the slices of one workload pooled into one run."""
+def runs_in(folders):
+    """Every ``serve-*.json`` run of ``folders``, in name order within each folder."""
+    for folder in folders:
+        for name in sorted(os.listdir(folder)):
+            if name.startswith("serve-") and name.endswith(".json"):
+                with open(os.path.join(folder, name)) as f:
+                    yield json.load(f)
+
+
+def load(folders):
+    """The runs of ``folders``; the slices of one workload pooled into one run."""
     groups = {}
-    for name in sorted(os.listdir(folder)):
-        if name.startswith("serve-") and name.endswith(".json"):
-            with open(os.path.join(folder, name)) as f:
-                run = json.load(f)
-            # runs with other MOIRA_* settings are another arm, never pooled with the default
-            setting = tuple(sorted(run.get("moira_environment", {}).items()))
-            key = (run["label"], run["set"], run["concurrency"], run["output_tokens"], setting)
-            groups.setdefault(key, []).append(run)
+    for run in runs_in(folders):
+        # runs with other MOIRA_* settings are another arm, never pooled with the default
+        setting = tuple(sorted(run.get("moira_environment", {}).items()))
+        key = (run["label"], run["set"], run["concurrency"], run["output_tokens"], setting)
+        groups.setdefault(key, []).append(run)
     return [run for parts in groups.values() for run in pooled(parts)]
 
 
@@ -81,31 +89,33 @@ def arm_name(run):
     return ARMS.get(run["label"], run["label"]) + (f" ({setting})" if setting else "")
 
 
-def per_request_changes(folder, below_tokens=20480, from_offset=0):
+def per_request_changes(folders, below_tokens=20480, from_offset=0):
     """Moira's TPOT against dense FA3's, request by request (the same prompts in the same
-    order in each slice), from the slices of ``folder`` whose offset is at least
-    ``from_offset``: ``{(set, concurrency): {"read in full": [%...], "selected": [%...]}}``,
-    a prompt read in full when it and its output fit ``below_tokens`` (the plugin's default
-    ``dense_below_tokens`` at batch 1). Arms with other MOIRA_* settings are left out."""
+    order in each slice), from the slices in ``folders`` whose offset is at least
+    ``from_offset``: ``{(set, concurrency): {"read in full": [%...], "selected": [%...],
+    "all": [%...]}}``: at concurrency 1 a prompt is read in full when it and its output fit
+    ``below_tokens`` (the plugin's default ``dense_below_tokens`` at batch 1), else selected
+    in; at higher concurrency every request is under "all". Arms with other MOIRA_* settings
+    are left out."""
     slices = {}
-    for name in sorted(os.listdir(folder)):
-        if name.startswith("serve-") and name.endswith(".json"):
-            with open(os.path.join(folder, name)) as f:
-                run = json.load(f)
-            if "per_request" in run and not run.get("moira_environment") \
-                    and run.get("offset", 0) >= from_offset:
-                key = (run["set"], run["concurrency"], run.get("offset", 0))
-                slices.setdefault(key, {})[run["label"]] = run
+    for run in runs_in(folders):
+        if "per_request" in run and not run.get("moira_environment") \
+                and run.get("offset", 0) >= from_offset:
+            key = (run["set"], run["concurrency"], run.get("offset", 0))
+            slices.setdefault(key, {})[run["label"]] = run
     changes = {}
     for (name, concurrency, _), arms in sorted(slices.items()):
         if "dense" not in arms or "moira" not in arms:
             continue
-        split = changes.setdefault((name, concurrency), {"read in full": [], "selected": []})
+        split = changes.setdefault((name, concurrency),
+                                   {"read in full": [], "selected": [], "all": []})
         for dense, moira in zip(arms["dense"]["per_request"], arms["moira"]["per_request"]):
             assert dense["prompt_tokens"] == moira["prompt_tokens"], "slices of other prompts"
             if dense["tpot_ms"] and moira["tpot_ms"]:
-                kind = ("read in full" if dense["prompt_tokens"] + arms["dense"]["output_tokens"]
-                        <= below_tokens else "selected")
+                # the plugin reads in full only at batch 1; in a batch every row is selected in
+                kind = ("all" if concurrency != 1 else "read in full"
+                        if dense["prompt_tokens"] + arms["dense"]["output_tokens"] <= below_tokens
+                        else "selected")
                 split[kind].append(100 * (moira["tpot_ms"] / dense["tpot_ms"] - 1))
     return changes
 
@@ -175,30 +185,39 @@ def plot(runs, path):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("folder")
+    parser.add_argument("folders", nargs="+")
+    parser.add_argument("--plot", help="the plot's path (default: <folder>.png, one folder)")
     parser.add_argument("--readme")
     parser.add_argument("--section", default="serve", help="the generated section to replace")
     parser.add_argument("--from-offset", type=int, default=0,
                         help="per-request lines: only the slices from this prompt on")
     args = parser.parse_args()
-    runs = load(args.folder)
+    if args.plot is None and len(args.folders) > 1:
+        parser.error("several folders: name the plot's path with --plot")
+    runs = load(args.folders)
     text = table(runs)
     print(text)
-    for line in per_request_lines(per_request_changes(args.folder,
-                                                      from_offset=args.from_offset)):
+    request_lines = per_request_lines(per_request_changes(args.folders,
+                                                          from_offset=args.from_offset))
+    for line in request_lines:
         print(line)
-    folder = os.path.abspath(args.folder)  # "." names the folder itself, not ".png"
-    plot(runs, folder + ".png")
+    # "." names the folder itself, not ".png"
+    plot_path = os.path.abspath(args.plot) if args.plot else os.path.abspath(args.folders[0]) + ".png"
+    plot(runs, plot_path)
     if args.readme:
-        source = repo_path(folder)
+        sources = ", ".join(f"`{repo_path(os.path.abspath(folder))}/`" for folder in args.folders)
         gpus = sorted({run.get("gpu", "GPU and versions: NOTE.md beside the JSONs") for run in runs})
         dates = days(runs)
-        note = (f"Generated by `benchmarks/serve_report.py` from `{source}/` ({', '.join(gpus)}; "
+        note = (f"Generated by `benchmarks/serve_report.py` from {sources} ({', '.join(gpus)}; "
                 f"{', '.join(dates)}; commands in each JSON). Closed-loop client, prefix caching "
                 "off, every prompt's output forced to the stated length; TPOT per request from "
                 "the streamed tokens' times. Random (dummy) weights: Moira reads the paper's "
                 "γ = 0.98 fractions per context, imposed, not chosen by the rule. Plot: "
-                f"`{source}.png`.")
+                f"`{repo_path(plot_path)}`.")
+        if request_lines:
+            text += ("\n\nPer request against dense FA3 on the same prompts (at concurrency 1, "
+                     "read in full: prompt and output within the plugin's dense_below_tokens):\n"
+                     + "\n".join(f"- {line}" for line in request_lines))
         write_section(args.readme, args.section, text + "\n\n" + note)
 
 

@@ -441,7 +441,7 @@ def test_serve_report_puts_dense_first_and_compares_each_arm_on_its_own_workload
                                   ("flashinfer", 110.0, 32), ("moira", 90.0, 16)):
         run = dict(base, label=label, output_tokens_per_s=rate, requests=requests)
         (tmp_path / f"serve-{label}-A-16-{requests}.json").write_text(json.dumps(run))
-    lines = report.table(report.load(str(tmp_path))).splitlines()
+    lines = report.table(report.load([str(tmp_path)])).splitlines()
     assert [line.split(" | ")[3] for line in lines[2:]] == [
         "Moira",  # 16 prompts: no dense run of that workload, so no ratio
         "dense FA3", "dense FlashInfer", "Moira"]
@@ -451,7 +451,7 @@ def test_serve_report_puts_dense_first_and_compares_each_arm_on_its_own_workload
     run = dict(base, label="moira", output_tokens_per_s=120.0,
                moira_environment={"MOIRA_EXACT_PREFILL": "0"})
     (tmp_path / "serve-moira-A-16-off.json").write_text(json.dumps(run))
-    rows = [line.split(" | ") for line in report.table(report.load(str(tmp_path))).splitlines()]
+    rows = [line.split(" | ") for line in report.table(report.load([str(tmp_path)])).splitlines()]
     assert [(row[3], row[6]) for row in rows[3:]] == [
         ("dense FA3", "–"), ("dense FlashInfer", "**+10.0%**"), ("Moira", "**+50.0%**"),
         ("Moira (MOIRA_EXACT_PREFILL=0)", "**+20.0%**")]
@@ -479,14 +479,21 @@ def test_serve_report_splits_per_request_changes_at_the_full_read_bound(tmp_path
     run = dict(base, label="moira", offset=0, requests=2, moira_environment={"MOIRA_X": "1"},
                per_request=[record(4000, 50.0), record(30000, 50.0)])
     (tmp_path / "serve-moira-A-1-o0-x.json").write_text(json.dumps(run))
-    changes = report.per_request_changes(str(tmp_path))
+    changes = report.per_request_changes([str(tmp_path)])
     full, selected = changes[("A", 1)]["read in full"], changes[("A", 1)]["selected"]
     assert full == pytest.approx([3.0, 1.0]) and selected == pytest.approx([-8.0])
-    assert report.per_request_changes(str(tmp_path), from_offset=2)[("A", 1)] == {
-        "read in full": pytest.approx([1.0]), "selected": []}
+    assert report.per_request_changes([str(tmp_path)], from_offset=2)[("A", 1)] == {
+        "read in full": pytest.approx([1.0]), "selected": [], "all": []}
     lines = report.per_request_lines(changes)
     assert lines[0] == ("set A, concurrency 1, read in full: 2 requests, Moira's TPOT +2.00% on "
                         "average (+1.0 to +3.0%), 1 over +2%")
+    # in a batch the plugin reads no row in full: short prompts are not split out there
+    for label, tpot in (("dense", 5.0), ("moira", 4.0)):
+        run = dict(base, label=label, concurrency=16, offset=0, requests=1,
+                   per_request=[record(4000, tpot)])
+        (tmp_path / f"serve-{label}-A-16.json").write_text(json.dumps(run))
+    assert report.per_request_changes([str(tmp_path)])[("A", 16)] == {
+        "read in full": [], "selected": [], "all": pytest.approx([-20.0])}
 
 
 def test_tpot_report_gives_a_programmatic_launch_run_its_own_single_request_column(tmp_path):
@@ -670,12 +677,15 @@ def test_serve_slices_are_the_whole_runs_prompts_and_pool_into_one_row(tmp_path)
                     median_ttft_s=1.0, per_request=records, command=f"slice {offset}",
                     date="2026-11-30 23:00:00" if offset == 0 else "2026-12-01 00:20:00")
 
+    later = tmp_path / "later-session"  # slices pool across folders too
+    later.mkdir()
     for label, tpots, wall in (("dense", (30.0, 31.0), 10.0), ("moira", (20.0, 21.0), 8.0)):
         (tmp_path / f"serve-{label}-A-16.json").write_text(
             json.dumps(slice_run(label, 0, tpots, wall)))
-        (tmp_path / f"serve-{label}-A-16-o2.json").write_text(
+        (later / f"serve-{label}-A-16-o2.json").write_text(
             json.dumps(slice_run(label, 2, [t + 2 for t in tpots], wall)))
-    runs = {run["label"]: run for run in report.load(str(tmp_path))}
+    folders = [str(tmp_path), str(later)]
+    runs = {run["label"]: run for run in report.load(folders)}
     moira = runs["moira"]
     assert (moira["requests"], moira["slices"], moira["wall_s"]) == (4, 2, 16.0)
     assert moira["output_tokens_per_s"] == 400 / 16.0
@@ -688,7 +698,7 @@ def test_serve_slices_are_the_whole_runs_prompts_and_pool_into_one_row(tmp_path)
     # a run overlapping the slices is another workload: no pooling, one row each
     (tmp_path / "serve-moira-A-16-again.json").write_text(
         json.dumps(slice_run("moira", 1, (20.0,), 4.0)))
-    assert sorted(run["requests"] for run in report.load(str(tmp_path))
+    assert sorted(run["requests"] for run in report.load(folders)
                   if run["label"] == "moira") == [1, 2, 2]
 
 
@@ -965,6 +975,30 @@ def test_serve_report_run_inside_its_folder_plots_beside_the_folder(tmp_path, mo
     report.main()
     assert (tmp_path / "serve-b8.png").is_file()
     assert not list(folder.glob(".*png"))
+
+
+def test_serve_report_of_several_folders_names_its_plot_and_every_folder(tmp_path, monkeypatch,
+                                                                        capsys):
+    report = load("serve_report")
+    first = dense_b8_folder(tmp_path)
+    second = tmp_path / "serve-b8-later"
+    second.mkdir()
+    run = json.loads((first / "serve-dense-B-8.json").read_text())
+    (second / "serve-dense-B-8-o2.json").write_text(json.dumps(dict(run, offset=2)))
+    monkeypatch.setattr(sys, "argv", ["serve_report.py", str(first), str(second)])
+    with pytest.raises(SystemExit):
+        report.main()
+    assert "--plot" in capsys.readouterr().err
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- serve:begin -->\n<!-- serve:end -->\n")
+    monkeypatch.setattr(sys, "argv", ["serve_report.py", str(first), str(second), "--plot",
+                                      str(tmp_path / "both.png"), "--readme", str(readme)])
+    report.main()
+    assert (tmp_path / "both.png").is_file() and not (tmp_path / "serve-b8.png").exists()
+    text = readme.read_text()
+    # no per_request records, so the two runs stay two rows (nothing to pool them from)
+    assert text.count("| dense FA3 |") == 2
+    assert "serve-b8/`, `" in text and "serve-b8-later/`" in text and "both.png" in text
 
 
 @pytest.mark.parametrize("argv, message", [
