@@ -102,6 +102,8 @@ def per_request_changes(folders, below_tokens=20480, from_offset=0):
         if "per_request" in run and not run.get("moira_environment") \
                 and run.get("offset", 0) >= from_offset:
             key = (run["set"], run["concurrency"], run.get("offset", 0))
+            # with several folders one slice could come twice; never let one replace the other
+            assert run["label"] not in slices.get(key, {}), f"slice {key} of {run['label']} twice"
             slices.setdefault(key, {})[run["label"]] = run
     changes = {}
     for (name, concurrency, _), arms in sorted(slices.items()):

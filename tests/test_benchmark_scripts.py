@@ -494,6 +494,9 @@ def test_serve_report_splits_per_request_changes_at_the_full_read_bound(tmp_path
         (tmp_path / f"serve-{label}-A-16.json").write_text(json.dumps(run))
     assert report.per_request_changes([str(tmp_path)])[("A", 16)] == {
         "read in full": [], "selected": [], "all": pytest.approx([-20.0])}
+    # the same slice in two folders is an error, not one run silently replacing the other
+    with pytest.raises(AssertionError, match="twice"):
+        report.per_request_changes([str(tmp_path), str(tmp_path)])
 
 
 def test_tpot_report_gives_a_programmatic_launch_run_its_own_single_request_column(tmp_path):
