@@ -32,6 +32,9 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
                      e.g. ``moira_packed_hnd_c32_cuda3``.
 - ``moira_triton``   ``moira`` with the Triton Attend (``attend.IMPLEMENTATION = "triton"``;
                      also after a packed layout or a floor, ``moira_c32_triton``).
+- ``..._lm``         any of these with the CUDA Attend's last program of each split row
+                     merging it, no Merge kernel (``attend.CUDA_LAST_MERGE``), e.g.
+                     ``moira_lm``, ``moira_cuda3_lm``.
 - ``fa3_varlen``     vLLM's FA3 (``vllm_flash_attn``, ``fa_version=3``), each (request, KV head)
                      row its own sequence over the HND cache viewed as ``[pages*Hkv, 64, 1, D]``;
                      scheduler metadata built beforehand on the GPU (``fa3_metadata``, timed
@@ -374,7 +377,8 @@ ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_eq4", "moira_t128", "fa3_
 # the configured arms of ``moira``: vLLM's packed caches, a chunk floor, the CUDA Attend or
 # Attend's page ids a tile ahead, or several of them
 CONFIGURED_ARM = re.compile(r"moira(_packed(?:_hnd)?)?(?:_c([1-9][0-9]*))?"
-                            r"(?:_cuda([2-4])|_(triton)|_ahead([124])([1-9])(?:w([48]))?)?")
+                            r"(?:_cuda([2-4])|_(triton)|_ahead([124])([1-9])(?:w([48]))?)?"
+                            r"(_lm)?")
 
 
 def cache_layout(arm):
@@ -409,15 +413,16 @@ def attend_settings(arm):
     configured = CONFIGURED_ARM.fullmatch(arm)
     if not configured:
         return {}
-    cuda_stages, triton, pages, stages, warps = configured.groups()[2:]
+    cuda_stages, triton, pages, stages, warps, last_merge = configured.groups()[2:]
+    settings = {"CUDA_LAST_MERGE": True} if last_merge else {}
     if cuda_stages:
-        return dict(IMPLEMENTATION="cuda", CUDA_STAGES=int(cuda_stages))
+        return settings | dict(IMPLEMENTATION="cuda", CUDA_STAGES=int(cuda_stages))
     if triton:
-        return dict(IMPLEMENTATION="triton")
+        return settings | dict(IMPLEMENTATION="triton")
     if not pages:
-        return {}
-    settings = dict(IMPLEMENTATION="triton", PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(pages),
-                    NUM_STAGES=int(stages))
+        return settings
+    settings |= dict(IMPLEMENTATION="triton", PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(pages),
+                     NUM_STAGES=int(stages))
     return settings | ({"NUM_WARPS": int(warps)} if warps else {})
 
 
