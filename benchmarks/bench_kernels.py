@@ -32,9 +32,6 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
                      e.g. ``moira_packed_hnd_c32_cuda3``.
 - ``moira_triton``   ``moira`` with the Triton Attend (``attend.IMPLEMENTATION = "triton"``;
                      also after a packed layout or a floor, ``moira_c32_triton``).
-- ``..._lm``         any of these with the CUDA Attend's last program of each split row
-                     merging it, no Merge kernel (``attend.CUDA_LAST_MERGE``), e.g.
-                     ``moira_lm``, ``moira_cuda3_lm``.
 - ``fa3_varlen``     vLLM's FA3 (``vllm_flash_attn``, ``fa_version=3``), each (request, KV head)
                      row its own sequence over the HND cache viewed as ``[pages*Hkv, 64, 1, D]``;
                      scheduler metadata built beforehand on the GPU (``fa3_metadata``, timed
@@ -53,7 +50,8 @@ with means from 9% to 68% and CV 0.7 across rows), every arm reads the same page
                      ``rel_bw`` of an arm = (its K/V bytes / its time) / (dense bytes / dense time).
 
 (Files of sessions 4 and 6 also time ``moira_fused``: Merge folded into Attend, an option
-removed since as slower, benchmarks/RESULTS.md.)
+removed since as slower, benchmarks/RESULTS.md; session 51's ``moira_lm``, the CUDA Attend's
+last program of each split row merging it, likewise.)
 
 Also, per shape: Estimate (rotating over copies of the summaries that exceed twice the L2, as
 consecutive layers' do, each copy's sink and current pages other physical pages; before
@@ -377,8 +375,7 @@ ARMS = {"moira", "moira_balanced", "moira_hnd", "moira_eq4", "moira_t128", "fa3_
 # the configured arms of ``moira``: vLLM's packed caches, a chunk floor, the CUDA Attend or
 # Attend's page ids a tile ahead, or several of them
 CONFIGURED_ARM = re.compile(r"moira(_packed(?:_hnd)?)?(?:_c([1-9][0-9]*))?"
-                            r"(?:_cuda([2-4])|_(triton)|_ahead([124])([1-9])(?:w([48]))?)?"
-                            r"(_lm)?")
+                            r"(?:_cuda([2-4])|_(triton)|_ahead([124])([1-9])(?:w([48]))?)?")
 
 
 def cache_layout(arm):
@@ -413,16 +410,15 @@ def attend_settings(arm):
     configured = CONFIGURED_ARM.fullmatch(arm)
     if not configured:
         return {}
-    cuda_stages, triton, pages, stages, warps, last_merge = configured.groups()[2:]
-    settings = {"CUDA_LAST_MERGE": True} if last_merge else {}
+    cuda_stages, triton, pages, stages, warps = configured.groups()[2:]
     if cuda_stages:
-        return settings | dict(IMPLEMENTATION="cuda", CUDA_STAGES=int(cuda_stages))
+        return dict(IMPLEMENTATION="cuda", CUDA_STAGES=int(cuda_stages))
     if triton:
-        return settings | dict(IMPLEMENTATION="triton")
+        return dict(IMPLEMENTATION="triton")
     if not pages:
-        return settings
-    settings |= dict(IMPLEMENTATION="triton", PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(pages),
-                     NUM_STAGES=int(stages))
+        return {}
+    settings = dict(IMPLEMENTATION="triton", PAGE_IDS_AHEAD=True, PAGES_PER_ITER=int(pages),
+                    NUM_STAGES=int(stages))
     return settings | ({"NUM_WARPS": int(warps)} if warps else {})
 
 

@@ -34,7 +34,6 @@ import torch
 
 from .config import (CACHE_DTYPE_NAMES, MAX_PAGES_PER_SEQ, PAGE_SIZE, SUPPORTED_HEAD_DIMS,
                      MoiraConfig)
-from .kernels import attend as attend_module
 from .kernels import interpreting
 from .kernels.attend import attend as _launch_attend
 from .kernels.balanced import attend_balanced as _launch_attend_balanced
@@ -194,9 +193,6 @@ class DecodeWorkspace:
       ``page_counts`` int32 ``[max_batch * num_kv_heads]``: Select's output.
     - ``partial_out`` / ``partial_lse`` float32: Attend's per-chunk partials, sized for the
       largest ``rows * J`` of any batch up to ``max_batch`` (J from ``config``).
-    - ``row_counters`` int32 ``[max_batch * num_kv_heads]``, zeros between calls: the programs
-      of each split row count themselves in where Attend merges the rows itself
-      (``attend.CUDA_LAST_MERGE``).
     """
 
     def __init__(self, max_batch, max_pages_per_seq, num_heads, num_kv_heads, head_dim, *,
@@ -238,7 +234,6 @@ class DecodeWorkspace:
         self.page_counts = torch.empty(max_rows, dtype=i32, device=device)
         self.partial_out = torch.empty(slots * self.group * head_dim, dtype=f32, device=device)
         self.partial_lse = torch.empty(slots * self.group, dtype=f32, device=device)
-        self.row_counters = torch.zeros(max_rows, dtype=i32, device=device)
 
     @classmethod
     def for_step(cls, query, key_cache, block_table, config=None):
@@ -377,12 +372,6 @@ def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page
                      step_rows=rows, step_programs=config.step_programs)
         attend_kernel, merge_kernel = _launch_attend, _launch_merge
         split["programmatic_launch"] = config.programmatic_launch
-        # the page counters are Merge's to add
-        if page_stats is None and attend_module.merges_split_rows(
-                query, key_cache, value_cache, split["chunks_per_row"]):
-            attend_kernel(*inputs, scale=scale, out=out, partial_out=partials[0],
-                          partial_lse=partials[1], row_counters=workspace.row_counters, **split)
-            return out
     attend_kernel(*inputs, scale=scale, out=out, partial_out=partials[0],
                   partial_lse=partials[1], **split)
     merge_kernel(page_counts, *partials, out, num_kv_heads=num_kv_heads, **split, **stats)

@@ -7,13 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import (DEVICE, SMALL_SPLIT, assert_attention_close, check_struct_mirror,
-                     make_cache, make_query, make_table, needs_nvrtc, poisoned)
+from helpers import (DEVICE, SMALL_SPLIT, check_struct_mirror, make_cache, make_query,
+                     make_table, needs_nvrtc)
 from test_attend import check_attend, mixed_rows, poison_unread_slots, random_lists
 
 import moira
 from moira import MoiraConfig
-from moira import reference as ref
 from moira.kernels import attend as attend_module
 from moira.kernels import attend_cuda, cuda_build
 
@@ -178,12 +177,9 @@ def test_close_to_the_triton_kernel(monkeypatch):
 
 
 @cuda
-@pytest.mark.parametrize("last_merge", [False, True])
-def test_output_of_any_strides(cuda_attend, last_merge):
+def test_output_of_any_strides(cuda_attend):
     """``out`` a strided view (every other element of a wider buffer): each row written where
-    its strides say, whole rows (direct writes) and split ones (Merge, or the row's last
-    program), nothing else touched."""
-    cuda_attend.setattr(attend_module, "CUDA_LAST_MERGE", last_merge)
+    its strides say, whole rows (direct writes) and split ones (Merge), nothing else touched."""
     query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows()
     args = (query, keys, values, table, seq_lens, page_lists, page_counts)
     for config in (SMALL_SPLIT, MoiraConfig()):
@@ -193,95 +189,3 @@ def test_output_of_any_strides(cuda_attend, last_merge):
         torch.testing.assert_close(wide[..., ::2], moira.attend(*args, config=config),
                                    rtol=0, atol=0)
         assert torch.isnan(wide[..., 1::2]).all()
-
-
-def test_merge_fits_the_programs_shared_memory():
-    """``merge_fits``: the last program's merge keeps a flag, ``chunks * G`` weights and two
-    floats per head in the shared memory of the program's stages; beyond that, Merge runs."""
-    floats = attend_cuda.shared_bytes(128, 2) // 4
-    assert attend_cuda.merge_fits(128, 4, 128, 2)
-    fitting = (floats - 4 - 2 * 16) // 16
-    assert attend_cuda.merge_fits(128, 16, fitting, 2)
-    assert not attend_cuda.merge_fits(128, 16, fitting + 1, 2)
-
-
-def test_last_merge_needs_the_cuda_attend(monkeypatch):
-    """With ``CUDA_LAST_MERGE`` on, a call the Triton kernel runs (the CPU, float16, an option
-    of the Triton kernel) still runs Merge and gets the right answer; handing the Triton kernel
-    row counters is refused."""
-    monkeypatch.setattr(attend_module, "CUDA_LAST_MERGE", True)
-    monkeypatch.setattr(attend_module, "IMPLEMENTATION", "triton")
-    query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows()
-    assert not attend_module.merges_split_rows(query, keys, values, 4)
-    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, SMALL_SPLIT)
-    workspace = moira.DecodeWorkspace(query.shape[0], table.shape[1], query.shape[1],
-                                      keys.shape[2], query.shape[2], device=DEVICE,
-                                      config=SMALL_SPLIT)
-    assert workspace.row_counters.dtype == torch.int32 and not workspace.row_counters.any()
-    with pytest.raises(AssertionError, match="merges_split_rows"):
-        attend_module.attend(query, keys, values, table, seq_lens, page_lists, page_counts,
-                             scale=0.125, chunk_floor=2, chunks_per_row=4, out=query.clone(),
-                             partial_out=workspace.partial_out,
-                             partial_lse=workspace.partial_lse,
-                             row_counters=workspace.row_counters)
-
-
-@pytest.fixture
-def last_merge(cuda_attend):
-    """The CUDA Attend merging split rows itself; Merge's launcher made to fail if called."""
-    cuda_attend.setattr(attend_module, "CUDA_LAST_MERGE", True)
-
-    def no_merge(*args, **kwargs):
-        raise AssertionError("Merge launched although Attend merges the split rows")
-    cuda_attend.setattr(moira.decode, "_launch_merge", no_merge)
-    return cuda_attend
-
-
-@cuda
-@pytest.mark.parametrize("group", [1, 4, 7, 8])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("stages", [2, 3])
-def test_last_program_merges_like_the_reference(last_merge, group, head_dim, stages):
-    """Split rows merged by their last program: the reference's answer with no Merge kernel
-    (rows of one token, partial pages, uneven chunks, an empty row, NaN in every unread cache
-    slot), the row counters back at 0 after each call, and a second call on other inputs
-    through the same workspace right too."""
-    last_merge.setattr(attend_module, "CUDA_STAGES", stages)
-    for seed, config in enumerate((SMALL_SPLIT, MoiraConfig())):
-        torch.manual_seed(seed)
-        query, _, _, table, seq_lens, page_lists, page_counts = mixed_rows(group=group,
-                                                                           head_dim=head_dim)
-        keys, values = make_cache(120, 2, head_dim)
-        poison_unread_slots(keys, values, table, seq_lens)
-        page_counts[1, 0] = 0  # a row without pages: zeros
-        workspace = moira.DecodeWorkspace(query.shape[0], table.shape[1], query.shape[1],
-                                          keys.shape[2], head_dim, device=DEVICE, config=config)
-        for _ in range(2):
-            out = poisoned(*query.shape)
-            moira.attend(query, keys, values, table, seq_lens, page_lists, page_counts,
-                         workspace=workspace, out=out)
-            args = [t.cpu() for t in (query, keys, values, table, seq_lens, page_lists,
-                                      page_counts)]
-            assert_attention_close(out, ref.attend(*args),
-                                   ref.attend(*args, dtype=query.dtype))
-            assert not workspace.row_counters.any()
-            query = make_query(*query.shape)
-
-
-@cuda
-def test_last_merge_of_many_chunks(last_merge):
-    """Rows cut into up to 128 chunks of one page (G = 8: 1,024 log-sum-exps for the last
-    program to combine), against the reference and against Merge within a bf16 ulp."""
-    keys, values = make_cache(300, 2, 128)
-    table, seq_lens = make_table([64 * 127 + 5, 64 * 40], 300)
-    query = make_query(2, 16, 128)
-    page_lists, page_counts = random_lists(seq_lens.cpu(), 2, table.shape[1], fraction=1.0)
-    config = MoiraConfig(chunk_pages=1, floor_rows=1, min_chunks_per_row=128,
-                         max_chunks_per_row=128, min_programs=1, step_programs=0)
-    merged = check_attend(query, keys, values, table, seq_lens, page_lists, page_counts,
-                          config)
-    last_merge.undo()  # Merge's launcher back, CUDA_LAST_MERGE off
-    last_merge.setattr(attend_module, "IMPLEMENTATION", "cuda")
-    separate = moira.attend(query, keys, values, table, seq_lens, page_lists, page_counts,
-                            config=config)
-    torch.testing.assert_close(merged.float(), separate.float(), rtol=2**-7, atol=2**-12)

@@ -22,15 +22,12 @@ pytestmark = pytest.mark.cuda
                                                     (0.95, None,
                                                      "rows, programmatic launch, short rows"),
                                                     (0.95, None, "rows, CUDA Attend"),
-                                                    (0.98, 12, "rows, CUDA Attend, last merge"),
                                                     (0.95, None, "rows, CUDA Estimate"),
                                                     (0.95, None, "rows, CUDA Select"),
                                                     (0.98, 12, "rows, CUDA Select")])
 def test_graph_replay_matches_eager(monkeypatch, gamma, top_k, schedule):
     if "CUDA Attend" in schedule:  # attend.IMPLEMENTATION: launched by the driver API
         monkeypatch.setattr(attend_module, "IMPLEMENTATION", "cuda")
-    if "last merge" in schedule:  # the row counters must be back at 0 after every replay
-        monkeypatch.setattr(attend_module, "CUDA_LAST_MERGE", True)
     if "CUDA Estimate" in schedule:
         monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "cuda")
     if "CUDA Select" in schedule:

@@ -96,13 +96,11 @@ IMPLEMENTATION = "auto"
 # D = 128). Session 34: 2 stages beat 3 on spreads by 2-5% and tied at CV 0 (3 ahead at
 # 16k x 32 only, by 2%); 4 was 24-41% slower in session 33
 CUDA_STAGES = 2
-# The CUDA Attend merges each split row in the row's last program to finish (attend_cuda.cu's
-# merge_if_last), so the step launches no Merge kernel: decode.py asks merges_split_rows.
-# Merge in vLLM's graphs took 4.4-5.3 us per layer (sessions 43-44) for a few KB per row. The
-# paper (Appendix A) and session 4 (Triton) found a merge in the last program slower: one
-# program then merged a row's chunks one after another; here its 128 threads load every
-# chunk's log-sum-exp at once, then every partial. Off until timed
-CUDA_LAST_MERGE = False
+# Not here: Merge done by each split row's last program in the CUDA kernel (a fence and a
+# count per program, the last one merging from the L2 with all its threads, no Merge launch).
+# Timed in session 51 (bench_kernels.py's moira_lm): -4.1% at 8k x 32 CV 0 (2 chunks a row),
+# +1.0 / +1.6% at 64k x 8 / 131k x 4 CV 0, -0.4 to +1.8% on their spreads (10-19 chunks a
+# row: every program waits for its fence and count before it exits). Removed
 # Not here: each page-head's K and V by Hopper's bulk tensor copy (TMA, Triton's tensor
 # descriptors) instead of this gather. Timed in session 32 (one page per tile, 2-4 stages,
 # with and without the lookahead): +12 to +27% at 22% of the pages at 8k x 32, 32k x 16 and
@@ -330,30 +328,16 @@ def implementation(query, key_cache, value_cache):
         attend_cuda.usable(cuda_build.device_index(query.device), head_dim, CUDA_STAGES)))
 
 
-def merges_split_rows(query, key_cache, value_cache, chunks_per_row):
-    """Whether Attend merges the rows it splits itself (``CUDA_LAST_MERGE``, the CUDA kernel,
-    a row's log-sum-exps within its shared memory), so that Merge need not run."""
-    if not CUDA_LAST_MERGE or implementation(query, key_cache, value_cache) != "cuda":
-        return False
-    group = query.shape[1] // key_cache.shape[2]
-    return attend_cuda.merge_fits(query.shape[2], group, chunks_per_row, CUDA_STAGES)
-
-
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
            scale, chunk_floor, chunks_per_row, out, partial_out, partial_lse, step_rows=0,
-           step_programs=0, programmatic_launch=False, row_counters=None):
+           step_programs=0, programmatic_launch=False):
     """Launch (batch * KV heads, J) programs. ``partial_out`` ``[>= rows * J * G * D]`` and
     ``partial_lse`` ``[>= rows * J * G]`` are float32 scratch (only split rows write them);
-    ``step_rows``: the rows the split is planned for (a captured graph's padded batch).
-    ``row_counters``: int32 zeros ``[>= rows]`` where ``merges_split_rows``: split rows are
-    then merged here, and Merge must not run."""
+    ``step_rows``: the rows the split is planned for (a captured graph's padded batch)."""
     assert step_rows > 0 or not step_programs, "step_programs needs the planned step_rows"
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    assert row_counters is None or merges_split_rows(query, key_cache, value_cache,
-                                                     chunks_per_row), \
-        "row_counters given where Attend does not merge (attend.merges_split_rows)"
     if implementation(query, key_cache, value_cache) == "cuda":
         return attend_cuda.attend(
             query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
@@ -361,7 +345,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
             chunks_per_row=chunks_per_row, out=out, partial_out=partial_out,
             partial_lse=partial_lse, step_rows=step_rows, step_programs=step_programs,
             short_pages=short_row_pages(chunk_floor, step_rows, step_programs),
-            stages=CUDA_STAGES, row_counters=row_counters, build_only=launch.building_only())
+            stages=CUDA_STAGES, build_only=launch.building_only())
     launch.on(_attend_kernel, (batch * num_kv_heads, chunks_per_row))(
         query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
         out, partial_out, partial_lse,

@@ -43,7 +43,6 @@ struct Params {
   bf16* out;
   float* partial_out;
   float* partial_lse;
-  int* row_counters;  // null: Merge merges split rows; else this kernel does (merge_if_last)
   i64 stride_qb, stride_qh;
   i64 stride_kp, stride_kt, stride_kh;
   i64 stride_vp, stride_vt, stride_vh;
@@ -114,87 +113,6 @@ __device__ __forceinline__ u32 pack_bf16(float low, float high, float& rounded_s
 template <int D>
 __device__ __forceinline__ int swizzled(int row, int chunk) {
   return row * D + ((chunk ^ (row & 7)) * 8);
-}
-
-// Merge (merge.py's log-sum-exp combination) done by whichever program of a split row
-// finishes last, so that no Merge kernel runs (attend.CUDA_LAST_MERGE): every program of the
-// row makes its partial visible device-wide (fence), then counts itself in on the row's
-// counter; the program that completes the count reads the row's partials back from the L2
-// and writes the row's output, and sets the counter back to 0 for the next launch (no other
-// program of the row touches it after its count). Why: in vLLM's graphs Merge costs 4-5 us
-// per layer (session 43) for a few KB per row, mostly its own launch and ramp behind Attend's
-// last program. The partials' slots are every chunk's (a chunk without keys wrote zeros
-// and lse -inf), so every load here reads a value this launch wrote.
-template <int D>
-__device__ __forceinline__ void merge_if_last(const Params& p, unsigned char* shared, int row,
-                                              int chunks) {
-  int* last = reinterpret_cast<int*>(shared);
-  __threadfence();  // this thread's partial stores, before the program's count
-  __syncthreads();  // every thread's, and the end's merge is done with the shared memory
-  if (threadIdx.x == 0) {
-    const bool done = atomicAdd(p.row_counters + row, 1) == chunks - 1;
-    if (done) atomicExch(p.row_counters + row, 0);
-    *last = done;
-  }
-  __syncthreads();
-  if (!*last) return;
-  __threadfence();  // the other programs' partials, counted before this program's count
-
-  const int group = p.group, entries = chunks * group;
-  const i64 first = i64(row) * p.chunks_per_row * group;  // chunk c, head q: first + c G + q
-  float* weights = reinterpret_cast<float*>(shared) + 4;  // [chunks][G]: lse, then weights
-  float* peak = weights + entries;                        // [G]
-  float* inverse_total = peak + group;                    // [G]
-  for (int i = threadIdx.x; i < entries; i += THREADS) {
-    weights[i] = __ldcg(p.partial_lse + first + i);
-  }
-  __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int q = warp; q < group; q += WARPS) {
-    float row_max = -infinity();
-    for (int c = lane; c < chunks; c += 32) row_max = fmaxf(row_max, weights[c * group + q]);
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2)
-      row_max = fmaxf(row_max, __shfl_xor_sync(FULL, row_max, offset));
-    const float shift = row_max == -infinity() ? 0.f : row_max;  // no keys in any chunk
-    float total = 0.f;
-    for (int c = lane; c < chunks; c += 32) total += expf(weights[c * group + q] - shift);
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2)
-      total += __shfl_xor_sync(FULL, total, offset);
-    if (lane == 0) {
-      peak[q] = shift;
-      inverse_total[q] = total == 0.f ? 0.f : 1.f / total;  // a row without keys: zeros
-    }
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < entries; i += THREADS) {
-    const int q = i % group;
-    weights[i] = expf(weights[i] - peak[q]) * inverse_total[q];
-  }
-  __syncthreads();
-  const int b = row / p.num_kv_heads, head = row % p.num_kv_heads;
-  constexpr int QUADS = D / 4;  // a thread's unit: 4 dims of one query head
-  for (int unit = threadIdx.x; unit < group * QUADS; unit += THREADS) {
-    const int q = unit / QUADS, d = unit % QUADS * 4;
-    const float* partial = p.partial_out + (first + q) * D + d;
-    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-    for (int c = 0; c < chunks; ++c) {
-      const float weight = weights[c * group + q];
-      const float4 value = __ldcg(reinterpret_cast<const float4*>(partial + i64(c) * group * D));
-      sum.x += weight * value.x;
-      sum.y += weight * value.y;
-      sum.z += weight * value.z;
-      sum.w += weight * value.w;
-    }
-    bf16* out =
-        p.out + b * p.stride_ob + (i64(head) * group + q) * p.stride_oh + d * p.stride_od;
-    out[0] = to_bf16(sum.x);
-    out[p.stride_od] = to_bf16(sum.y);
-    out[2 * p.stride_od] = to_bf16(sum.z);
-    out[3 * p.stride_od] = to_bf16(sum.w);
-  }
 }
 
 template <int D, int STAGES>
@@ -444,7 +362,6 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
       }
     }
   }
-  if (chunks > 1 && p.row_counters != nullptr) merge_if_last<D>(p, shared, row, chunks);
 }
 
 }  // namespace

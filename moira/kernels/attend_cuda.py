@@ -29,7 +29,7 @@ class Params(ctypes.Structure):
 
     _fields_ = ([(name, ctypes.c_void_p) for name in (
         "query", "key_cache", "value_cache", "block_table", "seq_lens", "page_lists",
-        "page_counts", "out", "partial_out", "partial_lse", "row_counters")]
+        "page_counts", "out", "partial_out", "partial_lse")]
         + [(name, ctypes.c_int64) for name in (
             "stride_qb", "stride_qh", "stride_kp", "stride_kt", "stride_kh", "stride_vp",
             "stride_vt", "stride_vh", "stride_bt", "stride_pb", "stride_ph", "stride_cb",
@@ -57,13 +57,6 @@ def kernel(device_index, head_dim, stages):
                          f"lower CUDA_STAGES")
     return cuda_build.function(device_index, SOURCE, f"moira_attend_d{head_dim}_s{stages}",
                                "attend.IMPLEMENTATION", shared_bytes(head_dim, stages))
-
-
-def merge_fits(head_dim, group, chunks_per_row, stages):
-    """Whether a split row's log-sum-exps and weights fit the program's shared memory, as the
-    kernel's merge in the row's last program lays them out (``merge_if_last``: a flag, then
-    ``chunks * G`` weights and 2 ``G`` per-head floats, in float32)."""
-    return 4 * (4 + chunks_per_row * group + 2 * group) <= shared_bytes(head_dim, stages)
 
 
 def check_inputs(query, key_cache, value_cache, head_dim, group, stages):
@@ -107,12 +100,10 @@ def usable(index, head_dim, stages):
 
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
            qk_scale_log2, chunk_floor, chunks_per_row, out, partial_out, partial_lse,
-           step_rows, step_programs, short_pages, stages, row_counters=None, build_only=False):
+           step_rows, step_programs, short_pages, stages, build_only=False):
     """Launch ``attend_cuda.cu``'s kernel on the current stream: the arguments of
     ``attend.attend`` (the scale already in log2 units, the short-row bound computed), inputs
-    that ``check_inputs`` passed. With ``row_counters`` (int32, zeros, one per row; the kernel
-    leaves them zero) the last program of each split row merges it (``merge_fits`` must hold)
-    and Merge is not needed."""
+    that ``check_inputs`` passed."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -123,7 +114,6 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_table.data_ptr(),
         seq_lens.data_ptr(), page_lists.data_ptr(), page_counts.data_ptr(), out.data_ptr(),
         partial_out.data_ptr(), partial_lse.data_ptr(),
-        None if row_counters is None else row_counters.data_ptr(),
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), page_lists.stride(0), page_lists.stride(1),
