@@ -131,12 +131,12 @@ def main():
         rotation = estimate_rotation(summaries, table, pages, summary_bytes)
 
         def time_estimate(label, rotation=rotation, masses=log_masses, lens=seq_lens,
-                          bytes_read=summary_bytes, **settings):
+                          bytes_read=summary_bytes, new_kv=None, **settings):
             """Time Estimate with some of its module's settings changed (the sweeps are of the
             Triton kernel's knobs: its IMPLEMENTATION unless ``settings`` name one)."""
             with patched(estimate_module, **{"IMPLEMENTATION": "triton", **settings}):
                 micros = bench(lambda: [estimate_module.estimate(
-                    query, keys, copy, rolled, lens, scale, masses)
+                    query, keys, copy, rolled, lens, scale, masses, new_kv=new_kv)
                     for copy, rolled in rotation]) / len(rotation)
             record("estimate", shape, label, micros, bytes_read)
 
@@ -423,6 +423,20 @@ def main():
                 raise SystemExit(f"the folded exact pages differ by {difference}")
             widths = [pages] + ([args.table_pages] if args.table_pages > pages else [])
             arms = [("two exact programs", False), ("exact pages folded", True)] * 3
+            # as in vLLM, where Estimate also writes the step's token into the cache (each
+            # row's last slot in the shape's table; the rotation's tables move the pages, so
+            # the token lands off the row's current page, which timing does not mind)
+            last_token = seq_lens.long() - 1
+            slots = table.long().gather(1, (last_token // 64)[:, None])[:, 0] * 64 \
+                + last_token % 64
+            new_kv = (torch.randn(batch, KV_HEADS, HEAD_DIM, device="cuda",
+                                  dtype=torch.bfloat16),
+                      torch.randn(batch, KV_HEADS, HEAD_DIM, device="cuda",
+                                  dtype=torch.bfloat16), values, slots)
+            for label, fold in arms:
+                with patched(estimate_cuda, FOLD_EXACT=fold):
+                    time_estimate(f"writing the token, cuda, {label}", new_kv=new_kv,
+                                  IMPLEMENTATION="cuda")
             for width in widths:
                 padded_table, space = padded(width)
                 padded_masses = space.selection_buffers(batch, width)[0]

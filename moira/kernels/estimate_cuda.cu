@@ -207,27 +207,43 @@ __device__ void exact_page(const Params& p, int row, int b, int head, int page, 
 // wait after. Why: at 8k-16k x 32 the two exact programs of a row are 2 of its 5 (512 of 1,280
 // programs at 16k x 32, nearly two waves of five blocks per SM); folded, a row has 1 + J
 // programs and one exact chain. Why shared memory: both pages' keys in registers are 64 per
-// thread at D = 128, and the build for five blocks per SM spilled at G = 4.
+// thread at D = 128, and the build for five blocks per SM spilled at G = 4. The program also
+// writes this step's token and summarizes the page it filled (program 1's work in the unfolded
+// grid), after the sink's copies are issued.
 template <int D, int GP>
-__device__ void exact_pages_folded(const Params& p, int row, int b, int head, int last,
-                                   int seq_len, const int* row_table) {
+__device__ void exact_pages_folded(const Params& p, int row, int b, int head, int pages_in_row,
+                                   int seq_len, const int* row_table, bool estimated) {
   __shared__ __align__(16) bf16 keys[2 * PAGE * D];  // the sink's rows, then the current page's
   __shared__ float query[GP][D];  // the group's queries, scaled, float32
   __shared__ float partial[WARPS][GP];
   static_assert(THREADS == 2 * PAGE, "a thread per token of two pages");
   const int token = threadIdx.x % PAGE, slot = threadIdx.x / PAGE;  // slot 0: sink, 1: current
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int last = pages_in_row - 1;
   const int page = slot == 0 ? 0 : last;
   // a row of one page has no sink apart from its current page: warps 0-1 idle
-  const bool valid = slot == 0 ? last > 0 : token < seq_len - last * PAGE;
-  {
+  const bool sink = estimated && last > 0;
+  const auto copy_keys = [&]() {
     const bf16* src = p.key_cache + i64(row_table[page]) * p.stride_kp + token * p.stride_kt +
                       head * p.stride_kh;
 #pragma unroll
     for (int c = 0; c < D / 8; ++c)
-      cp_async16(keys + swizzled<D>(threadIdx.x, c), src + c * 8, valid ? 16 : 0);
-    cp_async_commit();
+      cp_async16(keys + swizzled<D>(threadIdx.x, c), src + c * 8, 16);
+  };
+  // the sink's keys first: this step's token is never on it (a row with a sink has another page)
+  if (slot == 0 && sink) copy_keys();
+  cp_async_commit();
+  if (p.num_slots > 0) {  // this step's token next: the current page's keys include it
+    write_new_token<D>(p, b, head);
+    __syncthreads();
   }
+  if (pages_in_row > 0 && seq_len == pages_in_row * PAGE)  // the step filled the page
+    summarize_page<D>(p, row_table[last], head);
+  if (!estimated || pages_in_row == 0) return;  // then no copy was issued
+  // unwritten rows (tokens past seq_len, an idle sink) are never read: their logits are -inf
+  const bool valid = slot == 0 ? sink : token < seq_len - last * PAGE;
+  if (slot == 1 && valid) copy_keys();
+  cp_async_commit();
   constexpr int PER = (GP * D + THREADS - 1) / THREADS;  // query elements per thread
   bf16 qraw[PER];
 #pragma unroll
@@ -447,7 +463,15 @@ __device__ void estimate_program(const Params& p) {
   const int seq_len = p.seq_lens[b];
   const int pages_in_row = min(cdiv(seq_len, PAGE), p.max_pages);
   const int last = pages_in_row - 1;
-  if (block == (FOLD_EXACT ? 0 : 1)) {
+  if constexpr (FOLD_EXACT) {
+    const bool estimated = pages_in_row > p.dense_below_pages;  // else Select keeps the row
+    if (block == 0)  // this step's token, the page it filled, the sink and the current page
+      exact_pages_folded<D, GP>(p, row, b, head, pages_in_row, seq_len, row_table, estimated);
+    else if (estimated)
+      mvar_pages<D, GP>(p, row, b, head, last, row_table, block - 1);
+    return;
+  }
+  if (block == 1) {
     if (p.num_slots > 0) {  // this step's token first: the current page's keys include it
       write_new_token<D>(p, b, head);
       __syncthreads();
@@ -456,14 +480,6 @@ __device__ void estimate_program(const Params& p) {
       summarize_page<D>(p, row_table[last], head);
   }
   if (pages_in_row <= p.dense_below_pages) return;  // Select keeps the whole row
-  if constexpr (FOLD_EXACT) {
-    if (block == 0) {  // the sink and the current page together
-      if (pages_in_row > 0) exact_pages_folded<D, GP>(p, row, b, head, last, seq_len, row_table);
-      return;
-    }
-    mvar_pages<D, GP>(p, row, b, head, last, row_table, block - 1);
-    return;
-  }
   if (block < 2) {
     // program 0: the sink, program 1: the current page; a single page is program 1's alone
     if (pages_in_row == 0 || (block == 0 && last == 0)) return;
