@@ -41,10 +41,9 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # Estimate in CUDA C++ at several grid sizes and Select in CUDA C++, each checked against the
 # Triton kernel first, then the whole step with each and the step's parts per Select;
 # "selectwarps": the whole step with the Triton Select at 4 / 8 / 16 warps and the CUDA one;
-# "halfbytes": the CUDA Estimate with half its summary bytes, same instructions (below);
-# "foldexact": the CUDA Estimate's sink and current page in one program or two)
+# "halfbytes": the CUDA Estimate with half its summary bytes, same instructions (below))
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
-         "balanced", "fractions", "step", "wide", "selectwarps", "halfbytes", "foldexact")
+         "balanced", "fractions", "step", "wide", "selectwarps", "halfbytes")
 
 
 def bench(fn):
@@ -131,12 +130,12 @@ def main():
         rotation = estimate_rotation(summaries, table, pages, summary_bytes)
 
         def time_estimate(label, rotation=rotation, masses=log_masses, lens=seq_lens,
-                          bytes_read=summary_bytes, new_kv=None, **settings):
+                          bytes_read=summary_bytes, **settings):
             """Time Estimate with some of its module's settings changed (the sweeps are of the
             Triton kernel's knobs: its IMPLEMENTATION unless ``settings`` name one)."""
             with patched(estimate_module, **{"IMPLEMENTATION": "triton", **settings}):
                 micros = bench(lambda: [estimate_module.estimate(
-                    query, keys, copy, rolled, lens, scale, masses, new_kv=new_kv)
+                    query, keys, copy, rolled, lens, scale, masses)
                     for copy, rolled in rotation]) / len(rotation)
             record("estimate", shape, label, micros, bytes_read)
 
@@ -404,57 +403,6 @@ def main():
                 record("step22", shape, f"estimate+select+attend+merge, {name}, "
                        f"{estimate_kernel} estimate, {select_kernel} select", micros,
                        sparse_bytes + summary_bytes)
-        # the CUDA Estimate with a row's sink and current page in one program
-        # (estimate_cuda.FOLD_EXACT, session 52) against two: its log-masses checked against
-        # the default's first, then each alone in the shape's own table and in a --table-pages
-        # one, and the whole step (fixed 22%), three times in alternation
-        if "foldexact" in kinds:
-            copy, rolled = rotation[0]
-            outputs = []
-            for fold in (False, True):
-                masses = torch.full_like(log_masses, float("nan"))
-                with patched(estimate_cuda, FOLD_EXACT=fold), \
-                        patched(estimate_module, IMPLEMENTATION="cuda"):
-                    estimate_module.estimate(query, keys, copy, rolled, seq_lens, scale, masses)
-                outputs.append(masses[..., :pages])
-            difference = (outputs[1] - outputs[0]).abs().max().item()
-            record("check", shape, f"folded - two programs max |log-mass| {difference:.2e}", 0.0)
-            if not difference < 1e-3:  # NaN too: a page one of them did not write
-                raise SystemExit(f"the folded exact pages differ by {difference}")
-            widths = [pages] + ([args.table_pages] if args.table_pages > pages else [])
-            arms = [("two exact programs", False), ("exact pages folded", True)] * 3
-            # as in vLLM, where Estimate also writes the step's token into the cache (each
-            # row's last slot in the shape's table; the rotation's tables move the pages, so
-            # the token lands off the row's current page, which timing does not mind)
-            last_token = seq_lens.long() - 1
-            slots = table.long().gather(1, (last_token // 64)[:, None])[:, 0] * 64 \
-                + last_token % 64
-            new_kv = (torch.randn(batch, KV_HEADS, HEAD_DIM, device="cuda",
-                                  dtype=torch.bfloat16),
-                      torch.randn(batch, KV_HEADS, HEAD_DIM, device="cuda",
-                                  dtype=torch.bfloat16), values, slots)
-            for label, fold in arms:
-                with patched(estimate_cuda, FOLD_EXACT=fold):
-                    time_estimate(f"writing the token, cuda, {label}", new_kv=new_kv,
-                                  IMPLEMENTATION="cuda")
-            for width in widths:
-                padded_table, space = padded(width)
-                padded_masses = space.selection_buffers(batch, width)[0]
-                padded_rotation = estimate_rotation(summaries, padded_table, pages,
-                                                    summary_bytes)
-                for label, fold in arms:
-                    with patched(estimate_cuda, FOLD_EXACT=fold):
-                        time_estimate(f"table {width} pages, cuda, {label}",
-                                      masses=padded_masses, rotation=padded_rotation,
-                                      IMPLEMENTATION="cuda")
-            for label, fold in arms:
-                with patched(estimate_cuda, FOLD_EXACT=fold), \
-                        patched(estimate_module, IMPLEMENTATION="cuda"):
-                    micros = bench(lambda: moira.sparse_decode(
-                        query, keys, values, summaries, table, seq_lens, top_k=top_k,
-                        workspace=workspace, out=out))
-                record("step22", shape, f"estimate+select+attend+merge, cuda estimate, {label}",
-                       micros, sparse_bytes + summary_bytes)
         # the Triton Select's warps and softmax form in the whole step, where its code comes
         # cold from HBM (Attend's K/V evict it from the L2): more warps, fewer straight-line
         # instructions per thread, so fewer to fetch (sm_90, 2,048 lanes: 4,720 at 4 warps,

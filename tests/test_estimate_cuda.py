@@ -17,12 +17,9 @@ from moira.kernels.estimate import estimate
 cuda = pytest.mark.cuda
 
 
-@pytest.fixture(params=[False, True], ids=["exact programs", "exact pages folded"])
-def cuda_estimate(monkeypatch, request):
-    """The CUDA kernel, with a row's sink and current page in two programs or folded into one
-    (``estimate_cuda.FOLD_EXACT``)."""
+@pytest.fixture
+def cuda_estimate(monkeypatch):
     monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "cuda")
-    monkeypatch.setattr(estimate_cuda, "FOLD_EXACT", request.param)
     return monkeypatch
 
 

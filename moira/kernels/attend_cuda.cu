@@ -53,6 +53,20 @@ struct Params {
   float qk_scale_log2;
 };
 
+__device__ __forceinline__ void cp_async16(void* shared, const void* global, int bytes) {
+  // bytes < 16 zero-fills the rest: 0 for a token past seq_len or a page outside the table
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :: "r"(address), "l"(global), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING));
+}
+
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* shared) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -89,6 +103,16 @@ __device__ __forceinline__ u32 pack_bf16(float low, float high, float& rounded_s
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(pair) : "f"(high), "f"(low));
   rounded_sum += __uint_as_float(pair << 16) + __uint_as_float(pair & 0xffff0000u);
   return pair;
+}
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a K or V tile. The XOR swizzle
+// keeps every 32-byte global sector in one aligned 32-byte shared granule (rows padded by 16
+// bytes split every odd row's sectors: 1.5x the L2 sectors and 2.6x the shared wavefronts
+// of the copies, session 33's profile) and puts the 8 rows an ldmatrix phase reads in 8
+// different bank groups.
+template <int D>
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * D + ((chunk ^ (row & 7)) * 8);
 }
 
 template <int D, int STAGES>

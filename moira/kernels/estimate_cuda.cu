@@ -26,13 +26,6 @@ namespace {
 
 #include "moira_cuda.cuh"
 
-// 1: a row's sink and current page in one exact program, grid (rows, 1 + J); 0: one program
-// each, grid (rows, 2 + J) (estimate_cuda.FOLD_EXACT)
-#ifndef ESTIMATE_FOLD_EXACT
-#define ESTIMATE_FOLD_EXACT 0
-#endif
-constexpr bool FOLD_EXACT = ESTIMATE_FOLD_EXACT;
-
 constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
 constexpr float LOG_PAGE = 4.1588830833596715f;  // log(64): mvar's log |P|
@@ -200,114 +193,6 @@ __device__ void exact_page(const Params& p, int row, int b, int head, int page, 
   }
 }
 
-// The sink's and the current page's exact log-masses in one program (ESTIMATE_FOLD_EXACT):
-// warps 0-1 take the sink's 64 tokens, warps 2-3 the current page's, a thread a token with all
-// D channels. Both pages' keys are copied into shared memory by cp.async (swizzled rows: a
-// thread's 16-byte reads of its own row meet no bank conflict) beside the query's loads, one
-// wait after. Why: at 8k-16k x 32 the two exact programs of a row are 2 of its 5 (512 of 1,280
-// programs at 16k x 32, nearly two waves of five blocks per SM); folded, a row has 1 + J
-// programs and one exact chain. Why shared memory: both pages' keys in registers are 64 per
-// thread at D = 128, and the build for five blocks per SM spilled at G = 4. The program also
-// writes this step's token and summarizes the page it filled (program 1's work in the unfolded
-// grid), after the sink's copies are issued.
-template <int D, int GP>
-__device__ void exact_pages_folded(const Params& p, int row, int b, int head, int pages_in_row,
-                                   int seq_len, const int* row_table, bool estimated) {
-  __shared__ __align__(16) bf16 keys[2 * PAGE * D];  // the sink's rows, then the current page's
-  __shared__ float query[GP][D];  // the group's queries, scaled, float32
-  __shared__ float partial[WARPS][GP];
-  static_assert(THREADS == 2 * PAGE, "a thread per token of two pages");
-  const int token = threadIdx.x % PAGE, slot = threadIdx.x / PAGE;  // slot 0: sink, 1: current
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int last = pages_in_row - 1;
-  const int page = slot == 0 ? 0 : last;
-  // a row of one page has no sink apart from its current page: warps 0-1 idle
-  const bool sink = estimated && last > 0;
-  const auto copy_keys = [&]() {
-    const bf16* src = p.key_cache + i64(row_table[page]) * p.stride_kp + token * p.stride_kt +
-                      head * p.stride_kh;
-#pragma unroll
-    for (int c = 0; c < D / 8; ++c)
-      cp_async16(keys + swizzled<D>(threadIdx.x, c), src + c * 8, 16);
-  };
-  // the sink's keys first: this step's token is never on it (a row with a sink has another page)
-  if (slot == 0 && sink) copy_keys();
-  cp_async_commit();
-  if (p.num_slots > 0) {  // this step's token next: the current page's keys include it
-    write_new_token<D>(p, b, head);
-    __syncthreads();
-  }
-  if (pages_in_row > 0 && seq_len == pages_in_row * PAGE)  // the step filled the page
-    summarize_page<D>(p, row_table[last], head);
-  if (!estimated || pages_in_row == 0) return;  // then no copy was issued
-  // unwritten rows (tokens past seq_len, an idle sink) are never read: their logits are -inf
-  const bool valid = slot == 0 ? sink : token < seq_len - last * PAGE;
-  if (slot == 1 && valid) copy_keys();
-  cp_async_commit();
-  constexpr int PER = (GP * D + THREADS - 1) / THREADS;  // query elements per thread
-  bf16 qraw[PER];
-#pragma unroll
-  for (int k = 0; k < PER; ++k) {
-    const int i = threadIdx.x + k * THREADS, g = i / D, d = i % D;
-    qraw[k] = i < GP * D && g < p.group
-                  ? p.query[b * p.stride_qb + (i64(head) * p.group + g) * p.stride_qh + d]
-                  : bf16(0);
-  }
-#pragma unroll
-  for (int k = 0; k < PER; ++k) {
-    const int i = threadIdx.x + k * THREADS;
-    if (i < GP * D) query[i / D][i % D] = to_float(qraw[k]) * p.scale;
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-  float logits[GP];
-#pragma unroll
-  for (int g = 0; g < GP; ++g) logits[g] = 0.f;
-#pragma unroll
-  for (int c = 0; c < D / 8; ++c) {
-    float k[8];
-    unpack8(*reinterpret_cast<const uint4*>(keys + swizzled<D>(threadIdx.x, c)), k);
-#pragma unroll
-    for (int g = 0; g < GP; ++g)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) logits[g] += k[j] * query[g][c * 8 + j];
-  }
-  float peak[GP], total[GP];
-#pragma unroll
-  for (int g = 0; g < GP; ++g) {
-    logits[g] = valid ? logits[g] : -infinity();
-    peak[g] = logits[g];
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) peak[g] = fmaxf(peak[g], __shfl_xor_sync(FULL, peak[g], o));
-  }
-  if (lane == 0)
-#pragma unroll
-    for (int g = 0; g < GP; ++g) partial[warp][g] = peak[g];
-  __syncthreads();
-  const int pair = warp & ~1;  // the first of this page's two warps
-#pragma unroll
-  for (int g = 0; g < GP; ++g) {
-    peak[g] = fmaxf(partial[pair][g], partial[pair + 1][g]);
-    // an idle sink's peak is -inf: its totals are 0 and nothing of it is stored
-    total[g] = valid ? expf(logits[g] - peak[g]) : 0.f;
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) total[g] += __shfl_xor_sync(FULL, total[g], o);
-  }
-  __syncthreads();  // every warp has read the maxima
-  if (lane == 0)
-#pragma unroll
-    for (int g = 0; g < GP; ++g) partial[warp][g] = total[g];
-  __syncthreads();
-  if (token < p.group && (slot == 1 || last > 0)) {
-    const int g = token;
-    const float sum = partial[pair][g] + partial[pair + 1][g];
-    float peak_g = peak[0];
-#pragma unroll
-    for (int h = 1; h < GP; ++h) peak_g = h == g ? peak[h] : peak_g;
-    p.log_masses[row * p.stride_lr + g * p.stride_lg + page] = peak_g + logf(sum);
-  }
-}
-
 // Sums the lanes' partials over the lanes of a page (offsets below LANES), halving the values
 // a lane keeps at each level: a lane that has O set keeps the upper half. With N values left
 // at 1, the remaining levels add whole.
@@ -463,14 +348,6 @@ __device__ void estimate_program(const Params& p) {
   const int seq_len = p.seq_lens[b];
   const int pages_in_row = min(cdiv(seq_len, PAGE), p.max_pages);
   const int last = pages_in_row - 1;
-  if constexpr (FOLD_EXACT) {
-    const bool estimated = pages_in_row > p.dense_below_pages;  // else Select keeps the row
-    if (block == 0)  // this step's token, the page it filled, the sink and the current page
-      exact_pages_folded<D, GP>(p, row, b, head, pages_in_row, seq_len, row_table, estimated);
-    else if (estimated)
-      mvar_pages<D, GP>(p, row, b, head, last, row_table, block - 1);
-    return;
-  }
   if (block == 1) {
     if (p.num_slots > 0) {  // this step's token first: the current page's keys include it
       write_new_token<D>(p, b, head);

@@ -39,10 +39,14 @@ MIN_BLOCKS_PER_SM = 5
 # however many rows the batch has, a row as long as the table is split so that no program
 # loops over more tiles than this (the Triton kernel's MAX_TILES_PER_PROGRAM)
 MAX_TILES_PER_PROGRAM = 8
-# a row's sink and current page in one exact program (the .cu file's exact_pages_folded: warps
-# 0-1 the sink, 2-3 the current page, a thread a token), grid (rows, 1 + J) instead of
-# (rows, 2 + J): 256 fewer programs at 8k-16k x 32. Untimed (session 52)
-FOLD_EXACT = False
+# Not here: a row's sink and current page in one exact program (warps 0-1 the sink, 2-3 the
+# current page, a thread a token, both pages' keys copied into shared memory by cp.async),
+# grid (rows, 1 + J). Timed in session 52 (results/tune-2026-12-03-s52-foldexact.json): in
+# the rows' own tables +0.1 / +0.3 / +0.7 / +1.0 us at 8k x 32 / 16k x 32 / 64k x 8 / 128k x 4,
+# with the step's token written +0.4 to +1.0; faster only in a 2,048-page table at 8k-16k x 32
+# (-1.2 / -0.6). Not profiled; the likely costs: the one program's longer chain, and its
+# 36 KB of static shared memory, which every program of the grid reserves (+1.0 us at
+# 128k x 4, where it saves 32 programs of 736). Removed
 
 
 class Params(ctypes.Structure):
@@ -81,25 +85,18 @@ def programs_per_row(rows, max_pages, head_dim, group):
                                        triton.cdiv(table_tiles, MAX_TILES_PER_PROGRAM))))
 
 
-def build_options(min_blocks, fold_exact=False):
-    """NVRTC's defines for a build told to fit ``min_blocks`` blocks per SM, its exact pages
-    folded into one program or not."""
-    return (f"-DESTIMATE_MIN_BLOCKS={min_blocks}", f"-DESTIMATE_FOLD_EXACT={int(fold_exact)}")
-
-
-def exact_programs(fold_exact):
-    """Programs per row before its mvar ones: the sink's and the current page's."""
-    return 1 if fold_exact else 2
+def build_options(min_blocks):
+    """NVRTC's defines for a build told to fit ``min_blocks`` blocks per SM."""
+    return (f"-DESTIMATE_MIN_BLOCKS={min_blocks}",)
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(device_index, head_dim, group, min_blocks, fold_exact=False):
+def kernel(device_index, head_dim, group, min_blocks):
     """The loaded function ``moira_estimate_d<D>_g<G padded>`` on a device, built to fit
-    ``min_blocks`` blocks per SM (``fold_exact``: ``FOLD_EXACT``)."""
+    ``min_blocks`` blocks per SM."""
     return cuda_build.function(device_index, SOURCE,
                                f"moira_estimate_d{head_dim}_g{group_pad(group)}",
-                               "estimate.IMPLEMENTATION",
-                               options=build_options(min_blocks, fold_exact))
+                               "estimate.IMPLEMENTATION", options=build_options(min_blocks))
 
 
 def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses):
@@ -156,7 +153,7 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     group = num_heads // num_kv_heads
     rows = batch * num_kv_heads
     function = kernel(cuda_build.device_index(query.device), head_dim, group,
-                      MIN_BLOCKS_PER_SM, FOLD_EXACT)
+                      MIN_BLOCKS_PER_SM)
     if build_only or rows == 0:
         return log_masses
     max_pages = block_table.shape[1]
@@ -173,7 +170,6 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         *value_cache.stride()[:3],
         num_kv_heads, max_pages, group, dense_below_pages, per_row,
         slot_mapping.shape[0] if new_kv else 0, scale)
-    cuda_build.launch(function, (rows, exact_programs(FOLD_EXACT) + per_row), THREADS, 0,
-                      query.device, params)
+    cuda_build.launch(function, (rows, 2 + per_row), THREADS, 0, query.device, params)
     return log_masses
 

@@ -20,28 +20,3 @@ __device__ __forceinline__ bf16 to_bf16(float x) {  // round to nearest even
   asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(bits) : "f"(x));
   return bits;
 }
-
-__device__ __forceinline__ void cp_async16(void* shared, const void* global, int bytes) {
-  // bytes < 16 zero-fills the rest: 0 for a token past seq_len or a page outside the table
-  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-               :: "r"(address), "l"(global), "r"(bytes));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING));
-}
-
-// Element offset of 16-byte chunk `chunk` of row `row` in a tile of rows of D bf16 (Attend's
-// K and V tiles, Estimate's folded exact pages). The XOR swizzle keeps every 32-byte global
-// sector in one aligned 32-byte shared granule (rows padded by 16 bytes split every odd row's
-// sectors: 1.5x the L2 sectors and 2.6x the shared wavefronts of the copies, session 33's
-// profile) and puts 8 consecutive rows' same chunk (an ldmatrix phase, or 8 threads of a
-// 16-byte shared load reading a row each) in 8 different bank groups.
-template <int D>
-__device__ __forceinline__ int swizzled(int row, int chunk) {
-  return row * D + ((chunk ^ (row & 7)) * 8);
-}
