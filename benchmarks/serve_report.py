@@ -205,8 +205,9 @@ def main():
                                                           from_offset=args.from_offset))
     for line in request_lines:
         print(line)
-    # abspath: "." names the folder itself, not ".png"
-    plot_path = os.path.abspath(args.plot or os.path.abspath(args.folders[0]) + ".png")
+    # abspath of the folder first: "." names the folder itself, not ".png"
+    plot_path = (os.path.abspath(args.plot) if args.plot
+                 else os.path.abspath(args.folders[0]) + ".png")
     plot(runs, plot_path)
     if args.readme:
         sources = ", ".join(f"`{repo_path(folder)}/`" for folder in args.folders)
