@@ -41,9 +41,10 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # Estimate in CUDA C++ at several grid sizes and Select in CUDA C++, each checked against the
 # Triton kernel first, then the whole step with each and the step's parts per Select;
 # "selectwarps": the whole step with the Triton Select at 4 / 8 / 16 warps and the CUDA one;
-# "halfbytes": the CUDA Estimate with half its summary bytes, same instructions (below))
+# "halfbytes": the CUDA Estimate with half its summary bytes, same instructions (below);
+# "estparts": the CUDA Estimate whole, its exact programs alone and its mvar programs alone)
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
-         "balanced", "fractions", "step", "wide", "selectwarps", "halfbytes")
+         "balanced", "fractions", "step", "wide", "selectwarps", "halfbytes", "estparts")
 
 
 def bench(fn):
@@ -212,6 +213,28 @@ def main():
             for label, arm, arm_bytes in [("cuda", full, summary_bytes),
                                           ("cuda half summary bytes", halved, half_bytes)] * 2:
                 time_estimate(label, rotation=arm, bytes_read=arm_bytes, IMPLEMENTATION="cuda")
+
+        # What each part of the CUDA Estimate costs (session 53): the whole kernel, its exact
+        # programs alone (rows x 2: the sink's, and the current page's with the step's token
+        # written, as in vLLM) and its mvar programs alone (rows x J), twice each in
+        # alternation. The parts overlap in the whole kernel, so they need not add up: the
+        # whole less the mvar part is what the exact programs add to the step
+        if "estparts" in kinds:
+            new_keys = torch.randn(batch, KV_HEADS, HEAD_DIM, device="cuda",
+                                   dtype=torch.bfloat16)
+            last = (seq_lens.long() - 1) // 64
+
+            def token_write(rolled):  # (new keys, new values, value cache, slots) of a table
+                pages_now = rolled.long().gather(1, last[:, None])[:, 0]
+                return (new_keys, new_keys, values,
+                        pages_now * 64 + (seq_lens.long() - 1) % 64)
+
+            writes = [token_write(rolled) for _, rolled in rotation]
+            for part in ["all", "exact", "mvar"] * 2:
+                micros = bench(lambda part=part: [estimate_cuda.estimate(
+                    query, keys, copy, rolled, seq_lens, scale, log_masses, new_kv=write,
+                    parts=part) for (copy, rolled), write in zip(rotation, writes)])
+                record("estparts", shape, part, micros / len(rotation))
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)

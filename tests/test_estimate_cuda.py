@@ -149,6 +149,37 @@ def test_programs_share_a_rows_tiles_in_a_wide_table(cuda_estimate, target_progr
 
 
 @cuda
+@pytest.mark.parametrize("part", ["exact", "mvar"])
+def test_parts_write_only_their_pages(part):
+    """``estimate_cuda.estimate(parts=...)`` (the timing probe of tune_kernels.py): "exact"
+    writes each row's sink and current page as the whole kernel does and no middle page,
+    "mvar" the middle pages and neither of those."""
+    lengths = [64 * 70 + 5, 3, 64 * 100, 64 * 2 + 1]
+    query, keys, _, summaries, table, seq_lens = estimate_inputs(lengths, 4, 128)
+    scale = 1 / math.sqrt(128)
+    whole, partial = (poisoned(len(lengths) * 2, 4, table.shape[1], dtype=torch.float32)
+                      for _ in range(2))
+    estimate_cuda.estimate(query, keys, summaries, table, seq_lens, scale, whole)
+    estimate_cuda.estimate(query, keys, summaries, table, seq_lens, scale, partial, parts=part)
+    for b, length in enumerate(seq_lens.tolist()):
+        last = ref.num_pages(length, table.shape[1]) - 1
+        exact_pages = torch.zeros(table.shape[1], dtype=torch.bool)
+        exact_pages[[0, last]] = True
+        mine = exact_pages if part == "exact" else ~exact_pages
+        mine[last + 1:] = False
+        for row in (2 * b, 2 * b + 1):
+            torch.testing.assert_close(partial[row][:, mine.to(DEVICE)],
+                                       whole[row][:, mine.to(DEVICE)], rtol=0, atol=0)
+            assert torch.isnan(partial[row][:, (~mine).to(DEVICE)]).all()
+
+
+def test_parts_must_be_named():
+    """A misspelt part is refused before anything runs (on the CPU too)."""
+    with pytest.raises(ValueError, match="parts must be"):
+        estimate_cuda.estimate(*[None] * 7, parts="sink")
+
+
+@cuda
 @pytest.mark.parametrize("group, head_dim, layout", [(1, 64, "contiguous"), (4, 128, "packed"),
                                                      (7, 128, "hnd"), (8, 64, "contiguous")])
 def test_new_tokens_written_and_filled_pages_summarized(cuda_estimate, group, head_dim, layout):

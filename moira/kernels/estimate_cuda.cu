@@ -50,6 +50,7 @@ struct Params {
   i64 stride_knb, stride_knh, stride_vnb, stride_vnh;
   i64 stride_vp, stride_vt, stride_vh;
   int num_kv_heads, max_pages, group, dense_below_pages, mvar_programs, num_slots;
+  int first_program;  // 0; 2 launches the mvar programs alone (estimate_cuda.estimate's parts)
   float scale;
 };
 
@@ -341,7 +342,7 @@ __device__ void mvar_pages(const Params& p, int row, int b, int head, int last,
 template <int D, int GP>
 __device__ void estimate_program(const Params& p) {
   const int row = blockIdx.x;
-  const int block = blockIdx.y;
+  const int block = blockIdx.y + p.first_program;
   const int b = row / p.num_kv_heads;
   const int head = row % p.num_kv_heads;
   const int* row_table = p.block_table + b * p.stride_bt;

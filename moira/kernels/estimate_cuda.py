@@ -61,7 +61,7 @@ class Params(ctypes.Structure):
             "stride_knh", "stride_vnb", "stride_vnh", "stride_vp", "stride_vt", "stride_vh")]
         + [(name, ctypes.c_int) for name in (
             "num_kv_heads", "max_pages", "group", "dense_below_pages", "mvar_programs",
-            "num_slots")]
+            "num_slots", "first_program")]
         + [("scale", ctypes.c_float)])
 
 
@@ -145,9 +145,14 @@ def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log
 
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-             dense_below_pages=0, new_kv=None, build_only=False):
+             dense_below_pages=0, new_kv=None, build_only=False, parts="all"):
     """Launch ``estimate_cuda.cu``'s kernel on the current stream: ``estimate.estimate``'s
-    arguments and outputs, inputs that ``check_inputs`` passed."""
+    arguments and outputs, inputs that ``check_inputs`` passed. ``parts`` launches only the
+    exact programs ("exact": the sink's, and the current page's with the token's write) or only
+    the mvar programs ("mvar"), each leaving the others' log-masses unwritten: a measurement of
+    what each part costs (``tune_kernels.py --kinds estparts``), not a step."""
+    if parts not in ("all", "exact", "mvar"):
+        raise ValueError(f"parts must be 'all', 'exact' or 'mvar', got {parts!r}")
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -169,7 +174,8 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         new_keys.stride(0), new_keys.stride(1), new_values.stride(0), new_values.stride(1),
         *value_cache.stride()[:3],
         num_kv_heads, max_pages, group, dense_below_pages, per_row,
-        slot_mapping.shape[0] if new_kv else 0, scale)
-    cuda_build.launch(function, (rows, 2 + per_row), THREADS, 0, query.device, params)
+        slot_mapping.shape[0] if new_kv else 0, 2 if parts == "mvar" else 0, scale)
+    programs = {"all": 2 + per_row, "exact": 2, "mvar": per_row}[parts]
+    cuda_build.launch(function, (rows, programs), THREADS, 0, query.device, params)
     return log_masses
 
