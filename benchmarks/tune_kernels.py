@@ -42,9 +42,11 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # Triton kernel first, then the whole step with each and the step's parts per Select;
 # "selectwarps": the whole step with the Triton Select at 4 / 8 / 16 warps and the CUDA one;
 # "halfbytes": the CUDA Estimate with half its summary bytes, same instructions (below);
-# "estparts": the CUDA Estimate whole, its exact programs alone and its mvar programs alone)
+# "estparts": the CUDA Estimate whole, its exact programs alone and its mvar programs alone;
+# "mvarmma": the CUDA Estimate with its mvar programs by FMAs and on tensor cores)
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
-         "balanced", "fractions", "step", "wide", "selectwarps", "halfbytes", "estparts")
+         "balanced", "fractions", "step", "wide", "selectwarps", "halfbytes", "estparts",
+         "mvarmma")
 
 
 def bench(fn):
@@ -219,7 +221,7 @@ def main():
         # written, as in vLLM) and its mvar programs alone (rows x J), twice each in
         # alternation. The parts overlap in the whole kernel, so they need not add up: the
         # whole less the mvar part is what the exact programs add to the step
-        if "estparts" in kinds:
+        if kinds & {"estparts", "mvarmma"}:
             new_keys = torch.randn(batch, KV_HEADS, HEAD_DIM, device="cuda",
                                    dtype=torch.bfloat16)
             last = (seq_lens.long() - 1) // 64
@@ -230,11 +232,40 @@ def main():
                         pages_now * 64 + (seq_lens.long() - 1) % 64)
 
             writes = [token_write(rolled) for _, rolled in rotation]
-            for part in ["all", "exact", "mvar"] * 2:
+            for part in ["all", "exact", "mvar"] * 2 if "estparts" in kinds else []:
                 micros = bench(lambda part=part: [estimate_cuda.estimate(
                     query, keys, copy, rolled, seq_lens, scale, log_masses, new_kv=write,
                     parts=part) for (copy, rolled), write in zip(rotation, writes)])
                 record("estparts", shape, part, micros / len(rotation))
+            # the mvar programs by FMAs or on tensor cores (estimate_cuda.MVAR_MMA, session
+            # 53): both forms' log-masses compared first, then the whole kernel (the token
+            # written) and its mvar part in each form, three times in alternation, and the
+            # tensor-core form built for four blocks per SM
+            if "mvarmma" in kinds:
+                copy, rolled = rotation[0]
+                outputs = []
+                for form in (False, True):
+                    masses = torch.full_like(log_masses, float("nan"))
+                    with patched(estimate_cuda, MVAR_MMA=form):
+                        estimate_cuda.estimate(query, keys, copy, rolled, seq_lens, scale,
+                                               masses)
+                    outputs.append(masses[..., :pages])
+                difference = (outputs[1] - outputs[0]).abs().max().item()
+                record("check", shape, f"mma - fma max |log-mass| {difference:.2e}", 0.0)
+                if not difference < 1e-3:  # NaN too: a page one of them did not write
+                    raise SystemExit(f"the tensor-core mvar differs by {difference}")
+                arms = [(f"{label} {part}", form, fits, part)
+                        for label, form, fits in (("fma", False, 5), ("mma", True, 5))
+                        for part in ("all", "mvar")] * 3 + [
+                    ("mma min_blocks=4 all", True, 4, "all"),
+                    ("mma min_blocks=4 mvar", True, 4, "mvar")]
+                for label, form, fits, part in arms:
+                    with patched(estimate_cuda, MVAR_MMA=form, MIN_BLOCKS_PER_SM=fits):
+                        micros = bench(lambda part=part: [estimate_cuda.estimate(
+                            query, keys, copy, rolled, seq_lens, scale, log_masses,
+                            new_kv=write, parts=part)
+                            for (copy, rolled), write in zip(rotation, writes)])
+                    record("mvarmma", shape, label, micros / len(rotation))
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)

@@ -36,6 +36,10 @@ TARGET_PROGRAMS = 660
 # at every shape but 8k x 32 (15.1 against 14.9 us with 4), 13.7 against 15.2 us with 0 at
 # 128k x 4
 MIN_BLOCKS_PER_SM = 5
+# the mvar programs on tensor cores (estimate_cuda.cu's mvar_pages_mma: 8 pages x the group's
+# heads per mma.m16n8k16, ~4 warp instructions per page) instead of by FMAs (mvar_pages, ~80);
+# built for five blocks per SM too, it takes 96 registers at G = 4, D = 128 and spills none
+MVAR_MMA = False
 # however many rows the batch has, a row as long as the table is split so that no program
 # loops over more tiles than this (the Triton kernel's MAX_TILES_PER_PROGRAM)
 MAX_TILES_PER_PROGRAM = 8
@@ -70,8 +74,11 @@ def group_pad(group):
     return triton.next_power_of_2(group)
 
 
-def tile_pages(head_dim, group):
-    """Pages an mvar program reads per pass (the .cu file's MvarShape::TILE)."""
+def tile_pages(head_dim, group, mvar_mma=None):
+    """Pages an mvar program reads per pass (the .cu file's MvarShape::TILE, or 4 warps x 8
+    pages x 128 / D in mvar_pages_mma), in the form ``mvar_mma`` (``MVAR_MMA`` if None)."""
+    if MVAR_MMA if mvar_mma is None else mvar_mma:
+        return 4 * 8 * (128 // head_dim)
     loads = 4 if group_pad(group) >= 8 else 8
     return 4 * loads * (32 // (head_dim // 4))
 
@@ -85,18 +92,20 @@ def programs_per_row(rows, max_pages, head_dim, group):
                                        triton.cdiv(table_tiles, MAX_TILES_PER_PROGRAM))))
 
 
-def build_options(min_blocks):
-    """NVRTC's defines for a build told to fit ``min_blocks`` blocks per SM."""
-    return (f"-DESTIMATE_MIN_BLOCKS={min_blocks}",)
+def build_options(min_blocks, mvar_mma=False):
+    """NVRTC's defines for a build told to fit ``min_blocks`` blocks per SM, its mvar programs
+    on tensor cores with ``mvar_mma``."""
+    return (f"-DESTIMATE_MIN_BLOCKS={min_blocks}", f"-DESTIMATE_MVAR_MMA={int(mvar_mma)}")
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(device_index, head_dim, group, min_blocks):
+def kernel(device_index, head_dim, group, min_blocks, mvar_mma=False):
     """The loaded function ``moira_estimate_d<D>_g<G padded>`` on a device, built to fit
-    ``min_blocks`` blocks per SM."""
+    ``min_blocks`` blocks per SM, its mvar programs on tensor cores with ``mvar_mma``."""
     return cuda_build.function(device_index, SOURCE,
                                f"moira_estimate_d{head_dim}_g{group_pad(group)}",
-                               "estimate.IMPLEMENTATION", options=build_options(min_blocks))
+                               "estimate.IMPLEMENTATION",
+                               options=build_options(min_blocks, mvar_mma))
 
 
 def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses):
@@ -158,7 +167,7 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     group = num_heads // num_kv_heads
     rows = batch * num_kv_heads
     function = kernel(cuda_build.device_index(query.device), head_dim, group,
-                      MIN_BLOCKS_PER_SM)
+                      MIN_BLOCKS_PER_SM, MVAR_MMA)
     if build_only or rows == 0:
         return log_masses
     max_pages = block_table.shape[1]
