@@ -371,6 +371,8 @@ __device__ void mvar_pages_mma(const Params& p, int row, int b, int head, int la
   constexpr int KSTEPS = 2 * LANE_CHUNKS;  // 2 D / 16
   constexpr int ROUNDS = 128 / D;          // 8-page groups per warp per tile
   constexpr int TILE = WARPS * 8 * ROUNDS;
+  // a's fragments, lane by lane (every warp's are the same: one row, one head group)
+  __shared__ uint4 coef[KSTEPS][32];
   const int tiles = cdiv(max(last, 0), TILE);  // tiles holding a middle page (< last)
   const int share = cdiv(tiles, p.mvar_programs);
   const int first = program * share;
@@ -378,44 +380,16 @@ __device__ void mvar_pages_mma(const Params& p, int row, int b, int head, int la
   if (first >= end) return;  // before the query's loads: idle programs of a wide table
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
-  // a's fragments: chunk i < LANE_CHUNKS / 2 is the mean's channels 8 (t + 4 i) .. + 7, chunk
-  // i + LANE_CHUNKS / 2 the variance's same channels
-  u32 coef[KSTEPS][4];
-#pragma unroll
-  for (int i = 0; i < LANE_CHUNKS / 2; ++i) {
-    float q[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (g < p.group)
-      unpack8(*reinterpret_cast<const uint4*>(p.query + b * p.stride_qb +
-                                              (i64(head) * p.group + g) * p.stride_qh +
-                                              8 * (t + 4 * i)), q);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mean[4], variance[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        mean[e] = q[4 * h + e] * p.scale;
-        variance[e] = 0.5f * mean[e] * mean[e];
-      }
-      u32* m = coef[2 * i + h];
-      u32* v = coef[2 * (i + LANE_CHUNKS / 2) + h];
-      split_pair(mean[0], mean[1], m[0], m[1]);
-      split_pair(mean[2], mean[3], m[2], m[3]);
-      split_pair(variance[0], variance[1], v[0], v[1]);
-      split_pair(variance[2], variance[3], v[2], v[3]);
-    }
-  }
-  // this lane's chunks of a page's summaries, as offsets from the page's first element
   const bf16* lane_summaries = p.summaries + head * p.stride_sh;
-  float* dst = p.log_masses + row * p.stride_lr;
   const int warp_first = warp * 8 * ROUNDS;
-  int ids[ROUNDS];  // physical pages of this pass's middle pages, -1 elsewhere
+  auto tile_ids = [&](int tile, int (&ids)[ROUNDS]) {  // -1: no middle page, or no tile
 #pragma unroll
-  for (int r = 0; r < ROUNDS; ++r) {
-    const int page = first * TILE + warp_first + 8 * r + g;
-    ids[r] = page > 0 && page < last ? row_table[page] : -1;
-  }
-  for (int tile = first; tile < end; ++tile) {
-    uint4 data[ROUNDS][LANE_CHUNKS];
+    for (int r = 0; r < ROUNDS; ++r) {
+      const int page = tile * TILE + warp_first + 8 * r + g;
+      ids[r] = tile < end && page > 0 && page < last ? row_table[page] : -1;
+    }
+  };
+  auto load_tile = [&](const int (&ids)[ROUNDS], uint4 (&data)[ROUNDS][LANE_CHUNKS]) {
 #pragma unroll
     for (int r = 0; r < ROUNDS; ++r)
 #pragma unroll
@@ -426,19 +400,52 @@ __device__ void mvar_pages_mma(const Params& p, int row, int b, int head, int la
         data[r][i] = ids[r] >= 0 ? *reinterpret_cast<const uint4*>(lane_summaries + at)
                                  : make_uint4(0u, 0u, 0u, 0u);
       }
-    // the next tile's entries, in flight while this one computes
+  };
+  int ids[ROUNDS];
+  uint4 ping[ROUNDS][LANE_CHUNKS], pong[ROUNDS][LANE_CHUNKS];
+  tile_ids(first, ids);
+  load_tile(ids, ping);  // the first tile's summaries in flight beside the query's loads
+  tile_ids(first + 1, ids);
+  if (warp == 0) {
+    // chunk i < LANE_CHUNKS / 2 is the mean's channels 8 (t + 4 i) .. + 7, chunk
+    // i + LANE_CHUNKS / 2 the variance's same channels
 #pragma unroll
-    for (int r = 0; r < ROUNDS; ++r) {
-      const int page = (tile + 1) * TILE + warp_first + 8 * r + g;
-      ids[r] = tile + 1 < end && page > 0 && page < last ? row_table[page] : -1;
+    for (int i = 0; i < LANE_CHUNKS / 2; ++i) {
+      float q[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      if (g < p.group)
+        unpack8(*reinterpret_cast<const uint4*>(p.query + b * p.stride_qb +
+                                                (i64(head) * p.group + g) * p.stride_qh +
+                                                8 * (t + 4 * i)), q);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mean[4], variance[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          mean[e] = q[4 * h + e] * p.scale;
+          variance[e] = 0.5f * mean[e] * mean[e];
+        }
+        uint4 m, v;
+        split_pair(mean[0], mean[1], m.x, m.y);
+        split_pair(mean[2], mean[3], m.z, m.w);
+        split_pair(variance[0], variance[1], v.x, v.y);
+        split_pair(variance[2], variance[3], v.z, v.w);
+        coef[2 * i + h][lane] = m;
+        coef[2 * (i + LANE_CHUNKS / 2) + h][lane] = v;
+      }
     }
+  }
+  __syncthreads();
+  float* dst = p.log_masses + row * p.stride_lr;
+  auto compute_tile = [&](const uint4 (&data)[ROUNDS][LANE_CHUNKS], int tile) {
 #pragma unroll
     for (int r = 0; r < ROUNDS; ++r) {
       float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // two chains
 #pragma unroll
       for (int s = 0; s < KSTEPS; ++s) {
+        const uint4 a4 = coef[s][lane];
+        const u32 a[4] = {a4.x, a4.y, a4.z, a4.w};
         const uint4& chunk = data[r][s / 2];
-        mma(acc[s % 2], coef[s], s % 2 ? chunk.z : chunk.x, s % 2 ? chunk.w : chunk.y);
+        mma(acc[s % 2], a, s % 2 ? chunk.z : chunk.x, s % 2 ? chunk.w : chunk.y);
       }
       // d's rows g (bf16 parts) and g + 8 (remainders) at pages 2 t and 2 t + 1
       const int page = tile * TILE + warp_first + 8 * r + 2 * t;
@@ -450,6 +457,16 @@ __device__ void mvar_pages_mma(const Params& p, int row, int b, int head, int la
               acc[0][1] + acc[1][1] + acc[0][3] + acc[1][3] + LOG_PAGE;
       }
     }
+  };
+  // two tiles' summaries in flight: the next one loads while this one computes
+  for (int tile = first; tile < end; tile += 2) {
+    load_tile(ids, pong);
+    tile_ids(tile + 2, ids);
+    compute_tile(ping, tile);
+    if (tile + 1 >= end) break;
+    load_tile(ids, ping);
+    tile_ids(tile + 3, ids);
+    compute_tile(pong, tile + 1);
   }
 }
 
