@@ -42,11 +42,9 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # Triton kernel first, then the whole step with each and the step's parts per Select;
 # "selectwarps": the whole step with the Triton Select at 4 / 8 / 16 warps and the CUDA one;
 # "halfbytes": the CUDA Estimate with half its summary bytes, same instructions (below);
-# "estparts": the CUDA Estimate whole, its exact programs alone and its mvar programs alone;
-# "mvarmma": the CUDA Estimate with its mvar programs by FMAs and on tensor cores)
+# "estparts": the CUDA Estimate whole, its exact programs alone and its mvar programs alone)
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
-         "balanced", "fractions", "step", "wide", "selectwarps", "halfbytes", "estparts",
-         "mvarmma")
+         "balanced", "fractions", "step", "wide", "selectwarps", "halfbytes", "estparts")
 
 
 def bench(fn):
@@ -221,7 +219,7 @@ def main():
         # written, as in vLLM) and its mvar programs alone (rows x J), twice each in
         # alternation. The parts overlap in the whole kernel, so they need not add up: the
         # whole less the mvar part is what the exact programs add to the step
-        if kinds & {"estparts", "mvarmma"}:
+        if "estparts" in kinds:
             new_keys = torch.randn(batch, KV_HEADS, HEAD_DIM, device="cuda",
                                    dtype=torch.bfloat16)
             last = (seq_lens.long() - 1) // 64
@@ -232,40 +230,11 @@ def main():
                         pages_now * 64 + (seq_lens.long() - 1) % 64)
 
             writes = [token_write(rolled) for _, rolled in rotation]
-            for part in ["all", "exact", "mvar"] * 2 if "estparts" in kinds else []:
+            for part in ["all", "exact", "mvar"] * 2:
                 micros = bench(lambda part=part: [estimate_cuda.estimate(
                     query, keys, copy, rolled, seq_lens, scale, log_masses, new_kv=write,
                     parts=part) for (copy, rolled), write in zip(rotation, writes)])
                 record("estparts", shape, part, micros / len(rotation))
-            # the mvar programs by FMAs or on tensor cores (estimate_cuda.MVAR_MMA, session
-            # 53): both forms' log-masses compared first, then the whole kernel (the token
-            # written) and its mvar part, by FMAs (five blocks per SM) and on tensor cores
-            # built for four blocks per SM and at ptxas' own choice, twice in alternation
-            if "mvarmma" in kinds:
-                copy, rolled = rotation[0]
-                outputs = []
-                for form in (False, True):
-                    masses = torch.full_like(log_masses, float("nan"))
-                    with patched(estimate_cuda, MVAR_MMA=form):
-                        estimate_cuda.estimate(query, keys, copy, rolled, seq_lens, scale,
-                                               masses)
-                    outputs.append(masses[..., :pages])
-                difference = (outputs[1] - outputs[0]).abs().max().item()
-                record("check", shape, f"mma - fma max |log-mass| {difference:.2e}", 0.0)
-                if not difference < 1e-3:  # NaN too: a page one of them did not write
-                    raise SystemExit(f"the tensor-core mvar differs by {difference}")
-                arms = [(f"{label} {part}", form, fits, part)
-                        for label, form, fits in (("fma", False, 5),
-                                                  ("mma min_blocks=4", True, 4),
-                                                  ("mma min_blocks=0", True, 0))
-                        for part in ("all", "mvar")] * 2
-                for label, form, fits, part in arms:
-                    with patched(estimate_cuda, MVAR_MMA=form, MIN_BLOCKS_PER_SM=fits):
-                        micros = bench(lambda part=part: [estimate_cuda.estimate(
-                            query, keys, copy, rolled, seq_lens, scale, log_masses,
-                            new_kv=write, parts=part)
-                            for (copy, rolled), write in zip(rotation, writes)])
-                    record("mvarmma", shape, label, micros / len(rotation))
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)

@@ -17,11 +17,9 @@ from moira.kernels.estimate import estimate
 cuda = pytest.mark.cuda
 
 
-@pytest.fixture(params=[False, True], ids=["mvar-fma", "mvar-mma"])
-def cuda_estimate(request, monkeypatch):
-    """The CUDA Estimate, its mvar programs in either form (``estimate_cuda.MVAR_MMA``)."""
+@pytest.fixture
+def cuda_estimate(monkeypatch):
     monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "cuda")
-    monkeypatch.setattr(estimate_cuda, "MVAR_MMA", request.param)
     return monkeypatch
 
 
@@ -66,14 +64,9 @@ def test_params_mirror_the_kernels_struct():
 
 
 def test_mvar_tile_is_the_kernels():
-    """Pages per mvar pass (the grid's J follows it): 4 warps x loads x pages per load, or
-    4 warps x 8 pages x 128 / D on tensor cores."""
-    assert estimate_cuda.tile_pages(128, 4, False) == 32
-    assert estimate_cuda.tile_pages(128, 7, False) == 16
-    assert estimate_cuda.tile_pages(64, 1, False) == 64
-    assert estimate_cuda.tile_pages(64, 8, False) == 32
-    assert estimate_cuda.tile_pages(128, 7, True) == 32
-    assert estimate_cuda.tile_pages(64, 8, True) == 64
+    """Pages per mvar pass (the grid's J follows it): 4 warps x loads x pages per load."""
+    assert estimate_cuda.tile_pages(128, 4) == 32 and estimate_cuda.tile_pages(128, 7) == 16
+    assert estimate_cuda.tile_pages(64, 1) == 64 and estimate_cuda.tile_pages(64, 8) == 32
     # about TARGET_PROGRAMS over the batch, at most one per tile of the table
     assert estimate_cuda.programs_per_row(32, 2048, 128, 4) == math.ceil(660 / 32)
     assert estimate_cuda.programs_per_row(256, 128, 128, 4) == 3
@@ -157,7 +150,7 @@ def test_programs_share_a_rows_tiles_in_a_wide_table(cuda_estimate, target_progr
 
 @cuda
 @pytest.mark.parametrize("part", ["exact", "mvar"])
-def test_parts_write_only_their_pages(cuda_estimate, part):
+def test_parts_write_only_their_pages(part):
     """``estimate_cuda.estimate(parts=...)`` (the timing probe of tune_kernels.py): "exact"
     writes each row's sink and current page as the whole kernel does and no middle page,
     "mvar" the middle pages and neither of those."""

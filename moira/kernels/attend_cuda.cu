@@ -79,6 +79,16 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* share
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
 }
 
+// d += a b: a 16x16 bf16 (row), b 16x8 bf16 (col), d 16x8 float32
+__device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0,
+                                    u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // 2^x by the SFU, as Triton's tl.exp2 (2^-inf = 0)
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;

@@ -29,11 +29,6 @@ namespace {
 constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
 constexpr float LOG_PAGE = 4.1588830833596715f;  // log(64): mvar's log |P|
-// 1: the mvar programs on tensor cores (mvar_pages_mma), 0: by FMAs (mvar_pages); set by
-// estimate_cuda.MVAR_MMA through build_options
-#ifndef ESTIMATE_MVAR_MMA
-#define ESTIMATE_MVAR_MMA 0
-#endif
 
 // mirrored field by field by estimate_cuda.Params (ctypes); strides in elements, the head
 // dim's stride 1
@@ -344,132 +339,6 @@ __device__ void mvar_pages(const Params& p, int row, int b, int head, int last,
   }
 }
 
-// Two floats as bf16 pairs, `first` in the low halves: hi = bf16(x), lo = bf16(x - hi), so
-// hi + lo holds x to ~16 significant bits (one bf16 alone, 8, would move a log-mass by ~1e-3)
-__device__ __forceinline__ void split_pair(float first, float second, u32& hi, u32& lo) {
-  const bf16 h0 = to_bf16(first), h1 = to_bf16(second);
-  hi = u32(h0) | (u32(h1) << 16);
-  lo = u32(to_bf16(first - to_float(h0))) | (u32(to_bf16(second - to_float(h1))) << 16);
-}
-
-// mvar on tensor cores (MVAR_MMA): a page's log-mass for head g is a dot product of its two
-// summaries (2 D channels) with the head's coefficients, so 8 pages x the group's heads is one
-// small matrix product per warp: mma.m16n8k16 with the 8 pages as b's columns and the heads'
-// coefficients as a's rows, row g the coefficient rounded to bf16 and row g + 8 its remainder
-// (d's rows g and g + 8 add up to the float32 product at ~16 bits). Lane (g, t) loads page g's
-// 16-byte chunks t, t + 4, ... (D / 16 of them: a quarter of its 4 D bytes) and feeds them to
-// the k-steps as they are: k-step 2 i + h takes words 2 h and 2 h + 1 of chunk i, which fixes
-// which channel each k index is (the same in a and b, so the sum is the dot product). Why: the
-// FMA form spends ~80 warp instructions per page (unpacking, G x 8 FMAs per lane, a
-// reduce-scatter), and at 33.5 MB per layer its issue time matches its DRAM time (session 43;
-// half the bytes took 1.3 us off 128k x 4 in session 49); this form spends ~4.
-template <int D, int GP>
-__device__ void mvar_pages_mma(const Params& p, int row, int b, int head, int last,
-                               const int* row_table, int program) {
-  static_assert(GP <= 8, "a's rows g and g + 8 hold a head's two parts");
-  constexpr int LANE_CHUNKS = D / 16;      // 16-byte loads per lane per page
-  constexpr int KSTEPS = 2 * LANE_CHUNKS;  // 2 D / 16
-  constexpr int ROUNDS = 128 / D;          // 8-page groups per warp per tile
-  constexpr int TILE = WARPS * 8 * ROUNDS;
-  // a's fragments, lane by lane (every warp's are the same: one row, one head group)
-  __shared__ uint4 coef[KSTEPS][32];
-  const int tiles = cdiv(max(last, 0), TILE);  // tiles holding a middle page (< last)
-  const int share = cdiv(tiles, p.mvar_programs);
-  const int first = program * share;
-  const int end = min(first + share, tiles);
-  if (first >= end) return;  // before the query's loads: idle programs of a wide table
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int g = lane / 4, t = lane % 4;
-  const bf16* lane_summaries = p.summaries + head * p.stride_sh;
-  const int warp_first = warp * 8 * ROUNDS;
-  auto tile_ids = [&](int tile, int (&ids)[ROUNDS]) {  // -1: no middle page, or no tile
-#pragma unroll
-    for (int r = 0; r < ROUNDS; ++r) {
-      const int page = tile * TILE + warp_first + 8 * r + g;
-      ids[r] = tile < end && page > 0 && page < last ? row_table[page] : -1;
-    }
-  };
-  auto load_tile = [&](const int (&ids)[ROUNDS], uint4 (&data)[ROUNDS][LANE_CHUNKS]) {
-#pragma unroll
-    for (int r = 0; r < ROUNDS; ++r)
-#pragma unroll
-      for (int i = 0; i < LANE_CHUNKS; ++i) {
-        const int chunk = t + 4 * i;
-        const i64 at = ids[r] * p.stride_sp +
-                       (chunk < D / 8 ? 8 * chunk : p.stride_ss + 8 * (chunk - D / 8));
-        data[r][i] = ids[r] >= 0 ? *reinterpret_cast<const uint4*>(lane_summaries + at)
-                                 : make_uint4(0u, 0u, 0u, 0u);
-      }
-  };
-  int ids[ROUNDS];
-  uint4 ping[ROUNDS][LANE_CHUNKS], pong[ROUNDS][LANE_CHUNKS];
-  tile_ids(first, ids);
-  load_tile(ids, ping);  // the first tile's summaries in flight beside the query's loads
-  tile_ids(first + 1, ids);
-  if (warp == 0) {
-    // chunk i < LANE_CHUNKS / 2 is the mean's channels 8 (t + 4 i) .. + 7, chunk
-    // i + LANE_CHUNKS / 2 the variance's same channels
-#pragma unroll
-    for (int i = 0; i < LANE_CHUNKS / 2; ++i) {
-      float q[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      if (g < p.group)
-        unpack8(*reinterpret_cast<const uint4*>(p.query + b * p.stride_qb +
-                                                (i64(head) * p.group + g) * p.stride_qh +
-                                                8 * (t + 4 * i)), q);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mean[4], variance[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          mean[e] = q[4 * h + e] * p.scale;
-          variance[e] = 0.5f * mean[e] * mean[e];
-        }
-        uint4 m, v;
-        split_pair(mean[0], mean[1], m.x, m.y);
-        split_pair(mean[2], mean[3], m.z, m.w);
-        split_pair(variance[0], variance[1], v.x, v.y);
-        split_pair(variance[2], variance[3], v.z, v.w);
-        coef[2 * i + h][lane] = m;
-        coef[2 * (i + LANE_CHUNKS / 2) + h][lane] = v;
-      }
-    }
-  }
-  __syncthreads();
-  float* dst = p.log_masses + row * p.stride_lr;
-  auto compute_tile = [&](const uint4 (&data)[ROUNDS][LANE_CHUNKS], int tile) {
-#pragma unroll
-    for (int r = 0; r < ROUNDS; ++r) {
-      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // two chains
-#pragma unroll
-      for (int s = 0; s < KSTEPS; ++s) {
-        const uint4 a4 = coef[s][lane];
-        const u32 a[4] = {a4.x, a4.y, a4.z, a4.w};
-        const uint4& chunk = data[r][s / 2];
-        mma(acc[s % 2], a, s % 2 ? chunk.z : chunk.x, s % 2 ? chunk.w : chunk.y);
-      }
-      // d's rows g (bf16 parts) and g + 8 (remainders) at pages 2 t and 2 t + 1
-      const int page = tile * TILE + warp_first + 8 * r + 2 * t;
-      if (g < p.group) {
-        if (page > 0 && page < last)
-          dst[g * p.stride_lg + page] = acc[0][0] + acc[1][0] + acc[0][2] + acc[1][2] + LOG_PAGE;
-        if (page + 1 < last)
-          dst[g * p.stride_lg + page + 1] =
-              acc[0][1] + acc[1][1] + acc[0][3] + acc[1][3] + LOG_PAGE;
-      }
-    }
-  };
-  // two tiles' summaries in flight: the next one loads while this one computes
-  for (int tile = first; tile < end; tile += 2) {
-    load_tile(ids, pong);
-    tile_ids(tile + 2, ids);
-    compute_tile(ping, tile);
-    if (tile + 1 >= end) break;
-    load_tile(ids, ping);
-    tile_ids(tile + 3, ids);
-    compute_tile(pong, tile + 1);
-  }
-}
-
 template <int D, int GP>
 __device__ void estimate_program(const Params& p) {
   const int row = blockIdx.x;
@@ -495,11 +364,7 @@ __device__ void estimate_program(const Params& p) {
     exact_page<D, GP>(p, row, b, head, block == 0 ? 0 : last, seq_len, row_table);
     return;
   }
-#if ESTIMATE_MVAR_MMA
-  mvar_pages_mma<D, GP>(p, row, b, head, last, row_table, block - 2);
-#else
   mvar_pages<D, GP>(p, row, b, head, last, row_table, block - 2);
-#endif
 }
 
 }  // namespace

@@ -36,10 +36,6 @@ TARGET_PROGRAMS = 660
 # at every shape but 8k x 32 (15.1 against 14.9 us with 4), 13.7 against 15.2 us with 0 at
 # 128k x 4
 MIN_BLOCKS_PER_SM = 5
-# the mvar programs on tensor cores (estimate_cuda.cu's mvar_pages_mma: 8 pages x the group's
-# heads per mma.m16n8k16, ~4 warp instructions per page) instead of by FMAs (mvar_pages, ~80);
-# built for five blocks per SM too, it takes 96 registers at G = 4, D = 128 and spills none
-MVAR_MMA = False
 # however many rows the batch has, a row as long as the table is split so that no program
 # loops over more tiles than this (the Triton kernel's MAX_TILES_PER_PROGRAM)
 MAX_TILES_PER_PROGRAM = 8
@@ -51,6 +47,13 @@ MAX_TILES_PER_PROGRAM = 8
 # (-1.2 / -0.6). Not profiled; the likely costs: the one program's longer chain, and its
 # 36 KB of static shared memory, which every program of the grid reserves (+1.0 us at
 # 128k x 4, where it saves 32 programs of 736). Removed
+# Not here: the mvar programs on tensor cores (8 pages x the group's heads per mma.m16n8k16,
+# each coefficient split into two bf16 for ~16 bits; ~4 warp instructions per page instead of
+# ~80). Timed in session 53 (results/tune-2026-12-03-s53-mvarmma-*.json; log-masses within
+# 1.9e-6 of this form): with the coefficients in registers the whole kernel was +0.9 / +2.5 /
+# +1.8 / +2.6 / +1.2 us at 8k x 32 / 16k x 32 / 32k x 16 / 64k x 8 / 128k x 4; in shared memory
+# with the next tile loaded ahead, +0.4 to +4.0. Instructions do not bound the mvar programs:
+# alone they read 33.5 MB in 13.7-14.7 us from 32k x 16 on whatever their arithmetic. Removed
 
 
 class Params(ctypes.Structure):
@@ -74,11 +77,8 @@ def group_pad(group):
     return triton.next_power_of_2(group)
 
 
-def tile_pages(head_dim, group, mvar_mma=None):
-    """Pages an mvar program reads per pass (the .cu file's MvarShape::TILE, or 4 warps x 8
-    pages x 128 / D in mvar_pages_mma), in the form ``mvar_mma`` (``MVAR_MMA`` if None)."""
-    if MVAR_MMA if mvar_mma is None else mvar_mma:
-        return 4 * 8 * (128 // head_dim)
+def tile_pages(head_dim, group):
+    """Pages an mvar program reads per pass (the .cu file's MvarShape::TILE)."""
     loads = 4 if group_pad(group) >= 8 else 8
     return 4 * loads * (32 // (head_dim // 4))
 
@@ -92,20 +92,18 @@ def programs_per_row(rows, max_pages, head_dim, group):
                                        triton.cdiv(table_tiles, MAX_TILES_PER_PROGRAM))))
 
 
-def build_options(min_blocks, mvar_mma=False):
-    """NVRTC's defines for a build told to fit ``min_blocks`` blocks per SM, its mvar programs
-    on tensor cores with ``mvar_mma``."""
-    return (f"-DESTIMATE_MIN_BLOCKS={min_blocks}", f"-DESTIMATE_MVAR_MMA={int(mvar_mma)}")
+def build_options(min_blocks):
+    """NVRTC's defines for a build told to fit ``min_blocks`` blocks per SM."""
+    return (f"-DESTIMATE_MIN_BLOCKS={min_blocks}",)
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(device_index, head_dim, group, min_blocks, mvar_mma=False):
+def kernel(device_index, head_dim, group, min_blocks):
     """The loaded function ``moira_estimate_d<D>_g<G padded>`` on a device, built to fit
-    ``min_blocks`` blocks per SM, its mvar programs on tensor cores with ``mvar_mma``."""
+    ``min_blocks`` blocks per SM."""
     return cuda_build.function(device_index, SOURCE,
                                f"moira_estimate_d{head_dim}_g{group_pad(group)}",
-                               "estimate.IMPLEMENTATION",
-                               options=build_options(min_blocks, mvar_mma))
+                               "estimate.IMPLEMENTATION", options=build_options(min_blocks))
 
 
 def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses):
@@ -167,7 +165,7 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     group = num_heads // num_kv_heads
     rows = batch * num_kv_heads
     function = kernel(cuda_build.device_index(query.device), head_dim, group,
-                      MIN_BLOCKS_PER_SM, MVAR_MMA)
+                      MIN_BLOCKS_PER_SM)
     if build_only or rows == 0:
         return log_masses
     max_pages = block_table.shape[1]

@@ -20,16 +20,3 @@ __device__ __forceinline__ bf16 to_bf16(float x) {  // round to nearest even
   asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(bits) : "f"(x));
   return bits;
 }
-
-// d += a b: a 16x16 bf16 (row), b 16x8 bf16 (col), d 16x8 float32 (mma.m16n8k16; lane l
-// holds a's rows l / 4 and l / 4 + 8 at k = 2 (l % 4) + {0, 1} and + 8, b's k rows
-// 2 (l % 4) + {0, 1} and + 8 of column l / 4, d's rows l / 4 and l / 4 + 8 at columns
-// 2 (l % 4) + {0, 1}; two bf16 per register, the lower k or column in the low half)
-__device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0,
-                                    u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
