@@ -42,9 +42,12 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # Triton kernel first, then the whole step with each and the step's parts per Select;
 # "selectwarps": the whole step with the Triton Select at 4 / 8 / 16 warps and the CUDA one;
 # "halfbytes": the CUDA Estimate with half its summary bytes, same instructions (below);
-# "estparts": the CUDA Estimate whole, its exact programs alone and its mvar programs alone)
+# "estparts": the CUDA Estimate whole, its exact programs alone and its mvar programs alone;
+# "sumlayout": the CUDA Estimate with the summaries page-major or head-major, each over
+# scattered and over consecutive physical pages)
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
-         "balanced", "fractions", "step", "wide", "selectwarps", "halfbytes", "estparts")
+         "balanced", "fractions", "step", "wide", "selectwarps", "halfbytes", "estparts",
+         "sumlayout")
 
 
 def bench(fn):
@@ -219,7 +222,7 @@ def main():
         # written, as in vLLM) and its mvar programs alone (rows x J), twice each in
         # alternation. The parts overlap in the whole kernel, so they need not add up: the
         # whole less the mvar part is what the exact programs add to the step
-        if "estparts" in kinds:
+        if kinds & {"estparts", "sumlayout"}:
             new_keys = torch.randn(batch, KV_HEADS, HEAD_DIM, device="cuda",
                                    dtype=torch.bfloat16)
             last = (seq_lens.long() - 1) // 64
@@ -230,11 +233,36 @@ def main():
                         pages_now * 64 + (seq_lens.long() - 1) % 64)
 
             writes = [token_write(rolled) for _, rolled in rotation]
-            for part in ["all", "exact", "mvar"] * 2:
+            for part in ["all", "exact", "mvar"] * 2 if "estparts" in kinds else []:
                 micros = bench(lambda part=part: [estimate_cuda.estimate(
                     query, keys, copy, rolled, seq_lens, scale, log_masses, new_kv=write,
                     parts=part) for (copy, rolled), write in zip(rotation, writes)])
                 record("estparts", shape, part, micros / len(rotation))
+            # Where the mvar programs' 33.5 MB go at ~2.3 TB/s (session 53): the summaries
+            # page-major ([page, head, 2, D], a row reads 512 bytes of each page's 4 KB) or
+            # head-major (the same view over [head, page, 2, D] storage: a row's pages are
+            # one head's 512-byte slots), each over the bench's scattered physical pages and
+            # over consecutive ones (each request's pages in order, as a fresh engine hands
+            # out a prompt's blocks); the whole kernel and its mvar part, twice in alternation
+            if "sumlayout" in kinds:
+                consecutive = torch.arange(batch * pages, device="cuda").view(batch, pages).int()
+                head_major = [(copy.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3), rolled)
+                              for copy, rolled in rotation]
+                layouts = {"page-major": rotation, "head-major": head_major}
+                tables = {"scattered": lambda rolled, i: rolled,
+                          "consecutive": lambda rolled, i: consecutive.roll(i, dims=1)}
+                for layout, order, part in [
+                        (layout, order, part) for layout in layouts for order in tables
+                        for part in ("all", "mvar")] * 2:
+                    arm = [(copy, tables[order](rolled, i))
+                           for i, (copy, rolled) in enumerate(layouts[layout])]
+                    arm_writes = [token_write(table_now) for _, table_now in arm]
+                    micros = bench(lambda arm=arm, arm_writes=arm_writes, part=part: [
+                        estimate_cuda.estimate(query, keys, copy, table_now, seq_lens, scale,
+                                               log_masses, new_kv=write, parts=part)
+                        for (copy, table_now), write in zip(arm, arm_writes)])
+                    record("sumlayout", shape, f"{layout} {order} {part}",
+                           micros / len(rotation))
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)
