@@ -92,18 +92,21 @@ def programs_per_row(rows, max_pages, head_dim, group):
                                        triton.cdiv(table_tiles, MAX_TILES_PER_PROGRAM))))
 
 
-def build_options(min_blocks):
-    """NVRTC's defines for a build told to fit ``min_blocks`` blocks per SM."""
-    return (f"-DESTIMATE_MIN_BLOCKS={min_blocks}",)
+def build_options(min_blocks, programmatic=False):
+    """NVRTC's defines for a build told to fit ``min_blocks`` blocks per SM, for programmatic
+    dependent launch with ``programmatic`` (the .cu file's ESTIMATE_PDL: what it may load
+    before waiting for the kernel ahead)."""
+    return (f"-DESTIMATE_MIN_BLOCKS={min_blocks}", f"-DESTIMATE_PDL={int(programmatic)}")
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(device_index, head_dim, group, min_blocks):
+def kernel(device_index, head_dim, group, min_blocks, programmatic=False):
     """The loaded function ``moira_estimate_d<D>_g<G padded>`` on a device, built to fit
-    ``min_blocks`` blocks per SM."""
+    ``min_blocks`` blocks per SM (for programmatic dependent launch with ``programmatic``)."""
     return cuda_build.function(device_index, SOURCE,
                                f"moira_estimate_d{head_dim}_g{group_pad(group)}",
-                               "estimate.IMPLEMENTATION", options=build_options(min_blocks))
+                               "estimate.IMPLEMENTATION",
+                               options=build_options(min_blocks, programmatic))
 
 
 def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses):
@@ -152,9 +155,14 @@ def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log
 
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-             dense_below_pages=0, new_kv=None, build_only=False, parts="all"):
+             dense_below_pages=0, new_kv=None, build_only=False, parts="all",
+             programmatic=False):
     """Launch ``estimate_cuda.cu``'s kernel on the current stream: ``estimate.estimate``'s
-    arguments and outputs, inputs that ``check_inputs`` passed. ``parts`` launches only the
+    arguments and outputs, inputs that ``check_inputs`` passed. ``programmatic``: with
+    programmatic dependent launch (``MoiraConfig.programmatic_launch``; sm_90+): the kernel
+    starts while the one before it drains, loading the block table, the row lengths, past
+    pages' summaries and the sink's keys before it waits for that kernel (whose outputs, the
+    query and the step's new keys and values, it reads after). ``parts`` launches only the
     exact programs ("exact": the sink's, and the current page's with the token's write) or only
     the mvar programs ("mvar"), each leaving the others' log-masses unwritten: a measurement of
     what each part costs (``tune_kernels.py --kinds estparts``), not a step."""
@@ -165,7 +173,7 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     group = num_heads // num_kv_heads
     rows = batch * num_kv_heads
     function = kernel(cuda_build.device_index(query.device), head_dim, group,
-                      MIN_BLOCKS_PER_SM)
+                      MIN_BLOCKS_PER_SM, programmatic)
     if build_only or rows == 0:
         return log_masses
     max_pages = block_table.shape[1]
@@ -183,6 +191,7 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         num_kv_heads, max_pages, group, dense_below_pages, per_row,
         slot_mapping.shape[0] if new_kv else 0, 2 if parts == "mvar" else 0, scale)
     programs = {"all": 2 + per_row, "exact": 2, "mvar": per_row}[parts]
-    cuda_build.launch(function, (rows, programs), THREADS, 0, query.device, params)
+    cuda_build.launch(function, (rows, programs), THREADS, 0, query.device, params,
+                      programmatic=programmatic)
     return log_masses
 
