@@ -225,6 +225,7 @@ def test_programmatic_launch_waits_for_the_kernel_before(cuda_estimate, group, h
     that kernel writes the query and the step's new keys and values (poisoned until then), so
     a read of them before the wait would show as NaN or a wrong token; twenty rounds, each
     after a slow kernel, for the overlap to happen."""
+    cuda_estimate.setattr(estimate_cuda, "PROGRAMMATIC", True)
     lengths = [64 * 70 + 5, 64 * 3 + 1, 64 * 33, 64 * 2]
     query, keys, values, summaries, table, seq_lens = estimate_inputs(lengths, group, head_dim,
                                                                       num_pages=600)

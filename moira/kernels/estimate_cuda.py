@@ -36,6 +36,11 @@ TARGET_PROGRAMS = 660
 # at every shape but 8k x 32 (15.1 against 14.9 us with 4), 13.7 against 15.2 us with 0 at
 # 128k x 4
 MIN_BLOCKS_PER_SM = 5
+# whether MoiraConfig.programmatic_launch chains this kernel too (estimate(programmatic=True):
+# the block table, past pages' summaries and the sink's keys load before it waits for the
+# kernel ahead). A candidate written in session 53 after its device time: off until its GPU
+# test has run and tune_kernels.py --kinds estpdl has timed it (benchmarks/NOTES.md)
+PROGRAMMATIC = False
 # however many rows the batch has, a row as long as the table is split so that no program
 # loops over more tiles than this (the Triton kernel's MAX_TILES_PER_PROGRAM)
 MAX_TILES_PER_PROGRAM = 8
