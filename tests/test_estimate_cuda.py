@@ -234,8 +234,8 @@ def test_programmatic_launch_waits_for_the_kernel_before(cuda_estimate, group, h
                             .to(torch.bfloat16) for _ in range(2))
     slots = torch.tensor([int(table[b, (n - 1) // 64]) * 64 + (n - 1) % 64
                           for b, n in enumerate(lengths)], dtype=torch.int64, device=DEVICE)
-    expected_keys, _ = ref.write_tokens(keys.cpu(), values.cpu(), new_keys.cpu(),
-                                        new_values.cpu(), slots.cpu())
+    expected_keys, expected_values = ref.write_tokens(keys.cpu(), values.cpu(), new_keys.cpu(),
+                                                      new_values.cpu(), slots.cpu())
     # the query and the new key and value, written by one kernel (the one right before)
     source = torch.cat([query.flatten(), new_keys.flatten(), new_values.flatten()])
     target = torch.full_like(source, float("nan"))
@@ -253,7 +253,7 @@ def test_programmatic_launch_waits_for_the_kernel_before(cuda_estimate, group, h
         estimate(query_in, k, summaries, table, seq_lens, scale, log_masses,
                  new_kv=(keys_in, values_in, v, slots), programmatic_launch=True)
         torch.cuda.synchronize()
-        assert torch.equal(k.cpu(), expected_keys)
+        assert torch.equal(k.cpu(), expected_keys) and torch.equal(v.cpu(), expected_values)
         check_log_masses(log_masses, query, k, summaries, table, seq_lens, scale)
 
 
