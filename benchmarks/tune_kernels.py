@@ -44,11 +44,10 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # "halfbytes": the CUDA Estimate with half its summary bytes, same instructions (below);
 # "estparts": the CUDA Estimate whole, its exact programs alone and its mvar programs alone;
 # "sumlayout": the CUDA Estimate with the summaries page-major or head-major, each over
-# scattered and over consecutive physical pages; "estpdl": the CUDA Estimate after a kernel
-# that writes its query, launched plainly or with programmatic dependent launch)
+# scattered and over consecutive physical pages)
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
          "balanced", "fractions", "step", "wide", "selectwarps", "halfbytes", "estparts",
-         "sumlayout", "estpdl")
+         "sumlayout")
 
 
 def bench(fn):
@@ -223,7 +222,7 @@ def main():
         # written, as in vLLM) and its mvar programs alone (rows x J), twice each in
         # alternation. The parts overlap in the whole kernel, so they need not add up: the
         # whole less the mvar part is what the exact programs add to the step
-        if kinds & {"estparts", "sumlayout", "estpdl"}:
+        if kinds & {"estparts", "sumlayout"}:
             new_keys = torch.randn(batch, KV_HEADS, HEAD_DIM, device="cuda",
                                    dtype=torch.bfloat16)
             last = (seq_lens.long() - 1) // 64
@@ -264,26 +263,6 @@ def main():
                         for (copy, table_now), write in zip(arm, arm_writes)])
                     record("sumlayout", shape, f"{layout} {order} {part}",
                            micros / len(rotation))
-            # Programmatic dependent launch (session 53): each Estimate of the rotation right
-            # after a kernel that writes its query (a copy, as vLLM's rotary kernel is the one
-            # before Estimate), launched plainly or chained to it (the block table, row
-            # lengths, summaries and sink keys loaded before its wait); the copy alone too, so
-            # the two arms' difference is the chain's gain. Three times in alternation
-            if "estpdl" in kinds:
-                query_source = query.clone()
-
-                def after_copy(programmatic):
-                    for (copy, rolled), write in zip(rotation, writes):
-                        query.copy_(query_source)
-                        if programmatic is not None:
-                            estimate_cuda.estimate(query, keys, copy, rolled, seq_lens, scale,
-                                                   log_masses, new_kv=write,
-                                                   programmatic=programmatic)
-
-                for label, programmatic in [("plain", False), ("programmatic", True),
-                                            ("query copy alone", None)] * 3:
-                    micros = bench(lambda programmatic=programmatic: after_copy(programmatic))
-                    record("estpdl", shape, label, micros / len(rotation))
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)

@@ -70,9 +70,8 @@ class MoiraConfig:
     programmatic_launch:
         ``"rows"`` only: launch Estimate, Select, Attend and Merge with programmatic dependent
         launch (sm_90+), so each may be scheduled while the previous one drains
-        (``moira/kernels/launch.py``). The Triton kernels chain; the CUDA Attend launches
-        plainly, and the CUDA Estimate too unless ``estimate_cuda.PROGRAMMATIC`` (a candidate,
-        not yet run on a GPU).
+        (``moira/kernels/launch.py``). The Triton kernels chain; the CUDA Attend and Estimate
+        launch plainly.
     step_programs:
         T: a row shorter than C * T / rows (rows: the step's requests x KV heads) gets a chunk
         floor of ceil(n * rows / T) pages (at least 2, at most C) instead of C, so that a

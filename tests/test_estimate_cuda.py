@@ -218,45 +218,6 @@ def test_new_tokens_written_and_filled_pages_summarized(cuda_estimate, group, he
         check_log_masses(log_masses, query, k, s, table, seq_lens, scale, dense_below_pages)
 
 
-@cuda
-@pytest.mark.parametrize("group, head_dim", [(4, 128), (8, 64)])
-def test_programmatic_launch_waits_for_the_kernel_before(cuda_estimate, group, head_dim):
-    """With ``programmatic_launch`` the kernel may start while the one before it runs: here
-    that kernel writes the query and the step's new keys and values (poisoned until then), so
-    a read of them before the wait would show as NaN or a wrong token; twenty rounds, each
-    after a slow kernel, for the overlap to happen."""
-    cuda_estimate.setattr(estimate_cuda, "PROGRAMMATIC", True)
-    lengths = [64 * 70 + 5, 64 * 3 + 1, 64 * 33, 64 * 2]
-    query, keys, values, summaries, table, seq_lens = estimate_inputs(lengths, group, head_dim,
-                                                                      num_pages=600)
-    batch, num_kv_heads = len(lengths), keys.shape[2]
-    new_keys, new_values = (torch.randn(batch, num_kv_heads, head_dim, device=DEVICE)
-                            .to(torch.bfloat16) for _ in range(2))
-    slots = torch.tensor([int(table[b, (n - 1) // 64]) * 64 + (n - 1) % 64
-                          for b, n in enumerate(lengths)], dtype=torch.int64, device=DEVICE)
-    expected_keys, expected_values = ref.write_tokens(keys.cpu(), values.cpu(), new_keys.cpu(),
-                                                      new_values.cpu(), slots.cpu())
-    # the query and the new key and value, written by one kernel (the one right before)
-    source = torch.cat([query.flatten(), new_keys.flatten(), new_values.flatten()])
-    target = torch.full_like(source, float("nan"))
-    sizes = [query.numel(), new_keys.numel(), new_values.numel()]
-    query_in, keys_in, values_in = (part.view(shape) for part, shape in zip(
-        target.split(sizes), (query.shape, new_keys.shape, new_values.shape)))
-    slow = torch.zeros(64 << 20, device=DEVICE)
-    scale = 1 / math.sqrt(head_dim)
-    for _ in range(20):
-        k, v = keys.clone(), values.clone()
-        target.fill_(float("nan"))
-        log_masses = poisoned(batch * num_kv_heads, group, table.shape[1], dtype=torch.float32)
-        slow.mul_(1.0)
-        target.copy_(source)
-        estimate(query_in, k, summaries, table, seq_lens, scale, log_masses,
-                 new_kv=(keys_in, values_in, v, slots), programmatic_launch=True)
-        torch.cuda.synchronize()
-        assert torch.equal(k.cpu(), expected_keys) and torch.equal(v.cpu(), expected_values)
-        check_log_masses(log_masses, query, k, summaries, table, seq_lens, scale)
-
-
 def test_auto_takes_the_cuda_kernel_from_a_table_width(monkeypatch):
     """"auto": the CUDA kernel for tables of at least CUDA_FROM_PAGES pages (where it was
     timed faster), Triton's for narrower ones, on a device where both can run."""

@@ -149,26 +149,6 @@ def build(file_name, arch, options=()):
         return f.read()
 
 
-class LaunchAttribute(ctypes.Structure):
-    """CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union."""
-
-    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
-
-
-class LaunchConfig(ctypes.Structure):
-    """CUlaunchConfig (cuLaunchKernelEx's first argument)."""
-
-    _fields_ = ([(name, ctypes.c_uint) for name in (
-        "grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z", "shared_bytes")]
-        + [("stream", ctypes.c_void_p), ("attributes", ctypes.POINTER(LaunchAttribute)),
-           ("num_attributes", ctypes.c_uint)])
-
-
-# CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h): the kernel may launch while
-# the one before it on the stream still runs (its programs' griddepcontrol.wait then waits)
-PROGRAMMATIC_STREAM_SERIALIZATION = 6
-
-
 @functools.lru_cache(maxsize=None)
 def driver():
     """libcuda's entry points used here, typed (CUresult is an int; handles are pointers)."""
@@ -186,8 +166,6 @@ def driver():
             ("cuFuncSetAttribute", (handle, ctypes.c_int, ctypes.c_int)),
             ("cuLaunchKernel", (handle, uint, uint, uint, uint, uint, uint, uint, handle,
                                 ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)),
-            ("cuLaunchKernelEx", (ctypes.POINTER(LaunchConfig), handle,
-                                  ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)),
             ("cuGetErrorString", (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)))):
         function = getattr(driver, name)
         function.argtypes, function.restype = argtypes, ctypes.c_int
@@ -263,26 +241,16 @@ def function(device_index, file_name, name, setting, dynamic_shared=0, options=(
     return handle
 
 
-def launch(handle, grid, threads, dynamic_shared, device, params, programmatic=False):
+def launch(handle, grid, threads, dynamic_shared, device, params):
     """Launch a loaded kernel on a ``grid`` of ``(x, y)`` blocks of ``threads`` threads, its one
     argument the ctypes structure ``params``, on the current stream of ``device`` (a
-    torch.device); captured like any launch on that stream. ``programmatic``: with programmatic
-    dependent launch (sm_90+), so the kernel may start while the one before it drains; its
-    programs must execute ``griddepcontrol.wait`` before touching what that kernel writes."""
+    torch.device); captured like any launch on that stream."""
     make_current(device_index(device))
     arguments = (ctypes.c_void_p * 1)(ctypes.addressof(params))
     stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
     grid_x, grid_y = grid
-    if not programmatic:
-        check(driver().cuLaunchKernel(handle, grid_x, grid_y, 1, threads, 1, 1, dynamic_shared,
-                                      stream, arguments, None), "cuLaunchKernel")
-        return
-    attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
-    attribute.value = (1).to_bytes(4, "little") + bytes(60)  # allowed: 1
-    config = LaunchConfig(grid_x, grid_y, 1, threads, 1, 1, dynamic_shared, stream,
-                          ctypes.pointer(attribute), 1)
-    check(driver().cuLaunchKernelEx(ctypes.byref(config), handle, arguments, None),
-          "cuLaunchKernelEx")
+    check(driver().cuLaunchKernel(handle, grid_x, grid_y, 1, threads, 1, 1, dynamic_shared,
+                                  stream, arguments, None), "cuLaunchKernel")
 
 
 def resolve(setting, value, check, usable):

@@ -317,9 +317,7 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
                       log_masses) == "cuda":
         return estimate_cuda.estimate(query, key_cache, summaries, block_table, seq_lens, scale,
                                       log_masses, dense_below_pages, new_kv,
-                                      build_only=launch.building_only(),
-                                      programmatic=estimate_cuda.PROGRAMMATIC and
-                                      launch.chained(programmatic_launch, "estimate"))
+                                      build_only=launch.building_only())
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads

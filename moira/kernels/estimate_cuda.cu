@@ -30,33 +30,6 @@ constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
 constexpr float LOG_PAGE = 4.1588830833596715f;  // log(64): mvar's log |P|
 
-// Programmatic dependent launch (estimate_cuda.PROGRAMMATIC, built with ESTIMATE_PDL = 1): the
-// kernel may start while the one before it drains. What that kernel may write (the query, the
-// step's new keys and values) and everything this one writes come after the wait; the row
-// lengths, the block table, past pages' summaries and the sink's keys (all written before the
-// step, or in earlier steps) may load before it (the summaries only into the L2: held in
-// registers across the wait they spilled). Every program waits before it exits, so the
-// kernel never completes before the one ahead of it (what a chained next kernel relies on).
-#ifndef ESTIMATE_PDL
-#define ESTIMATE_PDL 0
-#endif
-
-__device__ __forceinline__ void let_next_kernel_launch() {
-#if ESTIMATE_PDL
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* address) {
-  asm volatile("prefetch.global.L2 [%0];\n" :: "l"(address));
-}
-
-__device__ __forceinline__ void wait_for_previous_kernel() {  // a no-op once it has returned
-#if ESTIMATE_PDL
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
 // mirrored field by field by estimate_cuda.Params (ctypes); strides in elements, the head
 // dim's stride 1
 struct Params {
@@ -153,7 +126,6 @@ __device__ void exact_page(const Params& p, int row, int b, int head, int page, 
     for (int c = 0; c < D / 16; ++c)
       kraw[c] = valid ? reinterpret_cast<const uint4*>(keys)[c] : make_uint4(0u, 0u, 0u, 0u);
   }
-  wait_for_previous_kernel();  // the query comes from the kernel before
   constexpr int PER = (GP * D + THREADS - 1) / THREADS;  // query elements per thread
   bf16 qraw[PER];
 #pragma unroll
@@ -323,22 +295,6 @@ __device__ void mvar_pages(const Params& p, int row, int b, int head, int last,
   const int sub = lane / S::LANES;  // which page of a load
   const bool variance = in_page >= D / 8;
   const int channel = (in_page % (D / 8)) * 8;
-#if ESTIMATE_PDL
-  {
-    // past pages' summaries into the L2 before the wait (no registers held: the loads below,
-    // after it, find them there)
-    const bf16* lane_summaries = p.summaries + head * p.stride_sh +
-                                 (variance ? p.stride_ss : 0) + channel;
-    for (int tile = first; tile < end; ++tile)
-#pragma unroll
-      for (int i = 0; i < S::LOADS; ++i) {
-        const int page = tile * S::TILE + warp * S::WARP_PAGES + sub + i * S::PAGES_PER_LOAD;
-        if (page > 0 && page < last)
-          prefetch_l2(lane_summaries + i64(row_table[page]) * p.stride_sp);
-      }
-  }
-  wait_for_previous_kernel();  // the query comes from the kernel before
-#endif
   float coef[GP][8];
   mvar_coefficients<GP>(p, b, head, channel, variance, coef);
   // which (load, head) total this lane ends with
@@ -384,7 +340,7 @@ __device__ void mvar_pages(const Params& p, int row, int b, int head, int last,
 }
 
 template <int D, int GP>
-__device__ void estimate_parts(const Params& p) {
+__device__ void estimate_program(const Params& p) {
   const int row = blockIdx.x;
   const int block = blockIdx.y + p.first_program;
   const int b = row / p.num_kv_heads;
@@ -394,7 +350,6 @@ __device__ void estimate_parts(const Params& p) {
   const int pages_in_row = min(cdiv(seq_len, PAGE), p.max_pages);
   const int last = pages_in_row - 1;
   if (block == 1) {
-    wait_for_previous_kernel();  // the step's new key and value come from the kernel before
     if (p.num_slots > 0) {  // this step's token first: the current page's keys include it
       write_new_token<D>(p, b, head);
       __syncthreads();
@@ -410,13 +365,6 @@ __device__ void estimate_parts(const Params& p) {
     return;
   }
   mvar_pages<D, GP>(p, row, b, head, last, row_table, block - 2);
-}
-
-template <int D, int GP>
-__device__ void estimate_program(const Params& p) {
-  let_next_kernel_launch();
-  estimate_parts<D, GP>(p);
-  wait_for_previous_kernel();  // a program that returned before its wait
 }
 
 }  // namespace

@@ -36,11 +36,6 @@ TARGET_PROGRAMS = 660
 # at every shape but 8k x 32 (15.1 against 14.9 us with 4), 13.7 against 15.2 us with 0 at
 # 128k x 4
 MIN_BLOCKS_PER_SM = 5
-# whether MoiraConfig.programmatic_launch chains this kernel too (estimate(programmatic=True):
-# the block table, past pages' summaries and the sink's keys load before it waits for the
-# kernel ahead). A candidate written in session 53 after its device time: off until its GPU
-# test has run and tune_kernels.py --kinds estpdl has timed it (benchmarks/NOTES.md)
-PROGRAMMATIC = False
 # however many rows the batch has, a row as long as the table is split so that no program
 # loops over more tiles than this (the Triton kernel's MAX_TILES_PER_PROGRAM)
 MAX_TILES_PER_PROGRAM = 8
@@ -59,6 +54,13 @@ MAX_TILES_PER_PROGRAM = 8
 # +1.8 / +2.6 / +1.2 us at 8k x 32 / 16k x 32 / 32k x 16 / 64k x 8 / 128k x 4; in shared memory
 # with the next tile loaded ahead, +0.4 to +4.0. Instructions do not bound the mvar programs:
 # alone they read 33.5 MB in 13.7-14.7 us from 32k x 16 on whatever their arithmetic. Removed
+# Not here: this kernel chained by programmatic dependent launch (cuLaunchKernelEx; the block
+# table, row lengths and sink's keys loaded and the program's summaries prefetched into the L2
+# before griddepcontrol.wait). Timed in session 54 after a query copy, in a CUDA graph
+# (results/tune-2026-12-03-s54-estpdl.json): +1.3 / +2.5 / +2.6 / +2.4 / +3.5 us at 8k x 32 /
+# 16k x 32 / 32k x 16 / 64k x 8 / 128k x 4. Not profiled; likely: the kernel ahead (vLLM's
+# rotary, or the copy) never triggers its dependents early, so little could overlap, while
+# the prefetches cost every program instructions. Removed
 
 
 class Params(ctypes.Structure):
@@ -97,21 +99,18 @@ def programs_per_row(rows, max_pages, head_dim, group):
                                        triton.cdiv(table_tiles, MAX_TILES_PER_PROGRAM))))
 
 
-def build_options(min_blocks, programmatic=False):
-    """NVRTC's defines for a build told to fit ``min_blocks`` blocks per SM, for programmatic
-    dependent launch with ``programmatic`` (the .cu file's ESTIMATE_PDL: what it may load
-    before waiting for the kernel ahead)."""
-    return (f"-DESTIMATE_MIN_BLOCKS={min_blocks}", f"-DESTIMATE_PDL={int(programmatic)}")
+def build_options(min_blocks):
+    """NVRTC's defines for a build told to fit ``min_blocks`` blocks per SM."""
+    return (f"-DESTIMATE_MIN_BLOCKS={min_blocks}",)
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(device_index, head_dim, group, min_blocks, programmatic=False):
+def kernel(device_index, head_dim, group, min_blocks):
     """The loaded function ``moira_estimate_d<D>_g<G padded>`` on a device, built to fit
-    ``min_blocks`` blocks per SM (for programmatic dependent launch with ``programmatic``)."""
+    ``min_blocks`` blocks per SM."""
     return cuda_build.function(device_index, SOURCE,
                                f"moira_estimate_d{head_dim}_g{group_pad(group)}",
-                               "estimate.IMPLEMENTATION",
-                               options=build_options(min_blocks, programmatic))
+                               "estimate.IMPLEMENTATION", options=build_options(min_blocks))
 
 
 def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses):
@@ -160,14 +159,9 @@ def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log
 
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-             dense_below_pages=0, new_kv=None, build_only=False, parts="all",
-             programmatic=False):
+             dense_below_pages=0, new_kv=None, build_only=False, parts="all"):
     """Launch ``estimate_cuda.cu``'s kernel on the current stream: ``estimate.estimate``'s
-    arguments and outputs, inputs that ``check_inputs`` passed. ``programmatic``: with
-    programmatic dependent launch (``MoiraConfig.programmatic_launch``; sm_90+): the kernel
-    starts while the one before it drains, loading the block table, the row lengths, past
-    pages' summaries and the sink's keys before it waits for that kernel (whose outputs, the
-    query and the step's new keys and values, it reads after). ``parts`` launches only the
+    arguments and outputs, inputs that ``check_inputs`` passed. ``parts`` launches only the
     exact programs ("exact": the sink's, and the current page's with the token's write) or only
     the mvar programs ("mvar"), each leaving the others' log-masses unwritten: a measurement of
     what each part costs (``tune_kernels.py --kinds estparts``), not a step."""
@@ -178,7 +172,7 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     group = num_heads // num_kv_heads
     rows = batch * num_kv_heads
     function = kernel(cuda_build.device_index(query.device), head_dim, group,
-                      MIN_BLOCKS_PER_SM, programmatic)
+                      MIN_BLOCKS_PER_SM)
     if build_only or rows == 0:
         return log_masses
     max_pages = block_table.shape[1]
@@ -196,7 +190,6 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         num_kv_heads, max_pages, group, dense_below_pages, per_row,
         slot_mapping.shape[0] if new_kv else 0, 2 if parts == "mvar" else 0, scale)
     programs = {"all": 2 + per_row, "exact": 2, "mvar": per_row}[parts]
-    cuda_build.launch(function, (rows, programs), THREADS, 0, query.device, params,
-                      programmatic=programmatic)
+    cuda_build.launch(function, (rows, programs), THREADS, 0, query.device, params)
     return log_masses
 

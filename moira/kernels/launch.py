@@ -64,16 +64,11 @@ def on(kernel, grid):
 CHAINED = frozenset({"estimate", "select", "attend", "merge"})
 
 
-def chained(programmatic: bool, kernel: str) -> bool:
-    """Whether decode-step ``kernel`` launches with programmatic dependent launch (the
-    interpreter never does)."""
-    return bool(programmatic) and kernel in CHAINED and not interpreting()
-
-
 def options(programmatic: bool, kernel: str) -> dict:
-    """Keywords for the launch of decode-step Triton ``kernel``: the ``PDL`` constexpr its
-    programs branch on, and Triton's ``launch_pdl``."""
-    return dict(PDL=True, launch_pdl=True) if chained(programmatic, kernel) else dict(PDL=False)
+    """Keywords for the launch of decode-step ``kernel``: the ``PDL`` constexpr its programs
+    branch on, and Triton's ``launch_pdl`` (the interpreter runs neither)."""
+    chained = bool(programmatic) and kernel in CHAINED and not interpreting()
+    return dict(PDL=True, launch_pdl=True) if chained else dict(PDL=False)
 
 
 @triton.jit
