@@ -189,3 +189,33 @@ def test_output_of_any_strides(cuda_attend):
         torch.testing.assert_close(wide[..., ::2], moira.attend(*args, config=config),
                                    rtol=0, atol=0)
         assert torch.isnan(wide[..., 1::2]).all()
+
+
+@cuda
+def test_timeline_probe_records_every_program(cuda_attend):
+    """``attend_cuda.TIMELINE`` (the probe's build): the same output as the default build, and
+    every program of the grid writes its record (poisoned to -1 first): ordered times, a real
+    SM, and page counts summing to the listed pages; a buffer of the wrong dtype is refused."""
+    query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows(group=4,
+                                                                               head_dim=128)
+    args = (query, keys, values, table, seq_lens, page_lists, page_counts)
+    expected = moira.attend(*args, config=SMALL_SPLIT)
+    rows = page_counts.numel()
+    timeline = torch.full((rows * 64, attend_cuda.TIMELINE_FIELDS), -1, dtype=torch.int64,
+                          device=DEVICE)
+    cuda_attend.setattr(attend_cuda, "TIMELINE", timeline)
+    torch.testing.assert_close(moira.attend(*args, config=SMALL_SPLIT), expected, rtol=0, atol=0)
+    written = timeline[timeline[:, 0] != -1].cpu()
+    programs = len(written)
+    assert programs >= rows and programs % rows == 0  # rows x chunks_per_row, row fastest
+    assert (timeline[programs:] == -1).all()  # nothing past the grid
+    start, first, end, start_clock, first_clock, end_clock, sm, pages = written.T
+    assert (start > 0).all() and (end >= start).all() and (end_clock >= start_clock).all()
+    working = pages > 0
+    assert ((first[working] >= start[working]) & (first[working] <= end[working])).all()
+    assert (first[~working] == 0).all()
+    assert ((sm >= 0) & (sm < torch.cuda.get_device_properties(0).multi_processor_count)).all()
+    assert int(pages.sum()) == int(page_counts.sum())
+    cuda_attend.setattr(attend_cuda, "TIMELINE", timeline.int())
+    with pytest.raises(ValueError, match="TIMELINE"):
+        moira.attend(*args, config=SMALL_SPLIT)

@@ -25,6 +25,14 @@ constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
 constexpr int STAGED_IDS = 256;  // page ids staged per segment of a chunk
 
+// ATTEND_TIMELINE = 1 (attend_cuda.TIMELINE, a probe for benchmarks/attend_timeline.py, never
+// the engine's build): each program writes when it started, when its first page landed and
+// when it ended (the global timer, ns, and its SM's clock), its SM and its page count
+#ifndef ATTEND_TIMELINE
+#define ATTEND_TIMELINE 0
+#endif
+constexpr int TIMELINE_FIELDS = 8;  // attend_cuda.TIMELINE_FIELDS
+
 // Dynamic shared memory of a program (mirrored by attend_cuda.shared_bytes): the stages' K
 // and V tiles, the staged page ids (int64) and token counts (int32)
 __host__ __device__ constexpr int shared_bytes(int d, int stages) {
@@ -51,7 +59,20 @@ struct Params {
   int num_kv_heads, max_pages, group, chunk_floor, chunks_per_row;
   int step_rows, step_programs, short_pages;
   float qk_scale_log2;
+  unsigned long long* timeline;  // [programs][TIMELINE_FIELDS] (ATTEND_TIMELINE builds only)
 };
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ unsigned smid() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
 
 __device__ __forceinline__ void cp_async16(void* shared, const void* global, int bytes) {
   // bytes < 16 zero-fills the rest: 0 for a token past seq_len or a page outside the table
@@ -125,13 +146,33 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
 
   const int row = blockIdx.x, chunk_id = blockIdx.y;
   const int b = row / p.num_kv_heads, head = row % p.num_kv_heads;
+#if ATTEND_TIMELINE
+  const unsigned long long start_ns = global_ns(), start_clock = clock64();
+  unsigned long long first_ns = 0, first_clock = 0;
+  unsigned long long* record =
+      p.timeline + (i64(blockIdx.y) * gridDim.x + blockIdx.x) * TIMELINE_FIELDS;
+  auto write_record = [&](int pages) {
+    if (threadIdx.x == 0) {
+      const unsigned long long end_clock = clock64();
+      const unsigned long long fields[TIMELINE_FIELDS] = {
+          start_ns, first_ns, global_ns(), start_clock, first_clock, end_clock, smid(),
+          unsigned(pages)};
+      for (int f = 0; f < TIMELINE_FIELDS; ++f) record[f] = fields[f];
+    }
+  };
+#endif
   // plan_row (attend.py): Eq. (4) with the short-row floor
   const int count = p.page_counts[b * p.stride_cb + head * p.stride_ch];
   int floor_pages = p.chunk_floor;
   if (count <= p.short_pages) floor_pages = max(2, cdiv(count * p.step_rows, p.step_programs));
   const int chunk = max(floor_pages, cdiv(count, p.chunks_per_row));
   const int chunks = max(cdiv(count, chunk), 1);
-  if (chunk_id >= chunks) return;
+  if (chunk_id >= chunks) {
+#if ATTEND_TIMELINE
+    write_record(0);
+#endif
+    return;
+  }
   const int first = chunk_id * chunk, last = min(first + chunk, count);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -294,6 +335,9 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
       // page i landed for this warp, the only one that reads its rows; page i - 1's stage
       // is free
       __syncwarp();
+#if ATTEND_TIMELINE
+      if (segment == first && i == 0) first_ns = global_ns(), first_clock = clock64();
+#endif
       // the next copy goes out before page i is computed, into page i - 1's stage, so
       // STAGES - 1 pages are in flight while it is (issued after it, one fewer: none at 2)
       if (i + STAGES - 1 < pages) load_page(i + STAGES - 1, next_stage);
@@ -362,6 +406,10 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
       }
     }
   }
+#if ATTEND_TIMELINE
+  __syncthreads();  // every thread's output written
+  write_record(last - first);
+#endif
 }
 
 }  // namespace

@@ -22,6 +22,12 @@ THREADS = 128
 STAGED_IDS = 256
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 16  # query heads per KV head: the 16 rows of mma.m16n8k16
+# A probe, not a setting: an int64 tensor of [programs, TIMELINE_FIELDS] (programs = rows x
+# chunks_per_row, row fastest) makes Attend run its ATTEND_TIMELINE build, which writes there
+# per program: start, first page landed and end on the global timer (ns), the same on its SM's
+# clock (cycles), its SM and its page count (benchmarks/attend_timeline.py)
+TIMELINE = None
+TIMELINE_FIELDS = 8
 
 
 class Params(ctypes.Structure):
@@ -37,7 +43,7 @@ class Params(ctypes.Structure):
         + [(name, ctypes.c_int) for name in (
             "num_kv_heads", "max_pages", "group", "chunk_floor", "chunks_per_row", "step_rows",
             "step_programs", "short_pages")]
-        + [("qk_scale_log2", ctypes.c_float)])
+        + [("qk_scale_log2", ctypes.c_float), ("timeline", ctypes.c_void_p)])
 
 
 def shared_bytes(head_dim, stages):
@@ -47,8 +53,9 @@ def shared_bytes(head_dim, stages):
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(device_index, head_dim, stages):
-    """The loaded function ``moira_attend_d<D>_s<S>`` on a device (its module loaded once)."""
+def kernel(device_index, head_dim, stages, timeline=False):
+    """The loaded function ``moira_attend_d<D>_s<S>`` on a device (its module loaded once);
+    ``timeline``: the ATTEND_TIMELINE build (``TIMELINE``)."""
     limit = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
     if shared_bytes(head_dim, stages) > limit:
         raise ValueError(f"attend.CUDA_STAGES = {stages} needs "
@@ -56,7 +63,8 @@ def kernel(device_index, head_dim, stages):
                          f"program at head_dim {head_dim}; this GPU allows {limit}: "
                          f"lower CUDA_STAGES")
     return cuda_build.function(device_index, SOURCE, f"moira_attend_d{head_dim}_s{stages}",
-                               "attend.IMPLEMENTATION", shared_bytes(head_dim, stages))
+                               "attend.IMPLEMENTATION", shared_bytes(head_dim, stages),
+                               options=("-DATTEND_TIMELINE=1",) if timeline else ())
 
 
 def check_inputs(query, key_cache, value_cache, head_dim, group, stages):
@@ -107,7 +115,15 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    function = kernel(cuda_build.device_index(query.device), head_dim, stages)
+    timeline = TIMELINE
+    if timeline is not None and (timeline.dtype != torch.int64 or not timeline.is_contiguous()
+                                 or timeline.numel() < batch * num_kv_heads * chunks_per_row
+                                 * TIMELINE_FIELDS):
+        raise ValueError(f"attend_cuda.TIMELINE must be a contiguous int64 tensor of at least "
+                         f"[{batch * num_kv_heads * chunks_per_row}, {TIMELINE_FIELDS}], got "
+                         f"{timeline.dtype} {tuple(timeline.shape)}")
+    function = kernel(cuda_build.device_index(query.device), head_dim, stages,
+                      timeline is not None)
     if build_only:
         return out
     params = Params(
@@ -119,7 +135,8 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         block_table.stride(0), page_lists.stride(0), page_lists.stride(1),
         page_counts.stride(0), page_counts.stride(1), *out.stride(),
         num_kv_heads, block_table.shape[1], group, chunk_floor, chunks_per_row, step_rows,
-        step_programs, short_pages, qk_scale_log2)
+        step_programs, short_pages, qk_scale_log2,
+        timeline.data_ptr() if timeline is not None else None)
     cuda_build.launch(function, (batch * num_kv_heads, chunks_per_row), THREADS,
                       shared_bytes(head_dim, stages), query.device, params)
     return out

@@ -1,0 +1,201 @@
+"""Where Attend's time goes inside one launch (issue 3): a timeline of its programs.
+
+The CUDA Attend's probe build (``attend_cuda.TIMELINE``) writes, per program, when it started,
+when its first page landed and when it ended (global timer, ns), its SM and its page count.
+From that, per (shape, spread) and launch:
+
+- the bytes arriving over time (each program's pages spread evenly from its first page's
+  landing to its end, in 1-µs bins), the steady rate (median of the middle half's bins), the
+  *ramp* (launch start until the rate first reaches 90% of the steady one) and the *tail*
+  (the rate's last 90% bin until the last program ends);
+- the span (first start to last end) against ``bytes / steady rate``, and the ends' spread
+  (the last end against the median working program's);
+- each program's prologue (start to first page landed) and, in the first wave, the spread of
+  its rate (pages per µs from its first page to its end).
+
+Attend + Merge is also timed from CUDA-graph replays with the default build and the probe's
+(what the probe itself costs), on the kernel suite's page lists (``bench_kernels``: 22% of
+each row's pages, CV 0 / 1.0 and one layer of the real-like spread, random positions,
+scattered pages).
+
+    PYTHONPATH=. OUT=$OUT python3 benchmarks/attend_timeline.py [--shapes 8k32,32k16,131k4]
+        [--spreads cv0,cv1,real5] [--launches 5]
+    python3 benchmarks/attend_timeline.py --plot results/<run>.json   # the plot again
+
+Writes ``$OUT/timeline.json`` (summaries of every launch, one launch's programs raw) and
+``$OUT/timeline.png``.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import (EXTRA_SHAPES, MEAN_FRACTION, PAGE_BYTES, REAL_LAYERS,  # noqa: E402
+                           SHAPES, Shape, bench, layer_lists, patched)
+
+from moira.kernels import attend as attend_module  # noqa: E402
+from moira.kernels import attend_cuda  # noqa: E402
+
+BIN_US = 1.0
+STEADY = 0.9  # the ramp ends and the tail starts where the rate crosses 90% of the steady one
+
+
+def spread_lists(pages, rows, spread):
+    """The suite's lists (``bench_kernels.main``'s seeds): "cv0", "cv1" or "real<layer>"."""
+    if spread.startswith("real"):
+        layer = int(spread[4:])
+        mean = 0.09 * (0.68 / 0.09) ** (layer / (REAL_LAYERS - 1))
+        return layer_lists(pages, rows, mean, 0.7, seed=1000 * layer + 7)
+    cv = float(spread[2:])
+    return layer_lists(pages, rows, MEAN_FRACTION, cv, seed=int(10 * cv))
+
+
+def analyse(records, rows):
+    """Summary of one launch's records ([programs, 8] int64, ``attend_cuda.TIMELINE``)."""
+    start, first, end, _, _, _, sm, pages = records.double().T
+    t0 = start.min()
+    start, end = (start - t0) / 1e3, (end - t0) / 1e3
+    working = pages > 0
+    first = torch.where(working, (first - t0) / 1e3, start)
+    span = float(end.max())
+    bins = int(span / BIN_US) + 1
+    # page 0 at its landing, the others evenly from there up to the end
+    lo, hi, n = first[working], end[working].maximum(first[working] + 1e-3), pages[working]
+    edges = torch.arange(bins + 1, dtype=torch.float64) * BIN_US
+    overlap = (torch.minimum(edges[None, 1:], hi[:, None])
+               - torch.maximum(edges[None, :-1], lo[:, None])).clamp(min=0)
+    arrived = (overlap / (hi - lo)[:, None] * (n - 1)[:, None]).sum(0) * PAGE_BYTES
+    arrived += torch.bincount((lo / BIN_US).long().clamp(max=bins - 1),
+                              minlength=bins).double() * PAGE_BYTES
+    rate = arrived / BIN_US / 1e6  # TB/s per bin
+    middle = rate[bins // 4: max(bins // 4 + 1, 3 * bins // 4)]
+    steady = float(middle.median())
+    above = (rate >= STEADY * steady).nonzero().flatten()
+    ramp = float(above[0]) * BIN_US if len(above) else span
+    tail = span - float(above[-1] + 1) * BIN_US if len(above) else 0.0
+    total = float(pages.sum()) * PAGE_BYTES
+    ends = end[working]
+    wave = working & (start < 2.0)  # started with the launch
+    rates = pages[wave] / (end[wave] - first[wave]).clamp(min=1e-3)
+    return dict(
+        programs=len(records), working=int(working.sum()), rows=rows,
+        sms=int(sm.unique().numel()), bytes=total, span_us=round(span, 2),
+        steady_tbps=round(steady, 3), ideal_us=round(total / steady / 1e6, 2),
+        ramp_us=round(ramp, 1), tail_us=round(tail, 1),
+        last_start_us=round(float(start.max()), 2),
+        end_median_us=round(float(ends.median()), 2),
+        end_p90_us=round(float(ends.quantile(0.9)), 2), end_max_us=round(float(ends.max()), 2),
+        prologue_median_us=round(float((first - start)[working].median()), 2),
+        prologue_p90_us=round(float((first - start)[working].quantile(0.9)), 2),
+        empty_median_us=round(float((end - start)[~working].median()), 2)
+        if (~working).any() else None,
+        first_wave_programs=int(wave.sum()),
+        first_wave_rate_cv=round(float(rates.std() / rates.mean()), 3) if len(rates) > 1
+        else None,
+        rate_tbps=[round(x, 3) for x in rate.tolist()])
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="8k32,32k16,131k4")
+    parser.add_argument("--spreads", default="cv0,cv1,real5")
+    parser.add_argument("--launches", type=int, default=5)
+    parser.add_argument("--plot", metavar="JSON", help="only plot a run's timeline.json (to "
+                        "the same name with .png)")
+    args = parser.parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), os.path.splitext(args.plot)[0] + ".png")
+        return
+    shapes = {**SHAPES, **EXTRA_SHAPES}
+    unknown = [name for name in args.shapes.split(",") if name not in shapes]
+    if unknown:
+        parser.error(f"--shapes: unknown {unknown}; known: {', '.join(shapes)}")
+    out = os.environ.get("OUT", ".")
+    report = dict(command="python3 " + " ".join(sys.argv), gpu=torch.cuda.get_device_name(),
+                  date=time.strftime("%Y-%m-%d %H:%M:%S"),
+                  versions=dict(torch=torch.__version__, triton=triton.__version__),
+                  mean_fraction=MEAN_FRACTION, bin_us=BIN_US, results=[])
+    for shape_name in args.shapes.split(","):
+        context, batch = shapes[shape_name]
+        s = Shape(context, batch)
+        capacity = s.rows * s.pages  # more programs than any plan launches
+        timeline = torch.full((capacity, attend_cuda.TIMELINE_FIELDS), -1, dtype=torch.int64,
+                              device="cuda")
+        for spread in args.spreads.split(","):
+            lists = spread_lists(s.pages, s.rows, spread)
+            counts, page_lists = lists["counts"], lists["lists"]
+            run = s.moira(page_lists, counts)
+            with patched(attend_module, IMPLEMENTATION="cuda"):
+                plain_us, _ = bench(run)
+                with patched(attend_cuda, TIMELINE=timeline):
+                    probe_us, _ = bench(run)
+                    launches = []
+                    for _ in range(args.launches):
+                        timeline.fill_(-1)
+                        run()
+                        torch.cuda.synchronize()
+                        written = timeline[timeline[:, 0] != -1].cpu()
+                        launches.append(analyse(written, s.rows))
+                    raw = written.tolist()
+            bytes_read = int(counts.sum()) * PAGE_BYTES
+            row = dict(shape=shape_name, spread=spread, bytes=bytes_read,
+                       attend_merge_us=round(plain_us, 2), probe_attend_merge_us=round(probe_us, 2),
+                       launches=launches, raw_fields=["start_ns", "first_page_ns", "end_ns",
+                                                      "start_clock", "first_page_clock",
+                                                      "end_clock", "sm", "pages"],
+                       raw_last_launch=raw)
+            report["results"].append(row)
+            keys = ("span_us", "ideal_us", "steady_tbps", "ramp_us", "tail_us", "end_median_us",
+                    "end_max_us", "prologue_median_us", "first_wave_rate_cv")
+            medians = {k: statistics.median(x[k] for x in launches) for k in keys
+                       if launches[0][k] is not None}
+            row["medians"] = medians
+            print(f"{shape_name:>6} {spread:>6} attend+merge {plain_us:7.1f} us (probe "
+                  f"{probe_us:7.1f}) programs {launches[0]['programs']} working "
+                  f"{launches[0]['working']}  " + "  ".join(f"{k} {v}" for k, v in medians.items()),
+                  flush=True)
+            with open(os.path.join(out, "timeline.json"), "w") as f:
+                json.dump(report, f, indent=1)
+        del s, timeline
+        torch.cuda.empty_cache()
+    try:
+        plot(report, os.path.join(out, "timeline.png"))
+    except ImportError as error:  # the GPU host may lack matplotlib: plot the JSON elsewhere
+        print(f"no plot ({error}): python3 benchmarks/attend_timeline.py --plot timeline.json")
+
+
+def plot(report, path):
+    """One panel per (shape, spread): the bytes' arrival rate of every launch over time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    fig, axes = plt.subplots(len(results), 1, figsize=(8, 2.2 * len(results)), squeeze=False)
+    for ax, row in zip(axes[:, 0], results):
+        for launch in row["launches"]:
+            ax.plot([i * report["bin_us"] for i in range(len(launch["rate_tbps"]))],
+                    launch["rate_tbps"], lw=0.8)
+        m = row["medians"]
+        ax.axhline(m["steady_tbps"], color="k", lw=0.5, ls="--")
+        ax.set_title(f"{row['shape']} {row['spread']}: span {m['span_us']:.1f} µs, ideal "
+                     f"{m['ideal_us']:.1f}, ramp {m['ramp_us']:.0f}, tail {m['tail_us']:.0f}; "
+                     f"Attend + Merge {row['attend_merge_us']:.1f} µs", fontsize=8)
+        ax.set_ylabel("TB/s")
+    axes[-1, 0].set_xlabel("µs since the first program started")
+    fig.suptitle(f"Attend's bytes over one launch ({report['gpu']}, {report['date']})",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
