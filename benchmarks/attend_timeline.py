@@ -14,12 +14,14 @@ From that, per (shape, spread) and launch:
   its rate (pages per µs from its first page to its end).
 
 Attend + Merge is also timed from CUDA-graph replays with the default build and the probe's
-(what the probe itself costs), on the kernel suite's page lists (``bench_kernels``: 22% of
-each row's pages, CV 0 / 1.0 and one layer of the real-like spread, random positions,
-scattered pages).
+(what the probe itself costs), in each variant (``--variants``: Eq. (4)'s grid or the
+persistent kernel, each at a chunk floor C), on the kernel suite's page lists
+(``bench_kernels``: 22% of each row's pages, CV 0 / 1.0 and one layer of the real-like
+spread, random positions, scattered pages).
 
     PYTHONPATH=. OUT=$OUT python3 benchmarks/attend_timeline.py [--shapes 8k32,32k16,131k4]
         [--spreads cv0,cv1,real5] [--launches 5]
+        [--variants grid24,persistent24,persistent12] [--rounds 2]
     python3 benchmarks/attend_timeline.py --plot results/<run>.json   # the plot again
 
 Writes ``$OUT/timeline.json`` (summaries of every launch, one launch's programs raw) and
@@ -29,6 +31,7 @@ Writes ``$OUT/timeline.json`` (summaries of every launch, one launch's programs 
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -55,6 +58,25 @@ def spread_lists(pages, rows, spread):
         return layer_lists(pages, rows, mean, 0.7, seed=1000 * layer + 7)
     cv = float(spread[2:])
     return layer_lists(pages, rows, MEAN_FRACTION, cv, seed=int(10 * cv))
+
+
+RAW_FIELDS = ["start_ns", "first_page_ns", "end_ns", "sm", "pages"]  # ns from the first start
+
+
+def compact(records):
+    """One launch's records as ``RAW_FIELDS`` rows (first page -1 where none landed)."""
+    start, first, end, _, _, _, sm, pages = records.T
+    t0 = start.min()
+    first = torch.where(pages > 0, first - t0, -1)
+    return torch.stack([start - t0, first, end - t0, sm, pages], dim=1).tolist()
+
+
+def variant_settings(variant):
+    """(persistent, chunk_pages) of a variant name: "grid24", "persistent12", ..."""
+    match = re.fullmatch(r"(grid|persistent)([1-9][0-9]*)", variant)
+    if not match:
+        raise SystemExit(f"--variants: {variant!r} is not grid<C> or persistent<C>")
+    return match.group(1) == "persistent", int(match.group(2))
 
 
 def analyse(records, rows):
@@ -107,6 +129,12 @@ def main():
     parser.add_argument("--shapes", default="8k32,32k16,131k4")
     parser.add_argument("--spreads", default="cv0,cv1,real5")
     parser.add_argument("--launches", type=int, default=5)
+    parser.add_argument("--variants", default="grid24",
+                        help="comma-separated {grid|persistent}<C>: Eq. (4)'s grid or the "
+                             "persistent kernel (attend_cuda.PERSISTENT), chunk floor C "
+                             "(chunk_pages)")
+    parser.add_argument("--rounds", type=int, default=2, help="timings of each variant, in "
+                        "alternation")
     parser.add_argument("--plot", metavar="JSON", help="only plot a run's timeline.json (to "
                         "the same name with .png)")
     args = parser.parse_args()
@@ -118,6 +146,9 @@ def main():
     unknown = [name for name in args.shapes.split(",") if name not in shapes]
     if unknown:
         parser.error(f"--shapes: unknown {unknown}; known: {', '.join(shapes)}")
+    variants = args.variants.split(",")
+    for variant in variants:
+        variant_settings(variant)  # a bad name fails here, not after the first shape
     out = os.environ.get("OUT", ".")
     report = dict(command="python3 " + " ".join(sys.argv), gpu=torch.cuda.get_device_name(),
                   date=time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -132,38 +163,48 @@ def main():
         for spread in args.spreads.split(","):
             lists = spread_lists(s.pages, s.rows, spread)
             counts, page_lists = lists["counts"], lists["lists"]
-            run = s.moira(page_lists, counts)
-            with patched(attend_module, IMPLEMENTATION="cuda"):
-                plain_us, _ = bench(run)
-                with patched(attend_cuda, TIMELINE=timeline):
-                    probe_us, _ = bench(run)
+            bytes_read = int(counts.sum()) * PAGE_BYTES
+            runs = {variant: s.moira(page_lists, counts, s.arm_workspace(
+                f"moira_c{variant_settings(variant)[1]}")) for variant in variants}
+            timed = {variant: [] for variant in variants}
+            for _ in range(args.rounds):  # the variants in alternation
+                for variant in variants:
+                    with patched(attend_module, IMPLEMENTATION="cuda"), patched(
+                            attend_cuda, PERSISTENT=variant_settings(variant)[0]):
+                        timed[variant].append(bench(runs[variant])[0])
+            for variant in variants:
+                with patched(attend_module, IMPLEMENTATION="cuda"), patched(
+                        attend_cuda, PERSISTENT=variant_settings(variant)[0], TIMELINE=timeline):
+                    probe_us, _ = bench(runs[variant])
                     launches = []
                     for _ in range(args.launches):
                         timeline.fill_(-1)
-                        run()
+                        runs[variant]()
                         torch.cuda.synchronize()
                         written = timeline[timeline[:, 0] != -1].cpu()
                         launches.append(analyse(written, s.rows))
-                    raw = written.tolist()
-            bytes_read = int(counts.sum()) * PAGE_BYTES
-            row = dict(shape=shape_name, spread=spread, bytes=bytes_read,
-                       attend_merge_us=round(plain_us, 2), probe_attend_merge_us=round(probe_us, 2),
-                       launches=launches, raw_fields=["start_ns", "first_page_ns", "end_ns",
-                                                      "start_clock", "first_page_clock",
-                                                      "end_clock", "sm", "pages"],
-                       raw_last_launch=raw)
-            report["results"].append(row)
-            keys = ("span_us", "ideal_us", "steady_tbps", "ramp_us", "tail_us", "end_median_us",
-                    "end_max_us", "prologue_median_us", "first_wave_rate_cv")
-            medians = {k: statistics.median(x[k] for x in launches) for k in keys
-                       if launches[0][k] is not None}
-            row["medians"] = medians
-            print(f"{shape_name:>6} {spread:>6} attend+merge {plain_us:7.1f} us (probe "
-                  f"{probe_us:7.1f}) programs {launches[0]['programs']} working "
-                  f"{launches[0]['working']}  " + "  ".join(f"{k} {v}" for k, v in medians.items()),
-                  flush=True)
-            with open(os.path.join(out, "timeline.json"), "w") as f:
-                json.dump(report, f, indent=1)
+                    raw = compact(written)
+                plain_us = statistics.median(timed[variant])
+                row = dict(shape=shape_name, spread=spread, variant=variant, bytes=bytes_read,
+                           attend_merge_us=round(plain_us, 2),
+                           attend_merge_us_rounds=[round(x, 2) for x in timed[variant]],
+                           vs_grid24=round(plain_us / statistics.median(timed["grid24"]), 4)
+                           if "grid24" in timed else None,
+                           probe_attend_merge_us=round(probe_us, 2), launches=launches,
+                           raw_fields=RAW_FIELDS,
+                           raw_last_launch=raw)
+                keys = ("span_us", "ideal_us", "steady_tbps", "ramp_us", "tail_us",
+                        "end_median_us", "end_max_us", "prologue_median_us",
+                        "first_wave_rate_cv")
+                row["medians"] = {k: statistics.median(x[k] for x in launches) for k in keys
+                                  if launches[0][k] is not None}
+                report["results"].append(row)
+                print(f"{shape_name:>6} {spread:>6} {variant:>13} attend+merge {plain_us:7.1f} us"
+                      f" ({row['vs_grid24']}; probe {probe_us:7.1f}) records "
+                      f"{launches[0]['programs']} working {launches[0]['working']}  "
+                      + "  ".join(f"{k} {v}" for k, v in row["medians"].items()), flush=True)
+                with open(os.path.join(out, "timeline.json"), "w") as f:
+                    json.dump(report, f, indent=1)
         del s, timeline
         torch.cuda.empty_cache()
     try:
@@ -173,23 +214,26 @@ def main():
 
 
 def plot(report, path):
-    """One panel per (shape, spread): the bytes' arrival rate of every launch over time."""
+    """One panel per (shape, spread): the bytes' arrival rate over one launch of each variant,
+    and its Attend + Merge time in the legend."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = report["results"]
-    fig, axes = plt.subplots(len(results), 1, figsize=(8, 2.2 * len(results)), squeeze=False)
-    for ax, row in zip(axes[:, 0], results):
-        for launch in row["launches"]:
-            ax.plot([i * report["bin_us"] for i in range(len(launch["rate_tbps"]))],
-                    launch["rate_tbps"], lw=0.8)
-        m = row["medians"]
-        ax.axhline(m["steady_tbps"], color="k", lw=0.5, ls="--")
-        ax.set_title(f"{row['shape']} {row['spread']}: span {m['span_us']:.1f} µs, ideal "
-                     f"{m['ideal_us']:.1f}, ramp {m['ramp_us']:.0f}, tail {m['tail_us']:.0f}; "
-                     f"Attend + Merge {row['attend_merge_us']:.1f} µs", fontsize=8)
+    panels = {}
+    for row in report["results"]:
+        panels.setdefault((row["shape"], row["spread"]), []).append(row)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.4 * len(panels)), squeeze=False)
+    for ax, ((shape, spread), rows) in zip(axes[:, 0], panels.items()):
+        for row in rows:
+            rate = row["launches"][0]["rate_tbps"]
+            m = row["medians"]
+            ax.plot([i * report["bin_us"] for i in range(len(rate))], rate, lw=0.9,
+                    label=f"{row.get('variant', 'grid24')}: {row['attend_merge_us']:.1f} µs "
+                          f"(ramp {m['ramp_us']:.0f}, tail {m['tail_us']:.0f})")
+        ax.set_title(f"{shape} {spread}", fontsize=8)
         ax.set_ylabel("TB/s")
+        ax.legend(fontsize=6, loc="lower left")
     axes[-1, 0].set_xlabel("µs since the first program started")
     fig.suptitle(f"Attend's bytes over one launch ({report['gpu']}, {report['date']})",
                  fontsize=9)
