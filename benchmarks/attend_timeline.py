@@ -204,7 +204,7 @@ def main():
                       f"{launches[0]['programs']} working {launches[0]['working']}  "
                       + "  ".join(f"{k} {v}" for k, v in row["medians"].items()), flush=True)
                 with open(os.path.join(out, "timeline.json"), "w") as f:
-                    json.dump(report, f, indent=1)
+                    json.dump(report, f, separators=(",", ":"))
         del s, timeline
         torch.cuda.empty_cache()
     try:
