@@ -21,7 +21,7 @@ spread, random positions, scattered pages).
 
     PYTHONPATH=. OUT=$OUT python3 benchmarks/attend_timeline.py [--shapes 8k32,32k16,131k4]
         [--spreads cv0,cv1,real5] [--launches 5]
-        [--variants grid24,persistent24,persistent12] [--rounds 2]
+        [--variants grid24,persistent24,persistent12,persistent12s3] [--rounds 2]
     python3 benchmarks/attend_timeline.py --plot results/<run>.json   # the plot again
 
 Writes ``$OUT/timeline.json`` (summaries of every launch, one launch's programs raw) and
@@ -72,11 +72,12 @@ def compact(records):
 
 
 def variant_settings(variant):
-    """(persistent, chunk_pages) of a variant name: "grid24", "persistent12", ..."""
-    match = re.fullmatch(r"(grid|persistent)([1-9][0-9]*)", variant)
+    """(persistent, chunk_pages, CUDA stages) of a variant name: "grid24", "persistent12",
+    "persistent12s3", ... (stages 2 unless named)."""
+    match = re.fullmatch(r"(grid|persistent)([1-9][0-9]*)(?:s([234]))?", variant)
     if not match:
-        raise SystemExit(f"--variants: {variant!r} is not grid<C> or persistent<C>")
-    return match.group(1) == "persistent", int(match.group(2))
+        raise SystemExit(f"--variants: {variant!r} is not grid<C>[s<S>] or persistent<C>[s<S>]")
+    return match.group(1) == "persistent", int(match.group(2)), int(match.group(3) or 2)
 
 
 def analyse(records, rows):
@@ -130,9 +131,9 @@ def main():
     parser.add_argument("--spreads", default="cv0,cv1,real5")
     parser.add_argument("--launches", type=int, default=5)
     parser.add_argument("--variants", default="grid24",
-                        help="comma-separated {grid|persistent}<C>: Eq. (4)'s grid or the "
-                             "persistent kernel (attend_cuda.PERSISTENT), chunk floor C "
-                             "(chunk_pages)")
+                        help="comma-separated {grid|persistent}<C>[s<S>]: Eq. (4)'s grid or "
+                             "the persistent kernel (attend_cuda.PERSISTENT), chunk floor C "
+                             "(chunk_pages), S pages' stages (attend.CUDA_STAGES, default 2)")
     parser.add_argument("--rounds", type=int, default=2, help="timings of each variant, in "
                         "alternation")
     parser.add_argument("--plot", metavar="JSON", help="only plot a run's timeline.json (to "
@@ -169,12 +170,14 @@ def main():
             timed = {variant: [] for variant in variants}
             for _ in range(args.rounds):  # the variants in alternation
                 for variant in variants:
-                    with patched(attend_module, IMPLEMENTATION="cuda"), patched(
-                            attend_cuda, PERSISTENT=variant_settings(variant)[0]):
+                    persistent, _, stages = variant_settings(variant)
+                    with patched(attend_module, IMPLEMENTATION="cuda", CUDA_STAGES=stages), \
+                            patched(attend_cuda, PERSISTENT=persistent):
                         timed[variant].append(bench(runs[variant])[0])
             for variant in variants:
-                with patched(attend_module, IMPLEMENTATION="cuda"), patched(
-                        attend_cuda, PERSISTENT=variant_settings(variant)[0], TIMELINE=timeline):
+                persistent, _, stages = variant_settings(variant)
+                with patched(attend_module, IMPLEMENTATION="cuda", CUDA_STAGES=stages), \
+                        patched(attend_cuda, PERSISTENT=persistent, TIMELINE=timeline):
                     probe_us, _ = bench(runs[variant])
                     launches = []
                     for _ in range(args.launches):
