@@ -210,6 +210,7 @@ def build_cuda():
     fits = estimate_cuda.MIN_BLOCKS_PER_SM
     builds = [(attend_cuda.SOURCE, (), ""),
               (attend_cuda.SOURCE, ("-DATTEND_TIMELINE=1",), ", timeline probe"),
+              (attend_cuda.SOURCE, ("-DATTEND_REFILL=1",), ", refill"),
               (estimate_cuda.SOURCE, estimate_cuda.build_options(fits), "")] + [
         (select_cuda.SOURCE, select_cuda.build_options(pages, ways, group), "")
         for pages in (1, 2, 4, 8, select_cuda.MAX_PAGES_PER_THREAD) for ways in select_cuda.WAYS
@@ -224,10 +225,8 @@ def build_cuda():
         for name, spill, registers in re.findall(
                 r"entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers",
                 log, re.S):
-            attend_build = re.fullmatch(r"moira_attend(_persistent)?_d(\d+)_s(\d)", name)
-            shared_of = (attend_cuda.persistent_shared_bytes if attend_build
-                         and attend_build.group(1) else attend_cuda.shared_bytes)
-            shared = (f"  shared {shared_of(*map(int, attend_build.groups()[1:]))}"
+            attend_build = re.fullmatch(r"moira_attend_d(\d+)_s(\d)", name)
+            shared = (f"  shared {attend_cuda.shared_bytes(*map(int, attend_build.groups()))}"
                       if attend_build else "")
             print(f"{name} (CUDA{label})   registers {registers}  spilled bytes {spill}"
                   f"{shared}", flush=True)

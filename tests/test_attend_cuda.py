@@ -33,11 +33,6 @@ def test_params_mirror_the_kernels_struct():
     launch with less shared memory than its layout would write past it."""
     shared = [f"static_assert(shared_bytes({d}, {s}) == {attend_cuda.shared_bytes(d, s)}, "
               f'"shared_bytes({d}, {s})");' for d in attend_cuda.HEAD_DIMS for s in (2, 3, 4)]
-    shared += [f"static_assert(persistent_shared_bytes({d}, {s}) == "
-               f'{attend_cuda.persistent_shared_bytes(d, s)}, "persistent_shared_bytes");'
-               for d, s in attend_cuda.PERSISTENT_BUILDS]
-    shared.append(f"static_assert(PERSISTENT_ROWS == {attend_cuda.PERSISTENT_ROWS}, "
-                  f'"PERSISTENT_ROWS");')
     check_struct_mirror(
         attend_cuda.SOURCE, attend_cuda.Params,
         retyped=(b"int num_kv_heads, max_pages, group, chunk_floor",
@@ -228,64 +223,26 @@ def test_timeline_probe_records_every_program(cuda_attend):
 
 @cuda
 @pytest.mark.parametrize("group", [1, 4, 7, 8])
-@pytest.mark.parametrize("head_dim,stages", attend_cuda.PERSISTENT_BUILDS)
-def test_persistent_kernel_matches_reference(cuda_attend, group, head_dim, stages):
-    """``attend_cuda.PERSISTENT``: the same inputs as the default grid's test (rows of one
-    token, partial pages, uneven chunks, empty and full rows), every chunk taken off the
-    counter by some program and the counters back at zero after each launch, so a second
-    launch, and replays of a CUDA graph, see all the work again."""
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_refill_matches_reference(cuda_attend, group, head_dim, stages):
+    """``attend_cuda.REFILL`` (each stage refilled once its page is computed): the reference
+    on the default test's rows (one token, partial pages, uneven chunks, empty and full rows,
+    chunks longer and shorter than the stages), NaN in every slot no row may read."""
     cuda_attend.setattr(attend_module, "CUDA_STAGES", stages)
-    cuda_attend.setattr(attend_cuda, "PERSISTENT", True)
-    query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows(
-        group=group, head_dim=head_dim)
+    cuda_attend.setattr(attend_cuda, "REFILL", True)
+    query, _, _, table, seq_lens, page_lists, page_counts = mixed_rows(group=group,
+                                                                       head_dim=head_dim)
+    keys, values = make_cache(120, 2, head_dim)
     poison_unread_slots(keys, values, table, seq_lens)
-    counters = attend_cuda.persistent_counters(query.device)
     for config in (SMALL_SPLIT, MoiraConfig()):
-        for _ in range(2):
-            check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
-            assert counters.tolist() == [0, 0]
-    args = (query, keys, values, table, seq_lens, page_lists, page_counts)
-    out = torch.empty_like(query)
-    moira.attend(*args, config=SMALL_SPLIT, out=out)  # built outside the capture
-    expected = out.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        moira.attend(*args, config=SMALL_SPLIT, out=out)
-    for _ in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    assert counters.tolist() == [0, 0]
+        check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
 
 
 @cuda
-def test_persistent_kernel_past_its_rows_runs_the_grid(cuda_attend):
-    """More rows than the persistent kernel's prefix holds: the default grid runs instead
-    (the counters untouched), with the same output."""
-    cuda_attend.setattr(attend_cuda, "PERSISTENT", True)
-    query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows()
-    rows = page_counts.numel()
-    cuda_attend.setattr(attend_cuda, "PERSISTENT_ROWS", rows - 1)
-    launched = []
-    kernel = attend_cuda.kernel
-    cuda_attend.setattr(attend_cuda, "kernel", lambda *a: launched.append(a) or kernel(*a))
-    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, SMALL_SPLIT)
-    assert launched and not any(a[-1] for a in launched)  # persistent=False
-    assert attend_cuda.persistent_counters(query.device).tolist() == [0, 0]
-
-
-@cuda
-def test_persistent_timeline_records_every_chunk(cuda_attend):
-    """The probe with the persistent kernel: one record per chunk taken (numbered row by
-    row), their pages summing to the listed pages."""
-    cuda_attend.setattr(attend_cuda, "PERSISTENT", True)
-    query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows(group=4,
-                                                                               head_dim=128)
-    timeline = torch.full((page_counts.numel() * 64, attend_cuda.TIMELINE_FIELDS), -1,
-                          dtype=torch.int64, device=DEVICE)
-    cuda_attend.setattr(attend_cuda, "TIMELINE", timeline)
-    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, SMALL_SPLIT)
-    written = timeline[:, 0] != -1
-    chunks = int(written.sum())
-    assert written[:chunks].all()  # chunks 0 .. n - 1, each once
-    assert int(timeline[:chunks, 7].sum()) == int(page_counts.sum())
+@pytest.mark.parametrize("chunk_pages", [1000, 300])
+def test_refill_across_segments_of_staged_ids(cuda_attend, chunk_pages):
+    """``REFILL`` where a chunk is longer than the ids the kernel stages at once (the
+    default's test above, with the option on)."""
+    cuda_attend.setattr(attend_cuda, "REFILL", True)
+    test_chunks_longer_than_the_staged_ids(cuda_attend, chunk_pages)

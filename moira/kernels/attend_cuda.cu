@@ -32,18 +32,16 @@ constexpr int STAGED_IDS = 256;  // page ids staged per segment of a chunk
 #define ATTEND_TIMELINE 0
 #endif
 constexpr int TIMELINE_FIELDS = 8;  // attend_cuda.TIMELINE_FIELDS
+// ATTEND_REFILL = 1 (attend_cuda.REFILL, a candidate): a warp refills a stage right after
+// computing its page, so every stage is in flight while it waits for the next page
+#ifndef ATTEND_REFILL
+#define ATTEND_REFILL 0
+#endif
 
 // Dynamic shared memory of a program (mirrored by attend_cuda.shared_bytes): the stages' K
 // and V tiles, the staged page ids (int64) and token counts (int32)
 __host__ __device__ constexpr int shared_bytes(int d, int stages) {
   return stages * 2 * PAGE * d * 2 + STAGED_IDS * (8 + 4);
-}
-
-// the persistent kernel's (attend_cuda.persistent_shared_bytes): each row's first chunk
-// number (PERSISTENT_ROWS + 1) and the chunk taken with the scan's warp totals (1 + WARPS)
-constexpr int PERSISTENT_ROWS = 512;  // attend_cuda.PERSISTENT_ROWS
-__host__ __device__ constexpr int persistent_shared_bytes(int d, int stages) {
-  return shared_bytes(d, stages) + (PERSISTENT_ROWS + 2 + WARPS) * 4;
 }
 
 // mirrored field by field by attend_cuda.Params (ctypes); strides in elements
@@ -67,8 +65,6 @@ struct Params {
   int step_rows, step_programs, short_pages;
   float qk_scale_log2;
   unsigned long long* timeline;  // [programs][TIMELINE_FIELDS] (ATTEND_TIMELINE builds only)
-  int* counters;  // [2] int32 zeros: the persistent kernel's chunks taken, programs done
-  int rows;       // batch x KV heads (the persistent kernel's)
 };
 
 __device__ __forceinline__ unsigned long long global_ns() {
@@ -145,57 +141,43 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
   return row * D + ((chunk ^ (row & 7)) * 8);
 }
 
-#if ATTEND_TIMELINE
-struct Timeline {  // one chunk's record (ATTEND_TIMELINE)
-  unsigned long long start_ns, start_clock, first_ns = 0, first_clock = 0;
-  __device__ Timeline() : start_ns(global_ns()), start_clock(clock64()) {}
-  __device__ void landed() { first_ns = global_ns(), first_clock = clock64(); }
-  __device__ void write(const Params& p, i64 index, int pages) const {
-    if (threadIdx.x == 0) {
-      const unsigned long long end_clock = clock64();
-      const unsigned long long fields[TIMELINE_FIELDS] = {
-          start_ns, first_ns, global_ns(), start_clock, first_clock, end_clock, smid(),
-          unsigned(pages)};
-      for (int f = 0; f < TIMELINE_FIELDS; ++f) {
-        p.timeline[index * TIMELINE_FIELDS + f] = fields[f];
-      }
-    }
-  }
-};
-#endif
-
-struct RowPlan {
-  int count, chunk, chunks;  // listed pages, pages per chunk, chunks (at least 1)
-};
-
-// plan_row (attend.py): Eq. (4) with the short-row floor
-__device__ __forceinline__ RowPlan plan_row(const Params& p, int row) {
-  const int b = row / p.num_kv_heads, head = row % p.num_kv_heads;
-  const int count = p.page_counts[b * p.stride_cb + head * p.stride_ch];
-  int floor_pages = p.chunk_floor;
-  if (count <= p.short_pages) floor_pages = max(2, cdiv(count * p.step_rows, p.step_programs));
-  const int chunk = max(floor_pages, cdiv(count, p.chunks_per_row));
-  return {count, chunk, max(cdiv(count, chunk), 1)};
-}
-
-// Chunk `chunk_id` of `row` (which has one): its pages attended, the output or partial
-// written. With `take_next` (the persistent kernel), thread 0 takes the program's next chunk
-// off the counter into `next`. `record`: the chunk's timeline entry.
 template <int D, int STAGES>
-__device__ __forceinline__ void attend_chunk(const Params& p, unsigned char* shared, int row,
-                                             int chunk_id, RowPlan plan, i64 record,
-                                             bool take_next, int& next) {
-#if ATTEND_TIMELINE
-  Timeline timeline;
-#endif
+__device__ __forceinline__ void attend_program(const Params& p, unsigned char* shared) {
   constexpr int TILE = PAGE * D;  // one page's K (or V), rows of D elements
   // [STAGES][K, V][64][D], each row's 16-byte chunk c at chunk c ^ (row % 8) (swizzled)
   bf16* tiles = reinterpret_cast<bf16*>(shared);
   i64* page_ids = reinterpret_cast<i64*>(shared + STAGES * 2 * TILE * 2);
   int* page_tokens = reinterpret_cast<int*>(page_ids + STAGED_IDS);  // tokens read per page
 
+  const int row = blockIdx.x, chunk_id = blockIdx.y;
   const int b = row / p.num_kv_heads, head = row % p.num_kv_heads;
-  const int count = plan.count, chunk = plan.chunk, chunks = plan.chunks;
+#if ATTEND_TIMELINE
+  const unsigned long long start_ns = global_ns(), start_clock = clock64();
+  unsigned long long first_ns = 0, first_clock = 0;
+  unsigned long long* record =
+      p.timeline + (i64(blockIdx.y) * gridDim.x + blockIdx.x) * TIMELINE_FIELDS;
+  auto write_record = [&](int pages) {
+    if (threadIdx.x == 0) {
+      const unsigned long long end_clock = clock64();
+      const unsigned long long fields[TIMELINE_FIELDS] = {
+          start_ns, first_ns, global_ns(), start_clock, first_clock, end_clock, smid(),
+          unsigned(pages)};
+      for (int f = 0; f < TIMELINE_FIELDS; ++f) record[f] = fields[f];
+    }
+  };
+#endif
+  // plan_row (attend.py): Eq. (4) with the short-row floor
+  const int count = p.page_counts[b * p.stride_cb + head * p.stride_ch];
+  int floor_pages = p.chunk_floor;
+  if (count <= p.short_pages) floor_pages = max(2, cdiv(count * p.step_rows, p.step_programs));
+  const int chunk = max(floor_pages, cdiv(count, p.chunks_per_row));
+  const int chunks = max(cdiv(count, chunk), 1);
+  if (chunk_id >= chunks) {
+#if ATTEND_TIMELINE
+    write_record(0);
+#endif
+    return;
+  }
   const int first = chunk_id * chunk, last = min(first + chunk, count);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -346,6 +328,27 @@ __device__ __forceinline__ void attend_chunk(const Params& p, unsigned char* sha
       page_tokens[i] = in_table ? max(0, min(PAGE, seq_len - logical * PAGE)) : 0;
     }
     __syncthreads();
+#if ATTEND_REFILL
+    // each stage refilled as soon as the warp has computed its page, before waiting for the
+    // next one: STAGES pages in flight while a warp waits, STAGES - 1 while it computes
+#pragma unroll
+    for (int i = 0; i < STAGES; ++i) {
+      if (i < pages) load_page(i, i);
+      cp_async_commit();
+    }
+    for (int i = 0, stage = 0; i < pages; ++i) {
+      cp_async_wait<STAGES - 1>();  // page i landed for this warp, the only one reading it
+      __syncwarp();
+#if ATTEND_TIMELINE
+      if (segment == first && i == 0) first_ns = global_ns(), first_clock = clock64();
+#endif
+      attend_page(stage, page_tokens[i]);
+      __syncwarp();  // the warp's reads of the stage are done before its refill
+      if (i + STAGES < pages) load_page(i + STAGES, stage);
+      cp_async_commit();
+      stage = stage + 1 == STAGES ? 0 : stage + 1;
+    }
+#else
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
       if (i < pages) load_page(i, i);
@@ -359,9 +362,8 @@ __device__ __forceinline__ void attend_chunk(const Params& p, unsigned char* sha
       // is free
       __syncwarp();
 #if ATTEND_TIMELINE
-      if (segment == first && i == 0) timeline.landed();
+      if (segment == first && i == 0) first_ns = global_ns(), first_clock = clock64();
 #endif
-
       // the next copy goes out before page i is computed, into page i - 1's stage, so
       // STAGES - 1 pages are in flight while it is (issued after it, one fewer: none at 2)
       if (i + STAGES - 1 < pages) load_page(i + STAGES - 1, next_stage);
@@ -370,11 +372,9 @@ __device__ __forceinline__ void attend_chunk(const Params& p, unsigned char* sha
       next_stage = stage;
       stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
+#endif
     cp_async_wait<0>();
   }
-  // the persistent kernel's next chunk, taken as this one's last page is done: the atomic's
-  // round trip overlaps the warps' merge and the writes below
-  if (take_next && threadIdx.x == 0) next = atomicAdd(p.counters, 1);
 
   // the four warps' partial softmaxes, merged through shared memory
 #pragma unroll
@@ -435,94 +435,8 @@ __device__ __forceinline__ void attend_chunk(const Params& p, unsigned char* sha
   }
 #if ATTEND_TIMELINE
   __syncthreads();  // every thread's output written
-  timeline.write(p, record, last - first);
+  write_record(last - first);
 #endif
-}
-
-// One program per (row, chunk) slot of Eq. (4)'s grid (rows x J), exiting past its row's
-// chunks: the paper's Alg. 2, and the default.
-template <int D, int STAGES>
-__device__ __forceinline__ void attend_program(const Params& p, unsigned char* shared) {
-  const int row = blockIdx.x, chunk_id = blockIdx.y;
-  const i64 record = i64(blockIdx.y) * gridDim.x + blockIdx.x;
-#if ATTEND_TIMELINE
-  Timeline timeline;
-#endif
-  const RowPlan plan = plan_row(p, row);
-  if (chunk_id >= plan.chunks) {
-#if ATTEND_TIMELINE
-    timeline.write(p, record, 0);
-#endif
-    return;
-  }
-  int unused = -1;
-  attend_chunk<D, STAGES>(p, shared, row, chunk_id, plan, record, false, unused);
-}
-
-// The persistent form (attend_cuda.PERSISTENT): about one program per slot of the GPU, each
-// taking the same (row, chunk) work as Eq. (4)'s grid off a counter until none is left, so
-// programs that finish early take more and the launch ends with the chunks, not with the
-// last of a fixed wave (benchmarks/NOTES.md, session 55: 9-24 us of tail at 22% of the
-// pages). Chunks are numbered row by row: the prefix of the rows' chunk counts is built by
-// every program at its start (rows <= PERSISTENT_ROWS). The counters ([2] int32, zero
-// between launches) are reset by the last program to finish.
-
-template <int D, int STAGES>
-__device__ __forceinline__ void attend_persistent(const Params& p, unsigned char* shared) {
-  // after the tiles and staged ids: each row's first chunk number (rows + 1 entries)
-  int* first_chunk = reinterpret_cast<int*>(shared + STAGES * 2 * PAGE * D * 2
-                                            + STAGED_IDS * (8 + 4));
-  int* taken = first_chunk + PERSISTENT_ROWS + 1;  // the chunk thread 0 took, for all
-  const int rows = p.rows;
-  // per-thread sums of consecutive rows, then an exclusive scan over the threads
-  constexpr int PER_THREAD = (PERSISTENT_ROWS + THREADS - 1) / THREADS;
-  int mine[PER_THREAD], total = 0;
-#pragma unroll
-  for (int k = 0; k < PER_THREAD; ++k) {
-    const int row = threadIdx.x * PER_THREAD + k;
-    mine[k] = row < rows ? plan_row(p, row).chunks : 0;
-    total += mine[k];
-  }
-  int inclusive = total;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-  for (int o = 1; o < 32; o *= 2) {
-    const int before = __shfl_up_sync(FULL, inclusive, o);
-    if (lane >= o) inclusive += before;
-  }
-  if (lane == 31) taken[1 + warp] = inclusive;
-  if (threadIdx.x == 0) *taken = atomicAdd(p.counters, 1);
-  __syncthreads();
-  int offset = inclusive - total;
-  for (int w = 0; w < warp; ++w) offset += taken[1 + w];
-#pragma unroll
-  for (int k = 0; k < PER_THREAD; ++k) {
-    first_chunk[threadIdx.x * PER_THREAD + k] = offset;
-    offset += mine[k];
-  }
-  if (threadIdx.x == THREADS - 1) first_chunk[PERSISTENT_ROWS] = offset;  // all chunks
-  __syncthreads();
-  const int all_chunks = first_chunk[PERSISTENT_ROWS];
-  int item = *taken;
-  while (item < all_chunks) {
-    // the row holding chunk `item`: the last with first_chunk[row] <= item
-    int lo = 0, hi = rows - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (first_chunk[mid] <= item) lo = mid; else hi = mid - 1;
-    }
-    int next = -1;
-    attend_chunk<D, STAGES>(p, shared, lo, item - first_chunk[lo], plan_row(p, lo), item,
-                            true, next);
-    if (threadIdx.x == 0) *taken = next;
-    __syncthreads();
-    item = *taken;
-    __syncthreads();  // read by all before thread 0 writes the next one
-  }
-  if (threadIdx.x == 0) {
-    __threadfence();  // this program's takes land before its count
-    if (atomicAdd(p.counters + 1, 1) == int(gridDim.x) - 1) p.counters[0] = 0, p.counters[1] = 0;
-  }
 }
 
 }  // namespace
@@ -535,24 +449,11 @@ __host__ __device__ constexpr int programs_per_sm(int d, int stages) {
   return fit < 4 ? fit : 4;
 }
 
-__host__ __device__ constexpr int persistent_programs_per_sm(int d, int stages) {
-  const int fit = 233472 / (persistent_shared_bytes(d, stages) + 1024);
-  return fit < 4 ? fit : 4;
-}
-
 #define MOIRA_ATTEND(D, STAGES)                                                        \
   extern "C" __global__ void __launch_bounds__(THREADS, programs_per_sm(D, STAGES))      \
       moira_attend_d##D##_s##STAGES(const Params p) {                                   \
     extern __shared__ __align__(16) unsigned char shared[];                             \
     attend_program<D, STAGES>(p, shared);                                               \
-  }
-
-#define MOIRA_ATTEND_PERSISTENT(D, STAGES)                                             \
-  extern "C" __global__ void __launch_bounds__(THREADS,                                 \
-                                               persistent_programs_per_sm(D, STAGES))   \
-      moira_attend_persistent_d##D##_s##STAGES(const Params p) {                        \
-    extern __shared__ __align__(16) unsigned char shared[];                             \
-    attend_persistent<D, STAGES>(p, shared);                                            \
   }
 
 MOIRA_ATTEND(64, 2)
@@ -561,6 +462,3 @@ MOIRA_ATTEND(64, 4)
 MOIRA_ATTEND(128, 2)
 MOIRA_ATTEND(128, 3)
 MOIRA_ATTEND(128, 4)
-MOIRA_ATTEND_PERSISTENT(64, 2)
-MOIRA_ATTEND_PERSISTENT(128, 2)
-MOIRA_ATTEND_PERSISTENT(128, 3)

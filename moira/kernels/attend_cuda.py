@@ -28,14 +28,12 @@ MAX_GROUP = 16  # query heads per KV head: the 16 rows of mma.m16n8k16
 # clock (cycles), its SM and its page count (benchmarks/attend_timeline.py)
 TIMELINE = None
 TIMELINE_FIELDS = 8
-# the persistent kernel (a candidate, off until timed): about one program per slot of the GPU
-# (SMs x programs per SM), each taking Eq. (4)'s (row, chunk) work off a counter, so the
-# launch ends with the work rather than with the last of a fixed wave (the .cu file says why).
-# Same chunks, partials and Merge; steps of more than PERSISTENT_ROWS rows run the default
-# grid. Built for (D, stages) in PERSISTENT_BUILDS
-PERSISTENT = False
-PERSISTENT_ROWS = 512
-PERSISTENT_BUILDS = ((64, 2), (128, 2), (128, 3))
+# each stage refilled as soon as a warp has computed its page, before it waits for the next
+# (a candidate, off until timed; NVRTC define ATTEND_REFILL): the default issues page
+# i + STAGES - 1 only once page i has landed, so with 2 stages one page is in flight while a
+# warp waits, and a program streams at one page per load latency (11-15 GB/s under load,
+# 20-24 when few run: benchmarks/NOTES.md, session 55)
+REFILL = False
 
 
 class Params(ctypes.Structure):
@@ -51,8 +49,7 @@ class Params(ctypes.Structure):
         + [(name, ctypes.c_int) for name in (
             "num_kv_heads", "max_pages", "group", "chunk_floor", "chunks_per_row", "step_rows",
             "step_programs", "short_pages")]
-        + [("qk_scale_log2", ctypes.c_float), ("timeline", ctypes.c_void_p),
-           ("counters", ctypes.c_void_p), ("rows", ctypes.c_int)])
+        + [("qk_scale_log2", ctypes.c_float), ("timeline", ctypes.c_void_p)])
 
 
 def shared_bytes(head_dim, stages):
@@ -61,39 +58,21 @@ def shared_bytes(head_dim, stages):
     return stages * 2 * PAGE_SIZE * head_dim * 2 + STAGED_IDS * (8 + 4)
 
 
-def persistent_shared_bytes(head_dim, stages):
-    """The persistent kernel's: ``shared_bytes`` and each row's first chunk number and the
-    chunk taken (with the scan's four warp totals), int32."""
-    return shared_bytes(head_dim, stages) + (PERSISTENT_ROWS + 2 + THREADS // 32) * 4
-
-
-def programs_per_sm(shared):
-    """Programs per SM that ``shared`` bytes each allow (the .cu file's rule: 228 KB per SM, 1
-    KB reserved per program, at most 4)."""
-    return min(233472 // (shared + 1024), 4)
-
-
 @functools.lru_cache(maxsize=None)
-def kernel(device_index, head_dim, stages, timeline=False, persistent=False):
-    """The loaded function ``moira_attend[_persistent]_d<D>_s<S>`` on a device (its module
-    loaded once); ``timeline``: the ATTEND_TIMELINE build (``TIMELINE``)."""
+def kernel(device_index, head_dim, stages, timeline=False, refill=False):
+    """The loaded function ``moira_attend_d<D>_s<S>`` on a device (its module loaded once);
+    ``timeline``, ``refill``: the ATTEND_TIMELINE / ATTEND_REFILL builds (``TIMELINE``,
+    ``REFILL``)."""
     limit = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
-    shared = (persistent_shared_bytes if persistent else shared_bytes)(head_dim, stages)
-    if shared > limit:
-        raise ValueError(f"attend.CUDA_STAGES = {stages} needs {shared} bytes of shared memory "
-                         f"per program at head_dim {head_dim}; this GPU allows {limit}: "
+    if shared_bytes(head_dim, stages) > limit:
+        raise ValueError(f"attend.CUDA_STAGES = {stages} needs "
+                         f"{shared_bytes(head_dim, stages)} bytes of shared memory per "
+                         f"program at head_dim {head_dim}; this GPU allows {limit}: "
                          f"lower CUDA_STAGES")
-    name = f"moira_attend{'_persistent' if persistent else ''}_d{head_dim}_s{stages}"
-    return cuda_build.function(device_index, SOURCE, name, "attend.IMPLEMENTATION", shared,
-                               options=("-DATTEND_TIMELINE=1",) if timeline else ())
-
-
-@functools.lru_cache(maxsize=None)
-def persistent_counters(device):
-    """The persistent kernel's counters on a device (int32 [2]: chunks taken, programs done),
-    zero between launches (its last program resets them): one pair for every launch on the
-    device, which must therefore not overlap on two streams."""
-    return torch.zeros(2, dtype=torch.int32, device=device)
+    return cuda_build.function(device_index, SOURCE, f"moira_attend_d{head_dim}_s{stages}",
+                               "attend.IMPLEMENTATION", shared_bytes(head_dim, stages),
+                               options=("-DATTEND_TIMELINE=1",) * timeline
+                               + ("-DATTEND_REFILL=1",) * refill)
 
 
 def check_inputs(query, key_cache, value_cache, head_dim, group, stages):
@@ -151,14 +130,8 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         raise ValueError(f"attend_cuda.TIMELINE must be a contiguous int64 tensor of at least "
                          f"[{batch * num_kv_heads * chunks_per_row}, {TIMELINE_FIELDS}], got "
                          f"{timeline.dtype} {tuple(timeline.shape)}")
-    rows = batch * num_kv_heads
-    index = cuda_build.device_index(query.device)
-    persistent = PERSISTENT and rows <= PERSISTENT_ROWS
-    if persistent and (head_dim, stages) not in PERSISTENT_BUILDS:
-        raise ValueError(f"attend_cuda.PERSISTENT is built for (head_dim, CUDA_STAGES) in "
-                         f"{PERSISTENT_BUILDS}, got ({head_dim}, {stages}): turn it off")
-    function = kernel(index, head_dim, stages, timeline is not None, persistent)
-    counters = persistent_counters(query.device) if persistent else None
+    function = kernel(cuda_build.device_index(query.device), head_dim, stages,
+                      timeline is not None, REFILL)
     if build_only:
         return out
     params = Params(
@@ -171,15 +144,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         page_counts.stride(0), page_counts.stride(1), *out.stride(),
         num_kv_heads, block_table.shape[1], group, chunk_floor, chunks_per_row, step_rows,
         step_programs, short_pages, qk_scale_log2,
-        timeline.data_ptr() if timeline is not None else None,
-        counters.data_ptr() if persistent else None, rows)
-    if persistent:
-        shared = persistent_shared_bytes(head_dim, stages)
-        slots = (torch.cuda.get_device_properties(index).multi_processor_count
-                 * programs_per_sm(shared))
-        cuda_build.launch(function, (min(slots, rows * chunks_per_row), 1), THREADS, shared,
-                          query.device, params)
-    else:
-        cuda_build.launch(function, (rows, chunks_per_row), THREADS,
-                          shared_bytes(head_dim, stages), query.device, params)
+        timeline.data_ptr() if timeline is not None else None)
+    cuda_build.launch(function, (batch * num_kv_heads, chunks_per_row), THREADS,
+                      shared_bytes(head_dim, stages), query.device, params)
     return out
