@@ -14,14 +14,14 @@ From that, per (shape, spread) and launch:
   its rate (pages per µs from its first page to its end).
 
 Attend + Merge is also timed from CUDA-graph replays with the default build and the probe's
-(what the probe itself costs), in each variant (``--variants``: the chunk floor C, the
-stages, ``attend_cuda.REFILL``), on the kernel suite's page lists
+(what the probe itself costs), in each variant (``--variants``: the chunk floor C and the
+stages), on the kernel suite's page lists
 (``bench_kernels``: 22% of each row's pages, CV 0 / 1.0 and one layer of the real-like
 spread, random positions, scattered pages).
 
     PYTHONPATH=. OUT=$OUT python3 benchmarks/attend_timeline.py [--shapes 8k32,32k16,131k4]
         [--spreads cv0,cv1,real5] [--launches 5]
-        [--variants grid24,grid24r,grid12r,grid24s3r] [--rounds 2]
+        [--variants grid24,grid12,grid24s3] [--rounds 2]
     python3 benchmarks/attend_timeline.py --plot results/<run>.json   # the plot again
 
 Writes ``$OUT/timeline.json`` (summaries of every launch, one launch's programs raw) and
@@ -72,12 +72,12 @@ def compact(records):
 
 
 def variant_settings(variant):
-    """(refill, chunk_pages, CUDA stages) of a variant name: "grid24" (the default), "grid12",
-    "grid24s3", "grid24r" (``attend_cuda.REFILL``), ... (2 stages unless named)."""
-    match = re.fullmatch(r"grid([1-9][0-9]*)(?:s([234]))?(r?)", variant)
+    """(chunk_pages, CUDA stages) of a variant name: "grid24" (the default), "grid12",
+    "grid24s3", ... (2 stages unless named)."""
+    match = re.fullmatch(r"grid([1-9][0-9]*)(?:s([234]))?", variant)
     if not match:
-        raise SystemExit(f"--variants: {variant!r} is not grid<C>[s<S>][r]")
-    return bool(match.group(3)), int(match.group(1)), int(match.group(2) or 2)
+        raise SystemExit(f"--variants: {variant!r} is not grid<C>[s<S>]")
+    return int(match.group(1)), int(match.group(2) or 2)
 
 
 def analyse(records, rows):
@@ -131,9 +131,8 @@ def main():
     parser.add_argument("--spreads", default="cv0,cv1,real5")
     parser.add_argument("--launches", type=int, default=5)
     parser.add_argument("--variants", default="grid24",
-                        help="comma-separated grid<C>[s<S>][r]: chunk floor C (chunk_pages), "
-                             "S pages' stages (attend.CUDA_STAGES, default 2), r: "
-                             "attend_cuda.REFILL")
+                        help="comma-separated grid<C>[s<S>]: chunk floor C (chunk_pages), "
+                             "S pages' stages (attend.CUDA_STAGES, default 2)")
     parser.add_argument("--rounds", type=int, default=2, help="timings of each variant, in "
                         "alternation")
     parser.add_argument("--plot", metavar="JSON", help="only plot a run's timeline.json (to "
@@ -166,18 +165,17 @@ def main():
             counts, page_lists = lists["counts"], lists["lists"]
             bytes_read = int(counts.sum()) * PAGE_BYTES
             runs = {variant: s.moira(page_lists, counts, s.arm_workspace(
-                f"moira_c{variant_settings(variant)[1]}")) for variant in variants}
+                f"moira_c{variant_settings(variant)[0]}")) for variant in variants}
             timed = {variant: [] for variant in variants}
             for _ in range(args.rounds):  # the variants in alternation
                 for variant in variants:
-                    refill, _, stages = variant_settings(variant)
-                    with patched(attend_module, IMPLEMENTATION="cuda", CUDA_STAGES=stages), \
-                            patched(attend_cuda, REFILL=refill):
+                    stages = variant_settings(variant)[1]
+                    with patched(attend_module, IMPLEMENTATION="cuda", CUDA_STAGES=stages):
                         timed[variant].append(bench(runs[variant])[0])
             for variant in variants:
-                refill, _, stages = variant_settings(variant)
+                stages = variant_settings(variant)[1]
                 with patched(attend_module, IMPLEMENTATION="cuda", CUDA_STAGES=stages), \
-                        patched(attend_cuda, REFILL=refill, TIMELINE=timeline):
+                        patched(attend_cuda, TIMELINE=timeline):
                     probe_us, _ = bench(runs[variant])
                     launches = []
                     for _ in range(args.launches):

@@ -219,30 +219,3 @@ def test_timeline_probe_records_every_program(cuda_attend):
     cuda_attend.setattr(attend_cuda, "TIMELINE", timeline.int())
     with pytest.raises(ValueError, match="TIMELINE"):
         moira.attend(*args, config=SMALL_SPLIT)
-
-
-@cuda
-@pytest.mark.parametrize("group", [1, 4, 7, 8])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("stages", [2, 3, 4])
-def test_refill_matches_reference(cuda_attend, group, head_dim, stages):
-    """``attend_cuda.REFILL`` (each stage refilled once its page is computed): the reference
-    on the default test's rows (one token, partial pages, uneven chunks, empty and full rows,
-    chunks longer and shorter than the stages), NaN in every slot no row may read."""
-    cuda_attend.setattr(attend_module, "CUDA_STAGES", stages)
-    cuda_attend.setattr(attend_cuda, "REFILL", True)
-    query, _, _, table, seq_lens, page_lists, page_counts = mixed_rows(group=group,
-                                                                       head_dim=head_dim)
-    keys, values = make_cache(120, 2, head_dim)
-    poison_unread_slots(keys, values, table, seq_lens)
-    for config in (SMALL_SPLIT, MoiraConfig()):
-        check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
-
-
-@cuda
-@pytest.mark.parametrize("chunk_pages", [1000, 300])
-def test_refill_across_segments_of_staged_ids(cuda_attend, chunk_pages):
-    """``REFILL`` where a chunk is longer than the ids the kernel stages at once (the
-    default's test above, with the option on)."""
-    cuda_attend.setattr(attend_cuda, "REFILL", True)
-    test_chunks_longer_than_the_staged_ids(cuda_attend, chunk_pages)

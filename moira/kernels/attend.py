@@ -101,6 +101,12 @@ CUDA_STAGES = 2
 # Timed in session 51 (bench_kernels.py's moira_lm): -4.1% at 8k x 32 CV 0 (2 chunks a row),
 # +1.0 / +1.6% at 64k x 8 / 131k x 4 CV 0, -0.4 to +1.8% on their spreads (10-19 chunks a
 # row: every program waits for its fence and count before it exits). Removed
+# Not here (session 55, benchmarks/attend_timeline.py; Attend + Merge on the suite's lists):
+# a persistent CUDA Attend, one program per slot taking Eq. (4)'s chunks off an atomic
+# counter, at C = 24 / 12 / 8: +0.5 to +8.4% in every cell (the tail shrank at C <= 12, but
+# each chunk's ids and first page cost the steady rate and the prefix and counts ~3 us a
+# launch); and each stage refilled as soon as its page is computed (two pages in flight while
+# a warp waits): -0.5 to +1.8%, a program's tail rate unchanged. Removed
 # Not here: each page-head's K and V by Hopper's bulk tensor copy (TMA, Triton's tensor
 # descriptors) instead of this gather. Timed in session 32 (one page per tile, 2-4 stages,
 # with and without the lookahead): +12 to +27% at 22% of the pages at 8k x 32, 32k x 16 and

@@ -32,11 +32,6 @@ constexpr int STAGED_IDS = 256;  // page ids staged per segment of a chunk
 #define ATTEND_TIMELINE 0
 #endif
 constexpr int TIMELINE_FIELDS = 8;  // attend_cuda.TIMELINE_FIELDS
-// ATTEND_REFILL = 1 (attend_cuda.REFILL, a candidate): a warp refills a stage right after
-// computing its page, so every stage is in flight while it waits for the next page
-#ifndef ATTEND_REFILL
-#define ATTEND_REFILL 0
-#endif
 
 // Dynamic shared memory of a program (mirrored by attend_cuda.shared_bytes): the stages' K
 // and V tiles, the staged page ids (int64) and token counts (int32)
@@ -328,27 +323,6 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
       page_tokens[i] = in_table ? max(0, min(PAGE, seq_len - logical * PAGE)) : 0;
     }
     __syncthreads();
-#if ATTEND_REFILL
-    // each stage refilled as soon as the warp has computed its page, before waiting for the
-    // next one: STAGES pages in flight while a warp waits, STAGES - 1 while it computes
-#pragma unroll
-    for (int i = 0; i < STAGES; ++i) {
-      if (i < pages) load_page(i, i);
-      cp_async_commit();
-    }
-    for (int i = 0, stage = 0; i < pages; ++i) {
-      cp_async_wait<STAGES - 1>();  // page i landed for this warp, the only one reading it
-      __syncwarp();
-#if ATTEND_TIMELINE
-      if (segment == first && i == 0) first_ns = global_ns(), first_clock = clock64();
-#endif
-      attend_page(stage, page_tokens[i]);
-      __syncwarp();  // the warp's reads of the stage are done before its refill
-      if (i + STAGES < pages) load_page(i + STAGES, stage);
-      cp_async_commit();
-      stage = stage + 1 == STAGES ? 0 : stage + 1;
-    }
-#else
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
       if (i < pages) load_page(i, i);
@@ -372,7 +346,6 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
       next_stage = stage;
       stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
-#endif
     cp_async_wait<0>();
   }
 

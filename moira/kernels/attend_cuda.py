@@ -28,12 +28,6 @@ MAX_GROUP = 16  # query heads per KV head: the 16 rows of mma.m16n8k16
 # clock (cycles), its SM and its page count (benchmarks/attend_timeline.py)
 TIMELINE = None
 TIMELINE_FIELDS = 8
-# each stage refilled as soon as a warp has computed its page, before it waits for the next
-# (a candidate, off until timed; NVRTC define ATTEND_REFILL): the default issues page
-# i + STAGES - 1 only once page i has landed, so with 2 stages one page is in flight while a
-# warp waits, and a program streams at one page per load latency (11-15 GB/s under load,
-# 20-24 when few run: benchmarks/NOTES.md, session 55)
-REFILL = False
 
 
 class Params(ctypes.Structure):
@@ -59,10 +53,9 @@ def shared_bytes(head_dim, stages):
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(device_index, head_dim, stages, timeline=False, refill=False):
+def kernel(device_index, head_dim, stages, timeline=False):
     """The loaded function ``moira_attend_d<D>_s<S>`` on a device (its module loaded once);
-    ``timeline``, ``refill``: the ATTEND_TIMELINE / ATTEND_REFILL builds (``TIMELINE``,
-    ``REFILL``)."""
+    ``timeline``: the ATTEND_TIMELINE build (``TIMELINE``)."""
     limit = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
     if shared_bytes(head_dim, stages) > limit:
         raise ValueError(f"attend.CUDA_STAGES = {stages} needs "
@@ -71,8 +64,7 @@ def kernel(device_index, head_dim, stages, timeline=False, refill=False):
                          f"lower CUDA_STAGES")
     return cuda_build.function(device_index, SOURCE, f"moira_attend_d{head_dim}_s{stages}",
                                "attend.IMPLEMENTATION", shared_bytes(head_dim, stages),
-                               options=("-DATTEND_TIMELINE=1",) * timeline
-                               + ("-DATTEND_REFILL=1",) * refill)
+                               options=("-DATTEND_TIMELINE=1",) if timeline else ())
 
 
 def check_inputs(query, key_cache, value_cache, head_dim, group, stages):
@@ -131,7 +123,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
                          f"[{batch * num_kv_heads * chunks_per_row}, {TIMELINE_FIELDS}], got "
                          f"{timeline.dtype} {tuple(timeline.shape)}")
     function = kernel(cuda_build.device_index(query.device), head_dim, stages,
-                      timeline is not None, REFILL)
+                      timeline is not None)
     if build_only:
         return out
     params = Params(
