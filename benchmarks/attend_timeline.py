@@ -29,6 +29,7 @@ Writes ``$OUT/timeline.json`` (summaries of every launch, one launch's programs 
 """
 
 import argparse
+import gzip
 import json
 import os
 import re
@@ -135,12 +136,12 @@ def main():
                              "S pages' stages (attend.CUDA_STAGES, default 2)")
     parser.add_argument("--rounds", type=int, default=2, help="timings of each variant, in "
                         "alternation")
-    parser.add_argument("--plot", metavar="JSON", help="only plot a run's timeline.json (to "
-                        "the same name with .png)")
+    parser.add_argument("--plot", metavar="JSON", help="only plot a run's timeline.json[.gz] "
+                        "(to the same name with .png)")
     args = parser.parse_args()
     if args.plot:
-        with open(args.plot) as f:
-            plot(json.load(f), os.path.splitext(args.plot)[0] + ".png")
+        with (gzip.open if args.plot.endswith(".gz") else open)(args.plot, "rt") as f:
+            plot(json.load(f), args.plot.removesuffix(".gz").removesuffix(".json") + ".png")
         return
     shapes = {**SHAPES, **EXTRA_SHAPES}
     unknown = [name for name in args.shapes.split(",") if name not in shapes]
