@@ -21,7 +21,7 @@ spread, random positions, scattered pages).
 
     PYTHONPATH=. OUT=$OUT python3 benchmarks/attend_timeline.py [--shapes 8k32,32k16,131k4]
         [--spreads cv0,cv1,real5] [--launches 5]
-        [--variants grid24,grid12,grid24s3] [--rounds 2]
+        [--variants grid24,grid12,grid24s3,grid24j2,grid24w2048] [--rounds 2]
     python3 benchmarks/attend_timeline.py --plot results/<run>.json   # the plot again
 
 Writes ``$OUT/timeline.json`` (summaries of every launch, one launch's programs raw) and
@@ -41,8 +41,12 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import (EXTRA_SHAPES, MEAN_FRACTION, PAGE_BYTES, REAL_LAYERS,  # noqa: E402
-                           SHAPES, Shape, bench, layer_lists, patched)
+from bench_kernels import (EXTRA_SHAPES, GROUP, HEAD_DIM, KV_HEADS,  # noqa: E402
+                           MEAN_FRACTION, PAGE_BYTES, REAL_LAYERS, SHAPES, Shape, bench,
+                           layer_lists, patched)
+
+import moira  # noqa: E402
+from moira.config import MoiraConfig  # noqa: E402
 
 from moira.kernels import attend as attend_module  # noqa: E402
 from moira.kernels import attend_cuda  # noqa: E402
@@ -73,12 +77,34 @@ def compact(records):
 
 
 def variant_settings(variant):
-    """(chunk_pages, CUDA stages) of a variant name: "grid24" (the default), "grid12",
-    "grid24s3", ... (2 stages unless named)."""
-    match = re.fullmatch(r"grid([1-9][0-9]*)(?:s([234]))?", variant)
+    """(chunk_pages, CUDA stages, max_chunks_per_row, block-table pages) of a variant name:
+    "grid24" (the default), "grid12", "grid24s3" (3 stages), "grid24j2" (J at most 2: no
+    program past a 28-page row's chunks), "grid24w2048" (the block table widened to 2,048
+    pages, as in an engine of 131k-token contexts: J from Eq. (4)'s cap on that width)."""
+    match = re.fullmatch(r"grid([1-9][0-9]*)(?:s([234]))?(?:j([1-9][0-9]*))?(?:w([1-9][0-9]*))?",
+                         variant)
     if not match:
-        raise SystemExit(f"--variants: {variant!r} is not grid<C>[s<S>]")
-    return int(match.group(1)), int(match.group(2) or 2)
+        raise SystemExit(f"--variants: {variant!r} is not grid<C>[s<S>][j<J>][w<pages>]")
+    chunk, stages, most, width = match.groups()
+    return int(chunk), int(stages or 2), most and int(most), width and int(width)
+
+
+def variant_run(s, page_lists, counts, variant):
+    """Attend + Merge of one variant on a ``bench_kernels.Shape``'s caches."""
+    chunk_pages, _, most, width = variant_settings(variant)
+    table = s.table
+    if width and width > s.pages:  # the extra entries are never listed, so never read
+        table = torch.cat([table, table.new_zeros(s.batch, width - s.pages)], dim=1)
+    fields = dict(chunk_pages=chunk_pages)
+    if most:
+        fields.update(min_chunks_per_row=min(MoiraConfig.min_chunks_per_row, most),
+                      max_chunks_per_row=most)
+    workspace = moira.DecodeWorkspace(s.batch, table.shape[1], KV_HEADS * GROUP, KV_HEADS,
+                                      HEAD_DIM, device="cuda", config=MoiraConfig(**fields))
+    lists = page_lists.view(s.batch, KV_HEADS, -1)
+    page_counts = counts.view(s.batch, KV_HEADS)
+    return lambda: moira.attend(s.query, s.key_nhd, s.value_nhd, table, s.seq_lens, lists,
+                                page_counts, scale=s.scale, workspace=workspace, out=s.out)
 
 
 def analyse(records, rows):
@@ -132,8 +158,9 @@ def main():
     parser.add_argument("--spreads", default="cv0,cv1,real5")
     parser.add_argument("--launches", type=int, default=5)
     parser.add_argument("--variants", default="grid24",
-                        help="comma-separated grid<C>[s<S>]: chunk floor C (chunk_pages), "
-                             "S pages' stages (attend.CUDA_STAGES, default 2)")
+                        help="comma-separated grid<C>[s<S>][j<J>][w<pages>]: chunk floor C "
+                             "(chunk_pages), S pages' stages (attend.CUDA_STAGES, default 2), "
+                             "at most J programs per row, the block table <pages> wide")
     parser.add_argument("--rounds", type=int, default=2, help="timings of each variant, in "
                         "alternation")
     parser.add_argument("--plot", metavar="JSON", help="only plot a run's timeline.json[.gz] "
@@ -165,8 +192,8 @@ def main():
             lists = spread_lists(s.pages, s.rows, spread)
             counts, page_lists = lists["counts"], lists["lists"]
             bytes_read = int(counts.sum()) * PAGE_BYTES
-            runs = {variant: s.moira(page_lists, counts, s.arm_workspace(
-                f"moira_c{variant_settings(variant)[0]}")) for variant in variants}
+            runs = {variant: variant_run(s, page_lists, counts, variant)
+                    for variant in variants}
             timed = {variant: [] for variant in variants}
             for _ in range(args.rounds):  # the variants in alternation
                 for variant in variants:
