@@ -42,7 +42,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import (EXTRA_SHAPES, GROUP, HEAD_DIM, KV_HEADS,  # noqa: E402
-                           MEAN_FRACTION, PAGE_BYTES, REAL_LAYERS, SHAPES, Shape, bench,
+                           MEAN_FRACTION, PAGE_BYTES, REAL_MEANS, SHAPES, Shape, bench,
                            layer_lists, patched)
 
 import moira  # noqa: E402
@@ -59,8 +59,7 @@ def spread_lists(pages, rows, spread):
     """The suite's lists (``bench_kernels.main``'s seeds): "cv0", "cv1" or "real<layer>"."""
     if spread.startswith("real"):
         layer = int(spread[4:])
-        mean = 0.09 * (0.68 / 0.09) ** (layer / (REAL_LAYERS - 1))
-        return layer_lists(pages, rows, mean, 0.7, seed=1000 * layer + 7)
+        return layer_lists(pages, rows, REAL_MEANS[layer], 0.7, seed=1000 * layer + 7)
     cv = float(spread[2:])
     return layer_lists(pages, rows, MEAN_FRACTION, cv, seed=int(10 * cv))
 

@@ -98,6 +98,7 @@ EXTRA_SHAPES = {"16k32": (16384, 32)}
 CVS = [0.0, 0.5, 1.0, 1.2]
 MEAN_FRACTION = 0.22
 REAL_LAYERS = 8  # real-like spread: per-layer means 9% .. 68% (geometric), CV 0.7 across rows
+REAL_MEANS = [0.09 * (0.68 / 0.09) ** (i / (REAL_LAYERS - 1)) for i in range(REAL_LAYERS)]
 PAGE_BYTES = 2 * PAGE * HEAD_DIM * 2  # K and V of one page of one KV head, bf16
 
 
@@ -567,8 +568,7 @@ def main():
         spreads = [(f"cv{cv}", [(MEAN_FRACTION, cv)]) for cv in (CVS if not args.quick
                                                                   else [0.0, 1.0])]
         if not args.quick:
-            means = [0.09 * (0.68 / 0.09) ** (i / (REAL_LAYERS - 1)) for i in range(REAL_LAYERS)]
-            spreads.append(("real", [(m, 0.7) for m in means]))
+            spreads.append(("real", [(m, 0.7) for m in REAL_MEANS]))
         for spread, layers in spreads:
             for layer, (mean, cv) in enumerate(layers):
                 tag = spread if len(layers) == 1 else f"{spread}/{layer}"

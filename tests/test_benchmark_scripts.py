@@ -1401,3 +1401,35 @@ def test_summary_precision_forms_and_their_comparison():
     assert stats["bf16"]["rows"] == kv_heads and stats["bf16"]["identical"] == kv_heads
     assert stats["bf16"]["only_here"] == stats["bf16"]["only_base"] == 0
     assert 0 < stats["bf16"]["kept_mass"] <= kv_heads + 1e-5
+
+
+def test_attend_timeline_rate_conserves_the_bytes_and_finds_ramp_and_tail():
+    """``attend_timeline.analyse`` on made-up records: every listed byte lands in some bin
+    (page 0 at its landing, the rest spread to the end), the span runs from the first start
+    to the last end, a launch whose rate is flat in its middle has a ramp before it and a tail
+    after it, and empty programs count as programs but not as working ones."""
+    timeline = load("attend_timeline")
+    page = timeline.PAGE_BYTES
+    records = []
+    for i in range(40):  # 40 programs of 30 pages, first page at 4 us, ends 60 .. 80 us
+        start = 1_000 + 10 * i
+        records.append([start, start + 4_000, start + 60_000 + 500 * i, 0, 0, 0, i % 8, 30])
+    records.append([1_200, 0, 1_700, 0, 0, 0, 3, 0])  # an empty program
+    summary = timeline.analyse(torch.tensor(records, dtype=torch.int64), rows=10)
+    arrived = sum(summary["rate_tbps"]) * 1e6 * timeline.BIN_US
+    assert math.isclose(arrived, 40 * 30 * page, rel_tol=1e-3)  # rounding of the rates only
+    assert summary["programs"] == 41 and summary["working"] == 40
+    assert summary["span_us"] == pytest.approx(79.89, abs=0.01)  # 0.39 + 60 + 19.5
+    assert summary["ramp_us"] >= 4 and summary["tail_us"] > 5  # the ends spread over ~20 us
+    assert summary["span_us"] > summary["ideal_us"]
+    assert summary["prologue_median_us"] == pytest.approx(4.0)
+    assert summary["empty_median_us"] == pytest.approx(0.5)
+
+
+def test_attend_timeline_variants_name_chunk_stages_ceiling_and_table_width():
+    timeline = load("attend_timeline")
+    assert timeline.variant_settings("grid24") == (24, 2, None, None)
+    assert timeline.variant_settings("grid32s3j4w2048") == (32, 3, 4, 2048)
+    for bad in ("persistent24", "grid24r", "grid0", "grid24s5"):
+        with pytest.raises(SystemExit, match="grid<C>"):
+            timeline.variant_settings(bad)
