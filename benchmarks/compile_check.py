@@ -24,7 +24,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from moira.kernels import (attend, attend_cuda, cuda_build, estimate,  # noqa: E402
-                           estimate_cuda, imposed, merge, select, select_cuda, summarize)
+                           estimate_cuda, estimate_select_cuda, imposed, merge, select,
+                           select_cuda, summarize)
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -201,7 +202,8 @@ def main():
 
 def build_cuda():
     """The CUDA kernels (``attend_cuda.cu``, ``estimate_cuda.cu``, ``select_cuda.cu`` at every
-    pages-per-thread and K_B it launches, G = 1, 4 and 8: ``IMPLEMENTATION = "cuda"``) built by
+    pages-per-thread and K_B it launches, G = 1, 4 and 8: ``IMPLEMENTATION = "cuda"``; the
+    fused ``estimate_select_cuda.cu`` at D = 64 / 128, those G, K_B 4 / 64, P 1 / 8) built by
     NVRTC for sm_90, with ptxas' report per kernel (registers, spilled bytes; Attend's shared
     memory of the launch); nothing where no libnvrtc is found. Returns the kernels that spill."""
     if cuda_build.nvrtc_library() is None:
@@ -214,6 +216,11 @@ def build_cuda():
         (select_cuda.SOURCE, select_cuda.build_options(pages, ways, group), "")
         for pages in (1, 2, 4, 8, select_cuda.MAX_PAGES_PER_THREAD) for ways in select_cuda.WAYS
         for group in (1, 4, select_cuda.MAX_GROUP)
+        if pages * select_cuda.MAX_THREADS <= select_cuda.max_table_pages(group, ways)] + [
+        (estimate_select_cuda.SOURCE,
+         (f"-DFUSED_D={head_dim}", *select_cuda.build_options(pages, ways, group)), "")
+        for head_dim in (64, 128) for group in (1, 4, select_cuda.MAX_GROUP) for ways in (4, 64)
+        for pages in (1, 8)  # the per-thread limit of Select's (estimate_select_cuda.applies)
         if pages * select_cuda.MAX_THREADS <= select_cuda.max_table_pages(group, ways)]
     spilled = []
     for source, options, label in builds:

@@ -24,7 +24,8 @@ import triton
 import moira
 from moira.kernels import attend as attend_module
 from moira.kernels import estimate as estimate_module
-from moira.kernels import estimate_cuda
+from moira import decode
+from moira.kernels import estimate_cuda, estimate_select_cuda
 from moira.kernels import select as select_module
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -44,10 +45,11 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # "halfbytes": the CUDA Estimate with half its summary bytes, same instructions (below);
 # "estparts": the CUDA Estimate whole, its exact programs alone and its mvar programs alone;
 # "sumlayout": the CUDA Estimate with the summaries page-major or head-major, each over
-# scattered and over consecutive physical pages)
+# scattered and over consecutive physical pages; "fused": Estimate and Select in one launch
+# against the two CUDA kernels)
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
          "balanced", "fractions", "step", "wide", "selectwarps", "halfbytes", "estparts",
-         "sumlayout")
+         "sumlayout", "fused")
 
 
 def bench(fn):
@@ -222,7 +224,7 @@ def main():
         # written, as in vLLM) and its mvar programs alone (rows x J), twice each in
         # alternation. The parts overlap in the whole kernel, so they need not add up: the
         # whole less the mvar part is what the exact programs add to the step
-        if kinds & {"estparts", "sumlayout"}:
+        if kinds & {"estparts", "sumlayout", "fused"}:
             new_keys = torch.randn(batch, KV_HEADS, HEAD_DIM, device="cuda",
                                    dtype=torch.bfloat16)
             last = (seq_lens.long() - 1) // 64
@@ -263,6 +265,47 @@ def main():
                         for (copy, table_now), write in zip(arm, arm_writes)])
                     record("sumlayout", shape, f"{layout} {order} {part}",
                            micros / len(rotation))
+
+        # Estimate and Select in one launch (estimate_select_cuda, session 56) against the two
+        # CUDA kernels, as a decode step calls them (the token written): coverage at 0.98 and
+        # 22% fractions, in the rows' own table and in one as wide as an engine's, twice in
+        # alternation; first the lists and counts of both compared on one copy
+        if "fused" in kinds:
+            fractions = torch.full((KV_HEADS,), 0.22, device="cuda")
+            for width in sorted({pages, max(pages, args.table_pages)}):
+                arm = [(copy, torch.cat([rolled, rolled.new_zeros(batch, width - pages)], 1))
+                       for copy, rolled in rotation]
+                wide = moira.DecodeWorkspace(batch, width, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
+                                             device="cuda")
+                masses_w, lists_w, counts_w = wide.selection_buffers(batch, width)
+                for mode, keep in [("coverage", None), ("fractions 22%", fractions)]:
+                    selection = dict(gamma=0.98, top_k=None, keep_fractions=keep, gammas=None,
+                                     ways=wide.config.bisection_ways_for(width),
+                                     dense_below_pages=0, programmatic_launch=False)
+
+                    def both(fused, arm=arm, selection=selection):
+                        with patched(estimate_select_cuda, FUSED=fused), \
+                                patched(estimate_module, IMPLEMENTATION="cuda"), \
+                                patched(select_module, IMPLEMENTATION="cuda"):
+                            for (copy, table_now), write in zip(arm, writes):
+                                decode._estimate_and_select(
+                                    query, keys, copy, table_now, seq_lens, scale, masses_w,
+                                    lists_w, counts_w, write, selection)
+
+                    outputs = {}
+                    for fused in ("off", "on"):
+                        lists_w.fill_(-1)
+                        both(fused, arm=arm[:1])
+                        outputs[fused] = (lists_w.clone(), counts_w.clone())
+                    (lists_off, counts_off), (lists_on, counts_on) = outputs["off"], outputs["on"]
+                    kept = torch.arange(width, device="cuda") < counts_off[..., None]
+                    if not (torch.equal(counts_on, counts_off)
+                            and torch.equal(lists_on[kept], lists_off[kept])):
+                        raise SystemExit(f"the fused Estimate + Select differs at {shape}")
+                    record("check", shape, f"fused = two kernels, {mode} width={width}", 0.0)
+                    for fused in ("off", "on") * 2:
+                        micros = bench(lambda fused=fused: both(fused)) / len(arm)
+                        record("fused", shape, f"{mode} width={width} fused {fused}", micros)
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)

@@ -38,6 +38,9 @@ from .kernels import interpreting
 from .kernels.attend import attend as _launch_attend
 from .kernels.balanced import attend_balanced as _launch_attend_balanced
 from .kernels.balanced import merge_balanced as _launch_merge_balanced
+from .kernels import estimate as _estimate_module
+from .kernels import estimate_select_cuda, launch
+from .kernels import select as _select_module
 from .kernels.estimate import estimate as _launch_estimate
 from .kernels.merge import merge as _launch_merge
 from .kernels.select import select as _launch_select
@@ -459,6 +462,35 @@ def _check_row_values(name, values, batch, num_kv_heads, query):
     _check_device(query=query, **{name: values})
 
 
+def _estimate_and_select(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
+                         page_lists, page_counts, new_kv, selection):
+    """Estimate then Select (``selection``: ``_launch_select``'s keywords), in one launch
+    where both run in CUDA and ``estimate_select_cuda.applies``."""
+    num_kv_heads, max_pages = key_cache.shape[2], block_table.shape[1]
+    rows, group = log_masses.shape[0], log_masses.shape[1]
+    row_values, fractions, row_gammas = _select_module.row_values_of(
+        selection["keep_fractions"], selection["gammas"], page_counts)
+    if estimate_select_cuda.applies(rows, max_pages, group, selection["ways"],
+                                    selection["programmatic_launch"]) \
+            and _estimate_module.implementation(query, key_cache, summaries, block_table,
+                                                seq_lens, new_kv, log_masses) == "cuda" \
+            and _select_module.implementation(log_masses, seq_lens, page_lists, page_counts,
+                                              max_pages, selection["ways"],
+                                              row_values) == "cuda":
+        estimate_select_cuda.estimate_select(
+            query, key_cache, summaries, block_table, seq_lens, scale, log_masses, page_lists,
+            page_counts, new_kv=new_kv, dense_below_pages=selection["dense_below_pages"],
+            gamma=selection["gamma"], top_k=selection["top_k"], ways=selection["ways"],
+            row_values=row_values, fractions=fractions, row_gammas=row_gammas,
+            build_only=launch.building_only())
+        return
+    _launch_estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
+                     dense_below_pages=selection["dense_below_pages"],
+                     programmatic_launch=selection["programmatic_launch"], new_kv=new_kv)
+    _launch_select(log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
+                   max_pages=max_pages, **selection)
+
+
 def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_lens, *,
                   gamma=None, top_k=None, keep_fractions=None, dense_below_pages=None,
                   scale=None, return_pages=False, config=None, workspace=None, out=None,
@@ -567,11 +599,8 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
                      ways=config.bisection_ways_for(max_pages), keep_fractions=keep_fractions,
                      gammas=gammas, dense_below_pages=config.dense_below_pages,
                      programmatic_launch=config.programmatic_launch)
-    _launch_estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-                     dense_below_pages=config.dense_below_pages,
-                     programmatic_launch=config.programmatic_launch, new_kv=new_kv)
-    _launch_select(log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
-                   max_pages=max_pages, **selection)
+    _estimate_and_select(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
+                         page_lists, page_counts, new_kv, selection)
     _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
                       page_counts, scale, workspace, out, page_stats, planned_batch)
     return (out, page_lists, page_counts) if return_pages else out

@@ -105,16 +105,34 @@ __device__ void summarize_page(const Params& p, i64 physical, int head) {
   dst[p.stride_ss] = to_bf16(squares / PAGE);
 }
 
+// A barrier of a program's THREADS threads: the whole block in this file's kernels (SLOTS
+// = 1), or the 128 threads of one of SLOTS groups that each act as a program
+// (estimate_select_cuda.cu), by a named barrier per group (0 is __syncthreads')
+template <int SLOTS>
+__device__ __forceinline__ void program_barrier() {
+  if constexpr (SLOTS == 1) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(1 + threadIdx.x / THREADS), "n"(THREADS)
+                 : "memory");
+  }
+}
+
 // The exact log-mass of page `page` for the group's heads: log sum_t exp(s q_g . k_t) over
-// its valid tokens. Thread pairs take a token (each half of the channels).
-template <int D, int GP>
+// its valid tokens. Thread pairs take a token (each half of the channels). SLOTS > 1: each
+// group of THREADS threads computes its own page (program_barrier).
+template <int D, int GP, int SLOTS = 1>
 __device__ void exact_page(const Params& p, int row, int b, int head, int page, int seq_len,
                            const int* row_table) {
-  __shared__ float query[GP][D];  // the group's queries, scaled, float32
-  __shared__ float partial[WARPS][GP];
+  __shared__ float queries[SLOTS][GP][D];  // the group's queries, scaled, float32
+  __shared__ float partials[SLOTS][WARPS][GP];
   static_assert(THREADS == 2 * PAGE, "a pair of threads per token");
-  const int token = threadIdx.x / 2, half = threadIdx.x % 2;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int slot = SLOTS == 1 ? 0 : threadIdx.x / THREADS;
+  const unsigned thread = SLOTS == 1 ? threadIdx.x : threadIdx.x % THREADS;
+  float (&query)[GP][D] = queries[slot];
+  float (&partial)[WARPS][GP] = partials[slot];
+  const int token = thread / 2, half = thread % 2;
+  const int lane = thread % 32, warp = thread / 32;
   const bool valid = token < seq_len - page * PAGE;
   // the page's id and this thread's keys first, the query beside them, one barrier after
   uint4 kraw[D / 16];
@@ -130,17 +148,17 @@ __device__ void exact_page(const Params& p, int row, int b, int head, int page, 
   bf16 qraw[PER];
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
-    const int i = threadIdx.x + k * THREADS, g = i / D, d = i % D;
+    const int i = thread + k * THREADS, g = i / D, d = i % D;
     qraw[k] = i < GP * D && g < p.group
                   ? p.query[b * p.stride_qb + (i64(head) * p.group + g) * p.stride_qh + d]
                   : bf16(0);
   }
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
-    const int i = threadIdx.x + k * THREADS;
+    const int i = thread + k * THREADS;
     if (i < GP * D) query[i / D][i % D] = to_float(qraw[k]) * p.scale;
   }
-  __syncthreads();
+  program_barrier<SLOTS>();
   float logits[GP];
 #pragma unroll
   for (int g = 0; g < GP; ++g) logits[g] = 0.f;
@@ -167,7 +185,7 @@ __device__ void exact_page(const Params& p, int row, int b, int head, int page, 
   if (lane == 0)
 #pragma unroll
     for (int g = 0; g < GP; ++g) partial[warp][g] = peak[g];
-  __syncthreads();
+  program_barrier<SLOTS>();
 #pragma unroll
   for (int g = 0; g < GP; ++g) {
     peak[g] = partial[0][g];
@@ -178,13 +196,13 @@ __device__ void exact_page(const Params& p, int row, int b, int head, int page, 
 #pragma unroll
     for (int o = 1; o < 32; o *= 2) total[g] += __shfl_xor_sync(FULL, total[g], o);
   }
-  __syncthreads();  // every warp has read the maxima
+  program_barrier<SLOTS>();  // every warp has read the maxima
   if (lane == 0)
 #pragma unroll
     for (int g = 0; g < GP; ++g) partial[warp][g] = total[g];
-  __syncthreads();
-  if (threadIdx.x < p.group) {
-    const int g = threadIdx.x;
+  program_barrier<SLOTS>();
+  if (thread < p.group) {
+    const int g = thread;
     float sum = 0.f;
     for (int w = 0; w < WARPS; ++w) sum += partial[w][g];  // g < GP: a dynamic index in smem
     float peak_g = peak[0];
@@ -281,7 +299,7 @@ struct MvarShape {
   static constexpr int COPIES_MASK = VALUES < LANES ? LANES / VALUES - 1 : 0;
 };
 
-template <int D, int GP>
+template <int D, int GP, int SLOTS = 1>
 __device__ void mvar_pages(const Params& p, int row, int b, int head, int last,
                            const int* row_table, int program) {
   typedef MvarShape<D, GP> S;
@@ -290,7 +308,8 @@ __device__ void mvar_pages(const Params& p, int row, int b, int head, int last,
   const int first = program * share;
   const int end = min(first + share, tiles);
   if (first >= end) return;  // before the query's loads: idle programs of a wide table
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int warp = SLOTS == 1 ? threadIdx.x / 32 : threadIdx.x / 32 % WARPS;
   const int in_page = lane % S::LANES;
   const int sub = lane / S::LANES;  // which page of a load
   const bool variance = in_page >= D / 8;
@@ -369,6 +388,7 @@ __device__ void estimate_program(const Params& p) {
 
 }  // namespace
 
+#ifndef MOIRA_DEVICE_ONLY  // estimate_select_cuda.cu takes the functions, not the kernels
 // blocks per SM that ptxas is to fit (its register budget, 65,536 / (THREADS x this); 0: its
 // own choice): estimate_cuda.py passes MIN_BLOCKS_PER_SM; at most 4 at G = 8 (5 spill)
 #ifndef ESTIMATE_MIN_BLOCKS
@@ -390,3 +410,4 @@ MOIRA_ESTIMATE(128, 1)
 MOIRA_ESTIMATE(128, 2)
 MOIRA_ESTIMATE(128, 4)
 MOIRA_ESTIMATE(128, 8)
+#endif

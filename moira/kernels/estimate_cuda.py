@@ -158,6 +158,26 @@ def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log
                              f"got {tensor.dtype} with strides {tensor.stride()}: use 'triton'")
 
 
+def params(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
+           dense_below_pages, new_kv, mvar_programs, first_program=0):
+    """The kernel's ``Params`` for a call (``estimate``'s arguments, ``mvar_programs`` the J
+    of every row; ``first_program`` 2 launches the mvar programs alone)."""
+    num_kv_heads = key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    new_keys, new_values, value_cache, slot_mapping = new_kv or (query, query, key_cache,
+                                                                 seq_lens)
+    return Params(
+        query.data_ptr(), key_cache.data_ptr(), summaries.data_ptr(), block_table.data_ptr(),
+        seq_lens.data_ptr(), log_masses.data_ptr(), new_keys.data_ptr(), new_values.data_ptr(),
+        value_cache.data_ptr(), slot_mapping.data_ptr(),
+        query.stride(0), query.stride(1), *key_cache.stride()[:3], *summaries.stride()[:3],
+        block_table.stride(0), log_masses.stride(0), log_masses.stride(1),
+        new_keys.stride(0), new_keys.stride(1), new_values.stride(0), new_values.stride(1),
+        *value_cache.stride()[:3],
+        num_kv_heads, block_table.shape[1], group, dense_below_pages, mvar_programs,
+        slot_mapping.shape[0] if new_kv else 0, first_program, scale)
+
+
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
              dense_below_pages=0, new_kv=None, build_only=False, parts="all"):
     """Launch ``estimate_cuda.cu``'s kernel on the current stream: ``estimate.estimate``'s
@@ -175,21 +195,9 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
                       MIN_BLOCKS_PER_SM)
     if build_only or rows == 0:
         return log_masses
-    max_pages = block_table.shape[1]
-    per_row = programs_per_row(rows, max_pages, head_dim, group)
-    new_keys, new_values, value_cache, slot_mapping = new_kv or (query, query, key_cache,
-                                                                 seq_lens)
-    params = Params(
-        query.data_ptr(), key_cache.data_ptr(), summaries.data_ptr(), block_table.data_ptr(),
-        seq_lens.data_ptr(), log_masses.data_ptr(), new_keys.data_ptr(), new_values.data_ptr(),
-        value_cache.data_ptr(), slot_mapping.data_ptr(),
-        query.stride(0), query.stride(1), *key_cache.stride()[:3], *summaries.stride()[:3],
-        block_table.stride(0), log_masses.stride(0), log_masses.stride(1),
-        new_keys.stride(0), new_keys.stride(1), new_values.stride(0), new_values.stride(1),
-        *value_cache.stride()[:3],
-        num_kv_heads, max_pages, group, dense_below_pages, per_row,
-        slot_mapping.shape[0] if new_kv else 0, 2 if parts == "mvar" else 0, scale)
+    per_row = programs_per_row(rows, block_table.shape[1], head_dim, group)
+    call = params(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
+                  dense_below_pages, new_kv, per_row, 2 if parts == "mvar" else 0)
     programs = {"all": 2 + per_row, "exact": 2, "mvar": per_row}[parts]
-    cuda_build.launch(function, (rows, programs), THREADS, 0, query.device, params)
+    cuda_build.launch(function, (rows, programs), THREADS, 0, query.device, call)
     return log_masses
-

@@ -246,6 +246,17 @@ def implementation(log_masses, seq_lens, page_lists, page_counts, max_pages, way
             cuda_build.device_index(log_masses.device), "Select"))
 
 
+def row_values_of(keep_fractions, gammas, page_counts):
+    """``(row_values, fractions, row_gammas)`` of a call: its per-row values (keep fractions
+    or coverage targets, a ``[num_kv_heads]`` tensor expanded to ``page_counts``' shape; None
+    for neither) and which they are."""
+    row_values = keep_fractions if keep_fractions is not None else gammas
+    if row_values is not None and row_values.dim() == 1:  # per KV head, for every request
+        row_values = row_values.expand(page_counts.shape)
+    fractions = keep_fractions is not None
+    return row_values, fractions, gammas is not None and not fractions
+
+
 def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
            top_k, ways, keep_fractions=None, gammas=None, dense_below_pages=0,
            programmatic_launch=False):
@@ -260,17 +271,14 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
     # threads and save nothing (and a scan over replicated lanes is a layout Triton's compiler
     # has miscompiled before)
     lanes = min(block, 32 * num_warps(block))
-    row_values = keep_fractions if keep_fractions is not None else gammas
-    if row_values is not None and row_values.dim() == 1:  # per KV head, for every request
-        row_values = row_values.expand(page_counts.shape)
-    fractions = keep_fractions is not None
+    row_values, fractions, row_gammas = row_values_of(keep_fractions, gammas, page_counts)
     if implementation(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
                       row_values) == "cuda":
         return select_cuda.select(
             log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
             max_pages=max_pages, gamma=gamma, top_k=top_k, ways=ways, row_values=row_values,
-            fractions=fractions, row_gammas=gammas is not None and not fractions,
-            dense_below_pages=dense_below_pages, build_only=launch.building_only())
+            fractions=fractions, row_gammas=row_gammas, dense_below_pages=dense_below_pages,
+            build_only=launch.building_only())
     launch.on(_select_kernel, (rows,))(
         log_masses, seq_lens, seq_lens if row_values is None else row_values, page_lists,
         page_counts, log_masses.stride(0), log_masses.stride(1), *page_lists.stride()[:2],
@@ -280,7 +288,7 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
         BLOCK_4=max(lanes, block // 4), BLOCK_8=max(lanes, block // 8), WAYS=ways,
         PASSES=BISECTION_BITS // (ways.bit_length() - 1),
         FIXED_COUNT=top_k is not None or fractions, FRACTIONS=fractions,
-        ROW_GAMMAS=gammas is not None and not fractions, PAGE=PAGE_SIZE,
+        ROW_GAMMAS=row_gammas, PAGE=PAGE_SIZE,
         GROUP_PAD=triton.next_power_of_2(group), SOFTMAX_TILE=SOFTMAX_TILE,
         num_warps=num_warps(block), **launch.options(programmatic_launch, "select"),
     )

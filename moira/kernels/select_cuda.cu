@@ -442,6 +442,7 @@ __device__ void select_row(const Params& p) {
 
 }  // namespace
 
+#ifndef MOIRA_DEVICE_ONLY  // estimate_select_cuda.cu takes select_row, not the kernel
 // One build per (pages per thread, K_B, G rounded up to a power of two): select_cuda.py
 // compiles this file with -DSELECT_P=<P> -DSELECT_WAYS=<K_B> -DSELECT_GROUP=<G> for the
 // launches it makes (every (P, K_B) pair in one file took NVRTC a minute).
@@ -463,3 +464,4 @@ __device__ void select_row(const Params& p) {
 #define MOIRA_SELECT_BUILD(P, WAYS, GP) MOIRA_SELECT(P, WAYS, GP)
 
 MOIRA_SELECT_BUILD(SELECT_P, SELECT_WAYS, SELECT_GROUP)
+#endif

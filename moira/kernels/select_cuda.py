@@ -108,6 +108,19 @@ def check_inputs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
                              f"{tensor.stride()}): use 'triton'")
 
 
+def params(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
+           top_k, row_values, fractions, row_gammas, dense_below_pages):
+    """The kernel's ``Params`` for a call (``select``'s arguments)."""
+    return Params(
+        log_masses.data_ptr(), seq_lens.data_ptr(),
+        row_values.data_ptr() if row_values is not None else None, page_lists.data_ptr(),
+        page_counts.data_ptr(), log_masses.stride(0), log_masses.stride(1),
+        *page_lists.stride()[:2], *page_counts.stride(),
+        *(row_values.stride() if row_values is not None else (0, 0)),
+        num_kv_heads, max_pages, log_masses.shape[1], int(top_k or 0), int(dense_below_pages),
+        int(top_k is not None or fractions), int(fractions), int(row_gammas), float(gamma))
+
+
 def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
            top_k, ways, row_values, fractions, row_gammas, dense_below_pages=0,
            build_only=False):
@@ -119,13 +132,9 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
     function = kernel(cuda_build.device_index(log_masses.device), pages_per_thread, ways, group)
     if build_only or rows == 0:
         return page_lists, page_counts
-    params = Params(
-        log_masses.data_ptr(), seq_lens.data_ptr(),
-        row_values.data_ptr() if row_values is not None else None, page_lists.data_ptr(),
-        page_counts.data_ptr(), log_masses.stride(0), log_masses.stride(1),
-        *page_lists.stride()[:2], *page_counts.stride(),
-        *(row_values.stride() if row_values is not None else (0, 0)),
-        num_kv_heads, max_pages, group, int(top_k or 0), int(dense_below_pages),
-        int(top_k is not None or fractions), int(fractions), int(row_gammas), float(gamma))
-    cuda_build.launch(function, (rows, 1), threads, 0, log_masses.device, params)
+    call = params(log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
+                  max_pages=max_pages, gamma=gamma, top_k=top_k, row_values=row_values,
+                  fractions=fractions, row_gammas=row_gammas,
+                  dense_below_pages=dense_below_pages)
+    cuda_build.launch(function, (rows, 1), threads, 0, log_masses.device, call)
     return page_lists, page_counts

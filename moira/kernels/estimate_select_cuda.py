@@ -1,0 +1,99 @@
+"""Estimate and Select in one launch (``estimate_select_cuda.cu``): one 256-thread program per
+row computes the row's log-masses into shared memory with the CUDA Estimate's code and then
+selects its pages with the CUDA Select's, so a step's first two kernels become one wave
+without the log-masses' round trip through global memory. The outputs are the two kernels'
+(lists, counts, the token's cache write, the filled page's summary); the log-masses buffer is
+not written.
+
+``FUSED`` chooses: "auto" (default) launches it for steps of at least ``MIN_ROWS`` rows that
+both CUDA kernels would run; "off" never; "on" whenever ``applies`` holds at any row count.
+Steps of few rows stream each row's summaries through one SM, slower than the two kernels'
+grid (NOTES, session 56).
+"""
+
+import ctypes
+import functools
+
+import triton
+
+from . import cuda_build, estimate_cuda, select_cuda
+
+SOURCE = "estimate_select_cuda.cu"  # in this folder (cuda_build.source_path)
+THREADS = 256  # the .cu file's THREADS: two of the CUDA Estimate's programs
+FUSED = "auto"
+MIN_ROWS = 128  # "auto": the fewest rows (requests x KV heads) a step launches it for
+MAX_SHARED = 96 * 1024  # the log-masses' shared memory per program: two programs per SM
+
+
+class Params(ctypes.Structure):
+    """``Params`` of estimate_select_cuda.cu: the two kernels' own, and the shared log-masses'
+    row width."""
+
+    _fields_ = [("estimate", estimate_cuda.Params), ("select", select_cuda.Params),
+                ("masses_stride", ctypes.c_int)]
+
+
+def pages_per_thread(max_pages):
+    """Select's P for a block table of ``max_pages`` columns on ``THREADS`` threads."""
+    return triton.next_power_of_2(max(1, triton.cdiv(max_pages, THREADS)))
+
+
+def shared_bytes(max_pages, group):
+    """Dynamic shared memory of a program: its row's log-masses, ``[G padded][max_pages]``
+    float32."""
+    return estimate_cuda.group_pad(group) * max_pages * 4
+
+
+def applies(rows, max_pages, group, ways, programmatic_launch):
+    """Whether a step whose Estimate and Select both run in CUDA launches the fused kernel:
+    ``FUSED`` (a ValueError for an unknown value), the table's width (Select's per-thread
+    limit on ``THREADS`` threads, the log-masses' shared memory) and no programmatic launch
+    (the two kernels' option)."""
+    if FUSED not in ("auto", "on", "off"):
+        raise ValueError(f"estimate_select_cuda.FUSED must be 'auto', 'on' or 'off', got "
+                         f"{FUSED!r}")
+    widest = select_cuda.max_table_pages(group, ways) * THREADS // select_cuda.MAX_THREADS
+    return (FUSED == "on" or (FUSED == "auto" and rows >= MIN_ROWS)) \
+        and not programmatic_launch and max_pages <= widest \
+        and shared_bytes(max_pages, group) <= MAX_SHARED
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(device_index, head_dim, group, pages, ways):
+    """The loaded function ``moira_estimate_select_d<D>_g<G padded>_p<P>_w<K_B>`` on a device,
+    allowed the shared memory of the widest table its ``pages`` per thread take (the
+    attribute is the function's, shared by every table width that launches it)."""
+    group_pad = estimate_cuda.group_pad(group)
+    return cuda_build.function(
+        device_index, SOURCE, f"moira_estimate_select_d{head_dim}_g{group_pad}_p{pages}_w{ways}",
+        "estimate.IMPLEMENTATION", shared_bytes(THREADS * pages, group),
+        options=(f"-DFUSED_D={head_dim}", *select_cuda.build_options(pages, ways, group)))
+
+
+def estimate_select(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
+                    page_lists, page_counts, *, new_kv, dense_below_pages, gamma, top_k, ways,
+                    row_values, fractions, row_gammas, build_only=False):
+    """Launch the fused kernel on the current stream: ``estimate_cuda.estimate``'s and
+    ``select_cuda.select``'s arguments (inputs both kernels' checks passed, ``applies``
+    true); ``log_masses`` gives Select's view of the group (its data is neither read nor
+    written)."""
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_pages = block_table.shape[1]
+    function = kernel(cuda_build.device_index(query.device), head_dim, group,
+                      pages_per_thread(max_pages), ways)
+    rows = batch * num_kv_heads
+    if build_only or rows == 0:
+        return page_lists, page_counts
+    call = Params(
+        estimate_cuda.params(query, key_cache, summaries, block_table, seq_lens, scale,
+                             log_masses, dense_below_pages, new_kv, mvar_programs=2),
+        select_cuda.params(log_masses, seq_lens, page_lists, page_counts,
+                           num_kv_heads=num_kv_heads, max_pages=max_pages, gamma=gamma,
+                           top_k=top_k, row_values=row_values, fractions=fractions,
+                           row_gammas=row_gammas, dense_below_pages=dense_below_pages),
+        max_pages)
+    cuda_build.launch(function, (rows, 1), THREADS, shared_bytes(max_pages, group), query.device,
+                      call)
+    return page_lists, page_counts
