@@ -46,10 +46,10 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # "estparts": the CUDA Estimate whole, its exact programs alone and its mvar programs alone;
 # "sumlayout": the CUDA Estimate with the summaries page-major or head-major, each over
 # scattered and over consecutive physical pages; "fused": Estimate and Select in one launch
-# against the two CUDA kernels)
+# against the two CUDA kernels; "fusedparts": the fused launch's phases by its timeline probe)
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
          "balanced", "fractions", "step", "wide", "selectwarps", "halfbytes", "estparts",
-         "sumlayout", "fused")
+         "sumlayout", "fused", "fusedparts")
 
 
 def bench(fn):
@@ -224,7 +224,7 @@ def main():
         # written, as in vLLM) and its mvar programs alone (rows x J), twice each in
         # alternation. The parts overlap in the whole kernel, so they need not add up: the
         # whole less the mvar part is what the exact programs add to the step
-        if kinds & {"estparts", "sumlayout", "fused"}:
+        if kinds & {"estparts", "sumlayout", "fused", "fusedparts"}:
             new_keys = torch.randn(batch, KV_HEADS, HEAD_DIM, device="cuda",
                                    dtype=torch.bfloat16)
             last = (seq_lens.long() - 1) // 64
@@ -306,6 +306,44 @@ def main():
                     for fused in ("off", "on") * 2:
                         micros = bench(lambda fused=fused: both(fused)) / len(arm)
                         record("fused", shape, f"{mode} width={width} fused {fused}", micros)
+
+        # where a fused program's time goes (estimate_select_cuda.TIMELINE): one launch in a
+        # table as wide as an engine's at 22% fractions, the token written; medians over the
+        # programs of each phase (µs), the launch's span and its programs' start spread
+        if "fusedparts" in kinds:
+            width = max(pages, args.table_pages)
+            wide = moira.DecodeWorkspace(batch, width, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM,
+                                         device="cuda")
+            masses_w, lists_w, counts_w = wide.selection_buffers(batch, width)
+            selection = dict(gamma=0.98, top_k=None,
+                             keep_fractions=torch.full((KV_HEADS,), 0.22, device="cuda"),
+                             gammas=None, ways=wide.config.bisection_ways_for(width),
+                             dense_below_pages=0, programmatic_launch=False)
+            timeline = torch.full((batch * KV_HEADS, estimate_select_cuda.TIMELINE_FIELDS), -1,
+                                  dtype=torch.int64, device="cuda")
+            phases = {}
+            for i, ((copy, rolled), write) in enumerate(zip(rotation, writes)):
+                table_now = torch.cat([rolled, rolled.new_zeros(batch, width - pages)], 1)
+                with patched(estimate_select_cuda, FUSED="on", TIMELINE=timeline), \
+                        patched(estimate_module, IMPLEMENTATION="cuda"), \
+                        patched(select_module, IMPLEMENTATION="cuda"):
+                    decode._estimate_and_select(query, keys, copy, table_now, seq_lens, scale,
+                                                masses_w, lists_w, counts_w, write, selection)
+                torch.cuda.synchronize()
+                if i == 0:  # the first launch builds and loads the probe's kernel
+                    continue
+                t = (timeline - timeline[:, 0].min()).double().cpu() / 1e3
+                parts = {"start": t[:, 0], "token": t[:, 1] - t[:, 0],
+                         "exact sink": t[:, 2] - t[:, 1], "mvar group 0": t[:, 3] - t[:, 2],
+                         "exact current": t[:, 4] - t[:, 1], "mvar group 1": t[:, 5] - t[:, 4],
+                         "barrier": t[:, 6] - t[:, [3, 5]].max(1).values,
+                         "select": t[:, 7] - t[:, 6], "program": t[:, 7] - t[:, 0]}
+                for name, values in parts.items():
+                    phases.setdefault(name, []).append(float(values.median()))
+                phases.setdefault("span", []).append(float(t[:, 7].max()))
+            for name, values in phases.items():
+                record("fusedparts", shape, f"{name} (median of {len(values)} launches)",
+                       sorted(values)[len(values) // 2])
 
         top_k = round(0.22 * pages)
         ways = workspace.config.bisection_ways_for(pages)

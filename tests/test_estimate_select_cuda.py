@@ -21,7 +21,8 @@ cuda = pytest.mark.cuda
 @needs_nvrtc
 def test_params_mirror_the_kernels_struct():
     """``estimate_select_cuda.Params`` (ctypes) is the kernel's: the two kernels' own structs
-    (each mirror-tested in its own test file), then the shared row width, in that order and
+    (each mirror-tested in its own test file), the shared row width and the probe's pointer,
+    in that order and
     size; a kernel whose fields were swapped fails the same checks."""
     with open(cuda_build.source_path(estimate_select_cuda.SOURCE), "rb") as f:
         source = f.read()
@@ -32,9 +33,11 @@ def test_params_mirror_the_kernels_struct():
         'static_assert(same<decltype(Params::estimate), est::Params>::value, "estimate");',
         'static_assert(same<decltype(Params::select), sel::Params>::value, "select");',
         'static_assert(same<decltype(Params::masses_stride), int>::value, "masses_stride");',
-        "__device__ Params in_order{.estimate = {}, .select = {}, .masses_stride = 0};"])
+        'static_assert(same<decltype(Params::timeline), unsigned long long*>::value, "timeline");',
+        "__device__ Params in_order{.estimate = {}, .select = {}, .masses_stride = 0,"
+        " .timeline = nullptr};"])
     assert [name for name, _ in estimate_select_cuda.Params._fields_] == [
-        "estimate", "select", "masses_stride"]
+        "estimate", "select", "masses_stride", "timeline"]
     cuda_build.compile_cubin(source + b"\n" + checks.encode(), "90", ["-std=c++20"])
     swapped = source.replace(b"  est::Params estimate;\n  sel::Params select;",
                              b"  sel::Params select;\n  est::Params estimate;")
@@ -231,3 +234,22 @@ def test_many_rows_in_a_cuda_graph(monkeypatch):
     inputs = step_inputs(4, 128, lengths=lengths, extra_columns=1)
     assert_same_step(run_step(monkeypatch, True, inputs, graph=True, gamma=0.98),
                      run_step(monkeypatch, False, inputs, gamma=0.98))
+
+
+@cuda
+def test_timeline_probe_records_every_program(monkeypatch):
+    """The probe's build (estimate_select_cuda.TIMELINE) computes the same step and every
+    program writes its marks in order."""
+    inputs = step_inputs(4, 128)
+    rows = len(LENGTHS) * 2
+    timeline = torch.full((rows, estimate_select_cuda.TIMELINE_FIELDS), -1, dtype=torch.int64,
+                          device=DEVICE)
+    monkeypatch.setattr(estimate_select_cuda, "TIMELINE", timeline)
+    probed = run_step(monkeypatch, True, inputs, gamma=0.9)
+    monkeypatch.setattr(estimate_select_cuda, "TIMELINE", None)
+    assert_same_step(probed, run_step(monkeypatch, False, inputs, gamma=0.9))
+    t = timeline.cpu()
+    assert (t[:, [0, 1, 6, 7]] > 0).all()
+    assert (t[:, 1] >= t[:, 0]).all() and (t[:, 7] >= t[:, 6]).all() and (t[:, 6] >= t[:, 1]).all()
+    estimated = [b * 2 + h for b, n in enumerate(LENGTHS) for h in range(2) if n > 64]
+    assert (t[estimated][:, 2:6] > 0).all()  # both groups' marks where both computed

@@ -37,7 +37,25 @@ struct Params {
   est::Params estimate;
   sel::Params select;
   int masses_stride;  // floats per query head in the shared log-masses: the table's width
+  unsigned long long* timeline;  // [rows][TIMELINE_FIELDS] (FUSED_TIMELINE builds only)
 };
+
+// FUSED_TIMELINE = 1 (estimate_select_cuda.TIMELINE, a probe for tune_kernels.py --kinds
+// fusedparts, never the engine's build): each program writes the global timer (ns) at its
+// start, after the token's write, after group 0's exact page and its mvar tiles, after group
+// 1's, after the barrier before Select, and at its end
+#ifndef FUSED_TIMELINE
+#define FUSED_TIMELINE 0
+#endif
+constexpr int TIMELINE_FIELDS = 8;  // estimate_select_cuda.TIMELINE_FIELDS
+
+__device__ __forceinline__ void mark(const Params& p, int field) {
+#if FUSED_TIMELINE
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  p.timeline[blockIdx.x * TIMELINE_FIELDS + field] = t;
+#endif
+}
 
 template <int D, int GP, int P, int WAYS>
 __device__ void estimate_select_row(const Params& p) {
@@ -49,10 +67,13 @@ __device__ void estimate_select_row(const Params& p) {
   const int seq_len = e.seq_lens[b];
   const int pages_in_row = min(cdiv(seq_len, PAGE), e.max_pages);
   const int last = pages_in_row - 1;
+  const bool marks = FUSED_TIMELINE && threadIdx.x % est::THREADS == 0;
+  if (marks && threadIdx.x == 0) mark(p, 0);
   if (e.num_slots > 0) {  // this step's token first: the current page's keys include it
     est::write_new_token<D>(e, b, head);
     __syncthreads();
   }
+  if (marks && threadIdx.x == 0) mark(p, 1);
   if (pages_in_row > 0 && seq_len == pages_in_row * PAGE)  // the step filled the page
     est::summarize_page<D>(e, row_table[last], head);
   if (pages_in_row > e.dense_below_pages) {  // else Select keeps the whole row
@@ -66,14 +87,18 @@ __device__ void estimate_select_row(const Params& p) {
     if (group == 1 || last > 0)
       est::exact_page<D, GP, GROUPS>(local, row, b, head, group == 0 ? 0 : last, seq_len,
                                      row_table);
+    if (marks) mark(p, 2 + 2 * group);
     est::mvar_pages<D, GP, GROUPS>(local, row, b, head, last, row_table, group);
+    if (marks) mark(p, 3 + 2 * group);
   }
   __syncthreads();  // every log-mass written
+  if (marks && threadIdx.x == 0) mark(p, 6);
   sel::Params s = p.select;
   s.log_masses = masses;
   s.stride_lr = 0;
   s.stride_lg = p.masses_stride;
   sel::select_row<P, WAYS, GP>(s);
+  if (marks && threadIdx.x == 0) mark(p, 7);
 }
 
 }  // namespace

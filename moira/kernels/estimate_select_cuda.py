@@ -14,6 +14,7 @@ grid (NOTES, session 56).
 import ctypes
 import functools
 
+import torch
 import triton
 
 from . import cuda_build, estimate_cuda, select_cuda
@@ -23,6 +24,13 @@ THREADS = 256  # the .cu file's THREADS: two of the CUDA Estimate's programs
 FUSED = "auto"
 MIN_ROWS = 128  # "auto": the fewest rows (requests x KV heads) a step launches it for
 MAX_SHARED = 96 * 1024  # the log-masses' shared memory per program: two programs per SM
+# A probe, not a setting: an int64 tensor of [rows, TIMELINE_FIELDS] makes the launch run the
+# FUSED_TIMELINE build, each program writing the global timer (ns) at its start, after the
+# token's write, after group 0's exact page and mvar tiles, after group 1's, before Select and
+# at its end (a field a program did not reach keeps its value); tune_kernels.py --kinds
+# fusedparts
+TIMELINE = None
+TIMELINE_FIELDS = 8
 
 
 class Params(ctypes.Structure):
@@ -30,7 +38,7 @@ class Params(ctypes.Structure):
     row width."""
 
     _fields_ = [("estimate", estimate_cuda.Params), ("select", select_cuda.Params),
-                ("masses_stride", ctypes.c_int)]
+                ("masses_stride", ctypes.c_int), ("timeline", ctypes.c_void_p)]
 
 
 def pages_per_thread(max_pages):
@@ -59,15 +67,17 @@ def applies(rows, max_pages, group, ways, programmatic_launch):
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(device_index, head_dim, group, pages, ways):
+def kernel(device_index, head_dim, group, pages, ways, timeline=False):
     """The loaded function ``moira_estimate_select_d<D>_g<G padded>_p<P>_w<K_B>`` on a device,
     allowed the shared memory of the widest table its ``pages`` per thread take (the
-    attribute is the function's, shared by every table width that launches it)."""
+    attribute is the function's, shared by every table width that launches it);
+    ``timeline``: the FUSED_TIMELINE build (``TIMELINE``)."""
     group_pad = estimate_cuda.group_pad(group)
     return cuda_build.function(
         device_index, SOURCE, f"moira_estimate_select_d{head_dim}_g{group_pad}_p{pages}_w{ways}",
         "estimate.IMPLEMENTATION", shared_bytes(THREADS * pages, group),
-        options=(f"-DFUSED_D={head_dim}", *select_cuda.build_options(pages, ways, group)))
+        options=(f"-DFUSED_D={head_dim}", *select_cuda.build_options(pages, ways, group),
+                 *(("-DFUSED_TIMELINE=1",) if timeline else ())))
 
 
 def estimate_select(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
@@ -81,9 +91,15 @@ def estimate_select(query, key_cache, summaries, block_table, seq_lens, scale, l
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     max_pages = block_table.shape[1]
-    function = kernel(cuda_build.device_index(query.device), head_dim, group,
-                      pages_per_thread(max_pages), ways)
     rows = batch * num_kv_heads
+    timeline = TIMELINE
+    if timeline is not None and (timeline.dtype != torch.int64 or not timeline.is_contiguous()
+                                 or timeline.numel() < rows * TIMELINE_FIELDS):
+        raise ValueError(f"estimate_select_cuda.TIMELINE must be a contiguous int64 tensor of "
+                         f"at least [{rows}, {TIMELINE_FIELDS}], got {timeline.dtype} "
+                         f"{tuple(timeline.shape)}")
+    function = kernel(cuda_build.device_index(query.device), head_dim, group,
+                      pages_per_thread(max_pages), ways, timeline is not None)
     if build_only or rows == 0:
         return page_lists, page_counts
     call = Params(
@@ -93,7 +109,7 @@ def estimate_select(query, key_cache, summaries, block_table, seq_lens, scale, l
                            num_kv_heads=num_kv_heads, max_pages=max_pages, gamma=gamma,
                            top_k=top_k, row_values=row_values, fractions=fractions,
                            row_gammas=row_gammas, dense_below_pages=dense_below_pages),
-        max_pages)
+        max_pages, timeline.data_ptr() if timeline is not None else None)
     cuda_build.launch(function, (rows, 1), THREADS, shared_bytes(max_pages, group), query.device,
                       call)
     return page_lists, page_counts
