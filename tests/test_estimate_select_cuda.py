@@ -50,22 +50,24 @@ def test_applies_follows_the_setting_rows_and_table(monkeypatch):
     """"auto" from MIN_ROWS rows, "on" at any, "off" never; never past Select's per-thread
     limit on 256 threads, the shared-memory budget or with programmatic launch; an unknown
     setting is refused by name."""
-    applies = estimate_select_cuda.applies
+    def applies(rows, max_pages, group=4, ways=4, programmatic=False, head_dim=128):
+        return estimate_select_cuda.applies(rows, max_pages, group, head_dim, ways, programmatic)
+
     rows = estimate_select_cuda.MIN_ROWS
-    assert applies(rows, 2048, 4, 4, False) and not applies(rows - 1, 2048, 4, 4, False)
-    assert not applies(rows, 2048, 4, 4, True)  # programmatic launch: the two kernels
-    assert not applies(rows, 4097, 4, 4, False)  # past 16 pages per thread
-    assert applies(rows, 2048, 8, 4, False) and not applies(rows, 2049, 8, 4, False)
-    assert not applies(rows, 2048, 8, 64, False)  # K_B 64's limit at G = 8: 4 per thread
-    monkeypatch.setattr(estimate_select_cuda, "MAX_SHARED", 16 * 1024)
-    assert not applies(rows, 2048, 4, 4, False) and applies(rows, 1024, 4, 4, False)
+    assert applies(rows, 2048) and not applies(rows - 1, 2048)
+    assert not applies(rows, 2048, programmatic=True)  # programmatic launch: the two kernels
+    assert not applies(rows, 4097)  # past 16 pages per thread
+    assert applies(rows, 2048, group=8) and not applies(rows, 2049, group=8)
+    assert not applies(rows, 2048, group=8, ways=64)  # K_B 64's limit at G = 8: 4 per thread
+    monkeypatch.setattr(estimate_select_cuda, "MAX_SHARED", 48 * 1024)  # keys 32 KB at D = 128
+    assert not applies(rows, 1025) and applies(rows, 1024) and applies(rows, 2048, head_dim=64)
     monkeypatch.setattr(estimate_select_cuda, "FUSED", "on")
-    assert applies(1, 1024, 4, 4, False)
+    assert applies(1, 1024)
     monkeypatch.setattr(estimate_select_cuda, "FUSED", "off")
-    assert not applies(rows, 1024, 4, 4, False)
+    assert not applies(rows, 1024)
     monkeypatch.setattr(estimate_select_cuda, "FUSED", "yes")
     with pytest.raises(ValueError, match="estimate_select_cuda.FUSED must be"):
-        applies(rows, 1024, 4, 4, False)
+        applies(rows, 1024)
     assert estimate_select_cuda.pages_per_thread(2033) == 8
     assert estimate_select_cuda.pages_per_thread(100) == 1
 
@@ -122,8 +124,15 @@ def step_inputs(group, head_dim, lengths=LENGTHS, num_kv_heads=2, extra_columns=
 
 def run_step(monkeypatch, fused, inputs, new_tokens=True, graph=False, **options):
     """The step's (keys, values, summaries, out, lists, counts) with the fused launch "on" or
-    "off", from copies of ``inputs`` (each run writes its caches), its outputs poisoned."""
+    "off" (then the two CUDA kernels: "auto" would pick Triton's in these narrow tables),
+    from copies of ``inputs`` (each run writes its caches), its outputs poisoned."""
     monkeypatch.setattr(estimate_select_cuda, "FUSED", "on" if fused else "off")
+    monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "cuda")
+    monkeypatch.setattr(select_module, "IMPLEMENTATION", "cuda")
+    calls = []
+    real = estimate_select_cuda.estimate_select
+    monkeypatch.setattr(estimate_select_cuda, "estimate_select",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     query, keys, values, summaries, table, seq_lens = inputs
     keys, values, summaries = keys.clone(), values.clone(), summaries.clone()
     batch, num_kv_heads, head_dim = query.shape[0], keys.shape[2], query.shape[2]
@@ -163,6 +172,8 @@ def run_step(monkeypatch, fused, inputs, new_tokens=True, graph=False, **options
         torch.cuda.synchronize()
     else:
         _, lists, counts = step()
+    assert bool(calls) == fused  # the path under test ran
+    monkeypatch.setattr(estimate_select_cuda, "estimate_select", real)
     return keys, values, summaries, out, lists.clone(), counts.clone()
 
 
