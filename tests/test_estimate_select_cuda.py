@@ -117,7 +117,7 @@ def step_inputs(group, head_dim, lengths=LENGTHS, num_kv_heads=2, extra_columns=
     # term matters
     summaries = moira.summarize(keys, table, (seq_lens - 1).clamp(min=0),
                                 torch.zeros(keys.shape[0], num_kv_heads, 2, head_dim,
-                                            device=DEVICE))
+                                            device=DEVICE, dtype=torch.bfloat16))
     summaries[..., 1, :] *= 1 + torch.rand_like(summaries[..., 1, :])
     return query, keys, values, summaries, table, seq_lens
 

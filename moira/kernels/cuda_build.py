@@ -236,7 +236,10 @@ def function(device_index, file_name, name, setting, dynamic_shared=0, options=(
         handle = ctypes.c_void_p()
         check(driver().cuModuleGetFunction(ctypes.byref(handle), loaded, name.encode()),
               f"cuModuleGetFunction({name})")
-        if dynamic_shared > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: needed past 48 KB of static and
+        # dynamic shared memory together (under it, the default allows only 48 KB less the
+        # static part), so set for any dynamic use
+        if dynamic_shared:
             check(driver().cuFuncSetAttribute(handle, 8, dynamic_shared), "cuFuncSetAttribute")
     return handle
 
