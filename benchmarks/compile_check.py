@@ -220,7 +220,7 @@ def build_cuda():
         (estimate_select_cuda.SOURCE,
          (f"-DFUSED_D={head_dim}", *select_cuda.build_options(pages, ways, group)), "")
         for head_dim in (64, 128) for group in (1, 4, select_cuda.MAX_GROUP) for ways in (4, 64)
-        for pages in (1, 8)
+        for pages in (1, 8)  # the per-thread limit of Select's (estimate_select_cuda.applies)
         if pages * select_cuda.MAX_THREADS <= select_cuda.max_table_pages(group, ways)]
     spilled = []
     for source, options, label in builds:

@@ -333,12 +333,10 @@ def main():
                 if i == 0:  # the first launch builds and loads the probe's kernel
                     continue
                 t = (timeline - timeline[:, 0].min()).double().cpu() / 1e3
-                # each group streams its mvar tiles, then computes its exact page (its keys
-                # copied meanwhile)
                 parts = {"start": t[:, 0], "token": t[:, 1] - t[:, 0],
-                         "mvar group 0": t[:, 3] - t[:, 1], "exact sink": t[:, 2] - t[:, 3],
-                         "mvar group 1": t[:, 5] - t[:, 1], "exact current": t[:, 4] - t[:, 5],
-                         "barrier": t[:, 6] - t[:, [2, 4]].max(1).values,
+                         "exact sink": t[:, 2] - t[:, 1], "mvar group 0": t[:, 3] - t[:, 2],
+                         "exact current": t[:, 4] - t[:, 1], "mvar group 1": t[:, 5] - t[:, 4],
+                         "barrier": t[:, 6] - t[:, [3, 5]].max(1).values,
                          "select": t[:, 7] - t[:, 6], "program": t[:, 7] - t[:, 0]}
                 for name, values in parts.items():
                     phases.setdefault(name, []).append(float(values.median()))

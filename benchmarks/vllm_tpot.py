@@ -90,6 +90,7 @@ KERNEL_SETTINGS = {"estimate": ("QUERY_HEAD_AHEAD", "TARGET_PROGRAMS", "PAGES_PE
                                 "NUM_WARPS", "MAX_REGISTERS", "IMPLEMENTATION",
                                 "CUDA_FROM_PAGES"),
                    "estimate_cuda": ("TARGET_PROGRAMS", "MIN_BLOCKS_PER_SM"),
+                   "estimate_select_cuda": ("FUSED", "MIN_ROWS"),
                    "select": ("IMPLEMENTATION", "CUDA_FROM_PAGES", "EIGHT_WARPS_FROM"),
                    "attend": ("PAGE_IDS_AHEAD", "PAGES_PER_ITER", "NUM_STAGES", "NUM_WARPS",
                               "MAX_REGISTERS", "IMPLEMENTATION", "CUDA_STAGES")}
@@ -102,7 +103,8 @@ TRITON_ONLY_SETTINGS = ("attend.PAGES_PER_ITER", "attend.NUM_STAGES", "attend.NU
 # the settings that take a word, not an int
 WORD_SETTINGS = {"attend.IMPLEMENTATION": ("auto", "triton", "cuda"),
                  "estimate.IMPLEMENTATION": ("auto", "triton", "cuda"),
-                 "select.IMPLEMENTATION": ("auto", "triton", "cuda")}
+                 "select.IMPLEMENTATION": ("auto", "triton", "cuda"),
+                 "estimate_select_cuda.FUSED": ("auto", "on", "off")}
 
 
 def add_kernel_settings(parser):

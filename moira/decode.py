@@ -470,7 +470,7 @@ def _estimate_and_select(query, key_cache, summaries, block_table, seq_lens, sca
     rows, group = log_masses.shape[0], log_masses.shape[1]
     row_values, fractions, row_gammas = _select_module.row_values_of(
         selection["keep_fractions"], selection["gammas"], page_counts)
-    if estimate_select_cuda.applies(rows, max_pages, group, query.shape[2], selection["ways"],
+    if estimate_select_cuda.applies(rows, max_pages, group, selection["ways"],
                                     selection["programmatic_launch"]) \
             and _estimate_module.implementation(query, key_cache, summaries, block_table,
                                                 seq_lens, new_kv, log_masses) == "cuda" \

@@ -50,24 +50,22 @@ def test_applies_follows_the_setting_rows_and_table(monkeypatch):
     """"auto" from MIN_ROWS rows, "on" at any, "off" never; never past Select's per-thread
     limit on 256 threads, the shared-memory budget or with programmatic launch; an unknown
     setting is refused by name."""
-    def applies(rows, max_pages, group=4, ways=4, programmatic=False, head_dim=128):
-        return estimate_select_cuda.applies(rows, max_pages, group, head_dim, ways, programmatic)
-
+    applies = estimate_select_cuda.applies
     rows = estimate_select_cuda.MIN_ROWS
-    assert applies(rows, 2048) and not applies(rows - 1, 2048)
-    assert not applies(rows, 2048, programmatic=True)  # programmatic launch: the two kernels
-    assert not applies(rows, 4097)  # past 16 pages per thread
-    assert applies(rows, 2048, group=8) and not applies(rows, 2049, group=8)
-    assert not applies(rows, 2048, group=8, ways=64)  # K_B 64's limit at G = 8: 4 per thread
-    monkeypatch.setattr(estimate_select_cuda, "MAX_SHARED", 48 * 1024)  # keys 32 KB at D = 128
-    assert not applies(rows, 1025) and applies(rows, 1024) and applies(rows, 2048, head_dim=64)
+    assert applies(rows, 2048, 4, 4, False) and not applies(rows - 1, 2048, 4, 4, False)
+    assert not applies(rows, 2048, 4, 4, True)  # programmatic launch: the two kernels
+    assert not applies(rows, 4097, 4, 4, False)  # past 16 pages per thread
+    assert applies(rows, 2048, 8, 4, False) and not applies(rows, 2049, 8, 4, False)
+    assert not applies(rows, 2048, 8, 64, False)  # K_B 64's limit at G = 8: 4 per thread
+    monkeypatch.setattr(estimate_select_cuda, "MAX_SHARED", 16 * 1024)
+    assert not applies(rows, 2048, 4, 4, False) and applies(rows, 1024, 4, 4, False)
     monkeypatch.setattr(estimate_select_cuda, "FUSED", "on")
-    assert applies(1, 1024)
+    assert applies(1, 1024, 4, 4, False)
     monkeypatch.setattr(estimate_select_cuda, "FUSED", "off")
-    assert not applies(rows, 1024)
+    assert not applies(rows, 1024, 4, 4, False)
     monkeypatch.setattr(estimate_select_cuda, "FUSED", "yes")
     with pytest.raises(ValueError, match="estimate_select_cuda.FUSED must be"):
-        applies(rows, 1024)
+        applies(rows, 1024, 4, 4, False)
     assert estimate_select_cuda.pages_per_thread(2033) == 8
     assert estimate_select_cuda.pages_per_thread(100) == 1
 

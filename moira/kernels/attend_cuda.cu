@@ -74,6 +74,20 @@ __device__ __forceinline__ unsigned smid() {
   return id;
 }
 
+__device__ __forceinline__ void cp_async16(void* shared, const void* global, int bytes) {
+  // bytes < 16 zero-fills the rest: 0 for a token past seq_len or a page outside the table
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :: "r"(address), "l"(global), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING));
+}
+
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* shared) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"

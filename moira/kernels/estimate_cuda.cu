@@ -118,33 +118,12 @@ __device__ __forceinline__ void program_barrier() {
   }
 }
 
-// A page's keys of one KV head, [64][D], into shared memory by cp.async (L1 included: the
-// current page holds the token this block just wrote), a group of THREADS threads; tokens
-// past seq_len zero-filled. The caller commits, waits and passes a program_barrier before
-// exact_page<..., STAGED> reads them.
-template <int D>
-__device__ void stage_page_keys(const Params& p, int head, int page, int seq_len,
-                                const int* row_table, bf16* staged) {
-  constexpr int CHUNKS = D / 8;  // 16-byte pieces of a token's keys
-  const unsigned thread = threadIdx.x % THREADS;
-  const i64 physical = row_table[page];
-  const bf16* keys = p.key_cache + physical * p.stride_kp + head * p.stride_kh;
-#pragma unroll
-  for (int k = 0; k < PAGE * CHUNKS / THREADS; ++k) {
-    const int piece = thread + k * THREADS, token = piece / CHUNKS, chunk = piece % CHUNKS;
-    const bool valid = token < seq_len - page * PAGE;
-    cp_async16<true>(staged + token * D + chunk * 8, keys + token * p.stride_kt + chunk * 8,
-                     valid ? 16 : 0);
-  }
-}
-
 // The exact log-mass of page `page` for the group's heads: log sum_t exp(s q_g . k_t) over
 // its valid tokens. Thread pairs take a token (each half of the channels). SLOTS > 1: each
-// group of THREADS threads computes its own page (program_barrier). STAGED: the page's keys
-// are read from `staged` (stage_page_keys), not from the cache.
-template <int D, int GP, int SLOTS = 1, bool STAGED = false>
+// group of THREADS threads computes its own page (program_barrier).
+template <int D, int GP, int SLOTS = 1>
 __device__ void exact_page(const Params& p, int row, int b, int head, int page, int seq_len,
-                           const int* row_table, const bf16* staged = nullptr) {
+                           const int* row_table) {
   __shared__ float queries[SLOTS][GP][D];  // the group's queries, scaled, float32
   __shared__ float partials[SLOTS][WARPS][GP];
   static_assert(THREADS == 2 * PAGE, "a pair of threads per token");
@@ -157,13 +136,8 @@ __device__ void exact_page(const Params& p, int row, int b, int head, int page, 
   const bool valid = token < seq_len - page * PAGE;
   // the page's id and this thread's keys first, the query beside them, one barrier after
   uint4 kraw[D / 16];
-  if constexpr (STAGED) {
-    const bf16* keys = staged + token * D + half * (D / 2);
-#pragma unroll
-    for (int c = 0; c < D / 16; ++c)
-      kraw[c] = valid ? reinterpret_cast<const uint4*>(keys)[c] : make_uint4(0u, 0u, 0u, 0u);
-  } else {
-    const i64 physical = row_table[page];
+  const i64 physical = row_table[page];
+  {
     const bf16* keys = p.key_cache + physical * p.stride_kp + token * p.stride_kt +
                        head * p.stride_kh + half * (D / 2);
 #pragma unroll

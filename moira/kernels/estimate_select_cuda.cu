@@ -42,9 +42,8 @@ struct Params {
 
 // FUSED_TIMELINE = 1 (estimate_select_cuda.TIMELINE, a probe for tune_kernels.py --kinds
 // fusedparts, never the engine's build): each program writes the global timer (ns) at its
-// start (field 0), after the token's write (1), after group 0's exact page (2, computed after
-// its mvar tiles) and mvar tiles (3), after group 1's (4, 5), after the barrier before Select
-// (6) and at its end (7)
+// start, after the token's write, after group 0's exact page and its mvar tiles, after group
+// 1's, after the barrier before Select, and at its end
 #ifndef FUSED_TIMELINE
 #define FUSED_TIMELINE 0
 #endif
@@ -58,26 +57,9 @@ __device__ __forceinline__ void mark(const Params& p, int field) {
 #endif
 }
 
-// Select on one warp for a row that fits in it at SUB_P pages per thread (as select_cuda.py's
-// shape() gives a table as wide as the row: at most 256 pages at G <= 4, K_B < 64), on all
-// THREADS threads at the build's P otherwise: a short row in a wide table then reduces over
-// one warp, not eight (each of Select's ~17 reductions a barrier of 256 threads instead of 32)
-template <int P, int WAYS, int GP>
-__device__ __forceinline__ void select_pages(const sel::Params& s, int n) {
-  constexpr int WIDEST = (GP >= 8 ? 8 : 16) / (WAYS == sel::BINS ? 2 : 1);
-  constexpr int SUB_P = WIDEST < 8 ? WIDEST : 8;
-  if (n <= 32 * SUB_P) {
-    if (threadIdx.x < 32) sel::select_row<SUB_P, WAYS, GP, 32>(s);
-  } else {
-    sel::select_row<P, WAYS, GP>(s);
-  }
-}
-
 template <int D, int GP, int P, int WAYS>
 __device__ void estimate_select_row(const Params& p) {
-  // [GP][masses_stride] float32 log-masses, then each group's staged exact page, [64][D] bf16
-  extern __shared__ __align__(16) float masses[];
-  bf16* staged = reinterpret_cast<bf16*>(masses + (GP * p.masses_stride + 3) / 4 * 4);
+  extern __shared__ __align__(16) float masses[];  // [GP][masses_stride]
   const est::Params& e = p.estimate;
   const int row = blockIdx.x;
   const int b = row / e.num_kv_heads, head = row % e.num_kv_heads;
@@ -101,21 +83,13 @@ __device__ void estimate_select_row(const Params& p) {
     local.stride_lg = p.masses_stride;
     local.mvar_programs = GROUPS;
     const int group = threadIdx.x / est::THREADS;
-    // group 0: the sink, group 1: the current page; a single page is group 1's alone. Its
-    // keys are copied into shared memory while the group streams its mvar tiles, and its
-    // exact log-mass computed after them: the two chains overlap
-    const bool exact = group == 1 || last > 0;
-    const int page = group == 0 ? 0 : last;
-    bf16* keys = staged + group * PAGE * D;
-    if (exact) est::stage_page_keys<D>(local, head, page, seq_len, row_table, keys);
-    cp_async_commit();
+    // group 0: the sink, group 1: the current page; a single page is group 1's alone
+    if (group == 1 || last > 0)
+      est::exact_page<D, GP, GROUPS>(local, row, b, head, group == 0 ? 0 : last, seq_len,
+                                     row_table);
+    if (marks) mark(p, 2 + 2 * group);
     est::mvar_pages<D, GP, GROUPS>(local, row, b, head, last, row_table, group);
     if (marks) mark(p, 3 + 2 * group);
-    cp_async_wait<0>();
-    est::program_barrier<GROUPS>();  // the group's staged keys are visible to it
-    if (exact)
-      est::exact_page<D, GP, GROUPS, true>(local, row, b, head, page, seq_len, row_table, keys);
-    if (marks) mark(p, 2 + 2 * group);
   }
   __syncthreads();  // every log-mass written
   if (marks && threadIdx.x == 0) mark(p, 6);
@@ -123,7 +97,7 @@ __device__ void estimate_select_row(const Params& p) {
   s.log_masses = masses;
   s.stride_lr = 0;
   s.stride_lg = p.masses_stride;
-  select_pages<P, WAYS, GP>(s, pages_in_row);
+  sel::select_row<P, WAYS, GP>(s);
   if (marks && threadIdx.x == 0) mark(p, 7);
 }
 

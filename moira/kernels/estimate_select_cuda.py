@@ -22,8 +22,12 @@ from . import cuda_build, estimate_cuda, select_cuda
 SOURCE = "estimate_select_cuda.cu"  # in this folder (cuda_build.source_path)
 THREADS = 256  # the .cu file's THREADS: two of the CUDA Estimate's programs
 FUSED = "auto"
-MIN_ROWS = 128  # "auto": the fewest rows (requests x KV heads) a step launches it for
-MAX_SHARED = 100 * 1024  # dynamic shared memory per program: two programs per SM
+# "auto": the fewest rows (requests x KV heads) a step launches it for. Timed in session 56
+# (tune_kernels.py --kinds fused, a 2,048-page table, against the two kernels): 256 rows
+# (8k x 32, 16k x 32) -2.5 / -3.7 us, 128 rows (32k x 16) +0.2, 64 (64k x 8) +9.6, 32
+# (128k x 4) +25
+MIN_ROWS = 256
+MAX_SHARED = 96 * 1024  # the log-masses' shared memory per program: two programs per SM
 # A probe, not a setting: an int64 tensor of [rows, TIMELINE_FIELDS] makes the launch run the
 # FUSED_TIMELINE build, each program writing the global timer (ns) at its start, after the
 # token's write, after group 0's exact page and mvar tiles, after group 1's, before Select and
@@ -46,14 +50,13 @@ def pages_per_thread(max_pages):
     return triton.next_power_of_2(max(1, triton.cdiv(max_pages, THREADS)))
 
 
-def shared_bytes(max_pages, group, head_dim):
+def shared_bytes(max_pages, group):
     """Dynamic shared memory of a program: its row's log-masses, ``[G padded][max_pages]``
-    float32, then the keys of its two exact pages, ``[2][64][head_dim]`` bf16."""
-    masses = estimate_cuda.group_pad(group) * max_pages * 4
-    return -(-masses // 16) * 16 + 2 * 64 * head_dim * 2
+    float32."""
+    return estimate_cuda.group_pad(group) * max_pages * 4
 
 
-def applies(rows, max_pages, group, head_dim, ways, programmatic_launch):
+def applies(rows, max_pages, group, ways, programmatic_launch):
     """Whether a step whose Estimate and Select both run in CUDA launches the fused kernel:
     ``FUSED`` (a ValueError for an unknown value), the table's width (Select's per-thread
     limit on ``THREADS`` threads, the log-masses' shared memory) and no programmatic launch
@@ -64,7 +67,7 @@ def applies(rows, max_pages, group, head_dim, ways, programmatic_launch):
     widest = select_cuda.max_table_pages(group, ways) * THREADS // select_cuda.MAX_THREADS
     return (FUSED == "on" or (FUSED == "auto" and rows >= MIN_ROWS)) \
         and not programmatic_launch and max_pages <= widest \
-        and shared_bytes(max_pages, group, head_dim) <= MAX_SHARED
+        and shared_bytes(max_pages, group) <= MAX_SHARED
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,7 +79,7 @@ def kernel(device_index, head_dim, group, pages, ways, timeline=False):
     group_pad = estimate_cuda.group_pad(group)
     return cuda_build.function(
         device_index, SOURCE, f"moira_estimate_select_d{head_dim}_g{group_pad}_p{pages}_w{ways}",
-        "estimate.IMPLEMENTATION", shared_bytes(THREADS * pages, group, head_dim),
+        "estimate.IMPLEMENTATION", shared_bytes(THREADS * pages, group),
         options=(f"-DFUSED_D={head_dim}", *select_cuda.build_options(pages, ways, group),
                  *(("-DFUSED_TIMELINE=1",) if timeline else ())))
 
@@ -111,6 +114,6 @@ def estimate_select(query, key_cache, summaries, block_table, seq_lens, scale, l
                            top_k=top_k, row_values=row_values, fractions=fractions,
                            row_gammas=row_gammas, dense_below_pages=dense_below_pages),
         max_pages, timeline.data_ptr() if timeline is not None else None)
-    cuda_build.launch(function, (rows, 1), THREADS, shared_bytes(max_pages, group, head_dim),
-                      query.device, call)
+    cuda_build.launch(function, (rows, 1), THREADS, shared_bytes(max_pages, group), query.device,
+                      call)
     return page_lists, page_counts

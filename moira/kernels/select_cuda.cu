@@ -45,32 +45,17 @@ struct Max {  // of floats
   __device__ __forceinline__ static T identity() { return -infinity(); }
 };
 
-// The threads that run a row: the whole block (TH = 0: this file's kernel), or the block's
-// first TH threads (estimate_select_cuda.cu sizes them to the row), which synchronize on named
-// barrier 3 (0 is __syncthreads'; estimate_cuda.cu's program groups use 1 and 2)
-template <int TH>
-__device__ __forceinline__ unsigned row_threads() { return TH ? TH : blockDim.x; }
-
-template <int TH>
-__device__ __forceinline__ void row_barrier() {
-  if constexpr (TH == 0) {
-    __syncthreads();
-  } else {
-    asm volatile("bar.sync 3, %0;\n" :: "n"(TH) : "memory");
-  }
-}
-
-// N values reduced over the block (the row's threads): each warp's lanes first (a reduce-scatter of shuffles
+// N values reduced over the block: each warp's lanes first (a reduce-scatter of shuffles
 // while values remain, then whole), one barrier, then every warp combines the warps' results
 // from shared memory at once: lane l takes the entries l, l + 32, ... (value l % N of
 // several warps), shuffles add the lanes that share a value, and each value is broadcast
 // from the lane that holds it. No loop over the warps: a runtime loop there was unrolled into
 // ~600 instructions per reduction (session 37). `buffer` ([MAX_WARPS][N]) must not be read by
 // a reduction still in progress: callers alternate two buffers.
-template <int TH, typename Op, typename T, int N>
+template <typename Op, typename T, int N>
 __device__ __forceinline__ void block_reduce(T (&values)[N], T* buffer) {
   static_assert(N <= 32 && 32 % N == 0, "N divides a warp");
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = row_threads<TH>() / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   T mine[N];
 #pragma unroll
   for (int j = 0; j < N; ++j) mine[j] = values[j];
@@ -96,7 +81,7 @@ __device__ __forceinline__ void block_reduce(T (&values)[N], T* buffer) {
   // with N < 32 values, the lanes past N hold copies: the first N lanes' (lane & copies == 0)
   constexpr int copies = 32 / N - 1;
   if ((lane & copies) == 0) buffer[warp * N + first] = mine[0];
-  row_barrier<TH>();
+  __syncthreads();
   T total = Op::template identity<T>();
 #pragma unroll
   for (int i = 0; i < (MAX_WARPS * N + 31) / 32; ++i) {
@@ -110,9 +95,8 @@ __device__ __forceinline__ void block_reduce(T (&values)[N], T* buffer) {
 }
 
 // (exclusive prefix of `count` over the threads in order, total over the block)
-template <int TH>
 __device__ __forceinline__ int block_exclusive_scan(int count, int* buffer, int& total) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = row_threads<TH>() / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   int inclusive = count;
 #pragma unroll
   for (int o = 1; o < 32; o *= 2) {
@@ -120,7 +104,7 @@ __device__ __forceinline__ int block_exclusive_scan(int count, int* buffer, int&
     if (lane >= o) inclusive += before;
   }
   if (lane == 31) buffer[warp] = inclusive;
-  row_barrier<TH>();
+  __syncthreads();
   int offset = 0;
   total = 0;
   for (int w = 0; w < warps; ++w) {
@@ -135,7 +119,7 @@ __device__ __forceinline__ int block_exclusive_scan(int count, int* buffer, int&
 // in [lo, hi), sums measure(share, threshold) over the block's pages for each (T: a count or
 // a mass), and keeps the sub-interval where enough(sum) turns false; 24 bits in all.
 // `buffers`: two reduction buffers of `stride` elements, used in turn.
-template <int TH, int P, int WAYS, typename T, typename Measure, typename Enough>
+template <int P, int WAYS, typename T, typename Measure, typename Enough>
 __device__ __forceinline__ void bisect(const float (&candidate)[P], float& lo, float& hi,
                                        Measure measure, Enough enough, T* buffers, int stride,
                                        int& turn) {
@@ -151,7 +135,7 @@ __device__ __forceinline__ void bisect(const float (&candidate)[P], float& lo, f
 #pragma unroll
       for (int k = 0; k < P; ++k) sums[j] += measure(candidate[k], tau[j]);
     }
-    block_reduce<TH, Sum>(sums, buffers + turn * stride);
+    block_reduce<Sum>(sums, buffers + turn * stride);
     turn ^= 1;
     float new_lo = lo, new_hi = hi;
 #pragma unroll
@@ -189,7 +173,7 @@ __device__ __forceinline__ T warp_sum(T value) {
   return value;
 }
 
-template <int TH, int P, typename T, typename Measure, typename Enough>
+template <int P, typename T, typename Measure, typename Enough>
 __device__ __forceinline__ void bisect_binned(const float (&candidate)[P], float& lo, float& hi,
                                               Measure measure, Enough enough) {
   constexpr int PASSES = 4;
@@ -197,8 +181,8 @@ __device__ __forceinline__ void bisect_binned(const float (&candidate)[P], float
   // next (a barrier lies between each of those steps and the next use); slot BINS of the
   // first holds the sum at the starting lo
   __shared__ T hist[3][BINS + 1];
-  for (int i = threadIdx.x; i < 3 * (BINS + 1); i += row_threads<TH>()) (&hist[0][0])[i] = T(0);
-  row_barrier<TH>();
+  for (int i = threadIdx.x; i < 3 * (BINS + 1); i += blockDim.x) (&hist[0][0])[i] = T(0);
+  __syncthreads();
   const int lane = threadIdx.x % 32;
   T at_lo = T(0), at_hi = T(0);
   {
@@ -225,8 +209,8 @@ __device__ __forceinline__ void bisect_binned(const float (&candidate)[P], float
         if (j > 0) atomicAdd(&bins[j], measure(share));
       }
     }
-    row_barrier<TH>();
-    for (int i = threadIdx.x; i < BINS + 1; i += row_threads<TH>()) hist[(pass + 2) % 3][i] = T(0);
+    __syncthreads();
+    for (int i = threadIdx.x; i < BINS + 1; i += blockDim.x) hist[(pass + 2) % 3][i] = T(0);
     if (pass == 0) at_lo = hist[0][BINS];
     // every warp alike: lane l holds bins 2l and 2l + 1; suffix sums over the lanes
     const T even_bin = bins[2 * lane], odd_bin = bins[2 * lane + 1];
@@ -261,7 +245,7 @@ __device__ __forceinline__ void bisect_binned(const float (&candidate)[P], float
 // target rounded up), so a kept mass that reaches the target in fixed point reaches it
 constexpr float FIXED_ONE = 1099511627776.0f;  // 2^40
 
-template <int P, int WAYS, int GP, int TH = 0>
+template <int P, int WAYS, int GP>
 __device__ void select_row(const Params& p) {
   static_assert(GP <= MAX_GROUP, "G");
   // two reduction buffers in turn, each [MAX_WARPS][max(K_B values reduced, GP)] (the
@@ -283,7 +267,7 @@ __device__ void select_row(const Params& p) {
     return;
   }
   if (n <= p.dense_below_pages) {  // short row: every page (Estimate skipped it)
-    for (int page = threadIdx.x; page < n; page += row_threads<TH>()) lists[page] = page;
+    for (int page = threadIdx.x; page < n; page += blockDim.x) lists[page] = page;
     if (threadIdx.x == 0) *count_out = n;
     return;
   }
@@ -293,8 +277,8 @@ __device__ void select_row(const Params& p) {
   // cost as much as a full one (session 38: +3.9 to +7.5 us per layer with 8k-64k rows in
   // a 2,048-page table)
   if constexpr (P > 1) {
-    if (n <= int(row_threads<TH>()) * (P / 2)) {
-      select_row<P / 2, WAYS, GP, TH>(p);
+    if (n <= int(blockDim.x) * (P / 2)) {
+      select_row<P / 2, WAYS, GP>(p);
       return;
     }
   }
@@ -326,12 +310,12 @@ __device__ void select_row(const Params& p) {
   float row_peak[GP];
 #pragma unroll
   for (int g = 0; g < GP; ++g) row_peak[g] = peak[g];
-  block_reduce<TH, Max>(row_peak, float_buffers[turn]);
+  block_reduce<Max>(row_peak, float_buffers[turn]);
   turn ^= 1;
 #pragma unroll
   for (int g = 0; g < GP; ++g)  // this thread's sum, rescaled to the row's maximum
     total[g] = peak[g] == -infinity() ? 0.f : total[g] * __expf(peak[g] - row_peak[g]);
-  block_reduce<TH, Sum>(total, float_buffers[turn]);
+  block_reduce<Sum>(total, float_buffers[turn]);
   turn ^= 1;
   // a product, not a quotient per page: a division's slow-path branch kept the loads below
   // from being issued together
@@ -363,10 +347,10 @@ __device__ void select_row(const Params& p) {
     float top[1] = {-1.f};
 #pragma unroll
     for (int k = 0; k < P; ++k) top[0] = fmaxf(top[0], candidate[k]);
-    block_reduce<TH, Max>(top, float_buffers[turn]);
+    block_reduce<Max>(top, float_buffers[turn]);
     turn ^= 1;
     float forced[1] = {edges[1]};
-    block_reduce<TH, Sum>(forced, float_buffers[turn]);
+    block_reduce<Sum>(forced, float_buffers[turn]);
     turn ^= 1;
     edges[0] = top[0];
     edges[1] = forced[0];
@@ -386,10 +370,10 @@ __device__ void select_row(const Params& p) {
     float lo = top * 0.f;
     float hi = top * (1.f + 1e-6f) + 1e-30f;  // strictly above every share
     if constexpr (WAYS == BINS) {
-      bisect_binned<TH, P, int>(candidate, lo, hi, [](float) { return 1; },
+      bisect_binned<P, int>(candidate, lo, hi, [](float) { return 1; },
                             [needed](int above) { return above >= needed; });
     } else {
-      bisect<TH, P, WAYS, int>(
+      bisect<P, WAYS, int>(
           candidate, lo, hi, [](float share, float tau) { return int(share >= tau); },
           [needed](int above) { return above >= needed; }, &int_buffers[0][0], WIDTH, turn);
     }
@@ -401,11 +385,11 @@ __device__ void select_row(const Params& p) {
       tied_here += candidate[k] >= lo && candidate[k] < hi;
     }
     int sure[1] = {sure_here};
-    block_reduce<TH, Sum>(sure, int_buffers[turn]);
+    block_reduce<Sum>(sure, int_buffers[turn]);
     turn ^= 1;
     const int missing = needed - sure[0];
     int tied_total;
-    int tied_before = block_exclusive_scan<TH>(tied_here, int_buffers[turn], tied_total);
+    int tied_before = block_exclusive_scan(tied_here, int_buffers[turn], tied_total);
     turn ^= 1;
 #pragma unroll
     for (int k = 0; k < P; ++k) {
@@ -425,11 +409,11 @@ __device__ void select_row(const Params& p) {
       typedef unsigned long long u64;
       hi = top * (1.f + 1e-6f) + 1e-30f;  // above every share: the sum there is 0
       const u64 fixed_target = target > 0.f ? __double2ull_ru(double(target) * FIXED_ONE) : 0;
-      bisect_binned<TH, P, u64>(candidate, lo, hi,
+      bisect_binned<P, u64>(candidate, lo, hi,
                             [](float share) { return __float2ull_rz(share * FIXED_ONE); },
                             [fixed_target](u64 mass) { return mass >= fixed_target; });
     } else {
-      bisect<TH, P, WAYS, float>(
+      bisect<P, WAYS, float>(
           candidate, lo, hi, [](float share, float tau) { return share >= tau ? share : 0.f; },
           [target](float mass) { return mass >= target; }, &float_buffers[0][0], WIDTH, turn);
     }
@@ -445,7 +429,7 @@ __device__ void select_row(const Params& p) {
 #pragma unroll
   for (int k = 0; k < P; ++k) kept_here += keep[k];
   int kept;
-  int slot = 1 + block_exclusive_scan<TH>(kept_here, int_buffers[turn], kept);
+  int slot = 1 + block_exclusive_scan(kept_here, int_buffers[turn], kept);
 #pragma unroll
   for (int k = 0; k < P; ++k)
     if (keep[k]) lists[slot++] = base + k;
