@@ -284,9 +284,13 @@ def main():
                                      dense_below_pages=0, programmatic_launch=False)
 
                     def both(fused, arm=arm, selection=selection):
-                        with patched(estimate_select_cuda, FUSED=fused), \
+                        # "default": the two kernels as configured (Select's default is Triton's)
+                        select_kernel = select_module.IMPLEMENTATION if fused == "default" \
+                            else "cuda"
+                        with patched(estimate_select_cuda,
+                                     FUSED="off" if fused == "default" else fused), \
                                 patched(estimate_module, IMPLEMENTATION="cuda"), \
-                                patched(select_module, IMPLEMENTATION="cuda"):
+                                patched(select_module, IMPLEMENTATION=select_kernel):
                             for (copy, table_now), write in zip(arm, writes):
                                 decode._estimate_and_select(
                                     query, keys, copy, table_now, seq_lens, scale, masses_w,
@@ -303,7 +307,7 @@ def main():
                             and torch.equal(lists_on[kept], lists_off[kept])):
                         raise SystemExit(f"the fused Estimate + Select differs at {shape}")
                     record("check", shape, f"fused = two kernels, {mode} width={width}", 0.0)
-                    for fused in ("off", "on") * 2:
+                    for fused in ("off", "default", "on") * 2:
                         micros = bench(lambda fused=fused: both(fused)) / len(arm)
                         record("fused", shape, f"{mode} width={width} fused {fused}", micros)
 

@@ -465,7 +465,9 @@ def _check_row_values(name, values, batch, num_kv_heads, query):
 def _estimate_and_select(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
                          page_lists, page_counts, new_kv, selection):
     """Estimate then Select (``selection``: ``_launch_select``'s keywords), in one launch
-    where both run in CUDA and ``estimate_select_cuda.applies``."""
+    where ``estimate_select_cuda.applies``, the Estimate runs in CUDA and the CUDA Select could
+    take the inputs (the fused kernel replaces whichever Select ``select.IMPLEMENTATION``
+    names; ``estimate_select_cuda.FUSED = "off"`` keeps it)."""
     num_kv_heads, max_pages = key_cache.shape[2], block_table.shape[1]
     rows, group = log_masses.shape[0], log_masses.shape[1]
     row_values, fractions, row_gammas = _select_module.row_values_of(
@@ -474,9 +476,8 @@ def _estimate_and_select(query, key_cache, summaries, block_table, seq_lens, sca
                                     selection["programmatic_launch"]) \
             and _estimate_module.implementation(query, key_cache, summaries, block_table,
                                                 seq_lens, new_kv, log_masses) == "cuda" \
-            and _select_module.implementation(log_masses, seq_lens, page_lists, page_counts,
-                                              max_pages, selection["ways"],
-                                              row_values) == "cuda":
+            and _select_module.cuda_can_take(log_masses, seq_lens, page_lists, page_counts,
+                                             max_pages, selection["ways"], row_values):
         estimate_select_cuda.estimate_select(
             query, key_cache, summaries, block_table, seq_lens, scale, log_masses, page_lists,
             page_counts, new_kv=new_kv, dense_below_pages=selection["dense_below_pages"],

@@ -70,10 +70,11 @@ def test_applies_follows_the_setting_rows_and_table(monkeypatch):
     assert estimate_select_cuda.pages_per_thread(100) == 1
 
 
-def test_the_step_launches_it_only_where_both_kernels_are_cuda(monkeypatch):
-    """A step takes the fused launch exactly when ``applies`` holds and both Estimate and
-    Select resolve to CUDA: not under the interpreter, nor where "auto" picks Triton's
-    kernels (a table narrower than their CUDA_FROM_PAGES)."""
+def test_the_step_launches_it_where_the_cuda_estimate_runs(monkeypatch):
+    """A step takes the fused launch exactly when ``applies`` holds, the Estimate resolves to
+    CUDA and the CUDA Select could take the inputs (whichever Select ``select.IMPLEMENTATION``
+    names: the fused kernel replaces it): not under the interpreter, nor where "auto" picks
+    Triton's Estimate (a table narrower than its CUDA_FROM_PAGES)."""
     calls = []
     real = estimate_select_cuda.estimate_select
     monkeypatch.setattr(estimate_select_cuda, "estimate_select",
@@ -88,11 +89,11 @@ def test_the_step_launches_it_only_where_both_kernels_are_cuda(monkeypatch):
     def step():
         moira.sparse_decode(query, keys, values, summaries, table, seq_lens, gamma=0.9)
 
-    step()  # "auto": Triton's kernels in a 7-page table
+    step()  # "auto": Triton's Estimate in a 7-page table
     assert calls == []
     if DEVICE == "cuda" and cuda_build.nvrtc_library() is not None:
         monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "cuda")
-        monkeypatch.setattr(select_module, "IMPLEMENTATION", "cuda")
+        monkeypatch.setattr(select_module, "IMPLEMENTATION", "triton")
         step()
         assert calls == [1]
         monkeypatch.setattr(estimate_select_cuda, "FUSED", "off")

@@ -246,6 +246,17 @@ def implementation(log_masses, seq_lens, page_lists, page_counts, max_pages, way
             cuda_build.device_index(log_masses.device), "Select"))
 
 
+def cuda_can_take(log_masses, seq_lens, page_lists, page_counts, max_pages, ways, row_values):
+    """Whether the CUDA Select's code can run a call (its input checks pass and the device
+    can build it), whatever ``IMPLEMENTATION`` says: ``estimate_select_cuda``'s condition."""
+    try:
+        select_cuda.check_inputs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
+                                 row_values)
+    except ValueError:
+        return False
+    return cuda_build.can_run(cuda_build.device_index(log_masses.device), "Select")
+
+
 def row_values_of(keep_fractions, gammas, page_counts):
     """``(row_values, fractions, row_gammas)`` of a call: its per-row values (keep fractions
     or coverage targets, a ``[num_kv_heads]`` tensor expanded to ``page_counts``' shape; None
