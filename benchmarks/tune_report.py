@@ -59,8 +59,13 @@ def base_of(variant, bases):
     return bases[max(modes, key=len)] if modes else None
 
 
+def shapes_of(bases):
+    """Every shape some mode's baseline has, in the order they first appear."""
+    return list(dict.fromkeys(shape for base in bases.values() for shape in base))
+
+
 def markdown(by_variant, bases):
-    shapes = list(next(iter(bases.values())))
+    shapes = shapes_of(bases)
     lines = ["| variant | " + " | ".join(shapes) + " |", "|---" * (len(shapes) + 1) + "|"]
     for variant, by_shape in by_variant.items():
         base = base_of(variant, bases) or {}
@@ -89,7 +94,7 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shapes = list(next(iter(bases.values())))
+    shapes = shapes_of(bases)
     fig, axes = plt.subplots(1, len(shapes), figsize=(4 * len(shapes), 0.35 * len(by_variant) + 2),
                              sharey=True, squeeze=False)
     names = list(by_variant)

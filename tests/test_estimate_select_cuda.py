@@ -47,12 +47,14 @@ def test_params_mirror_the_kernels_struct():
 
 
 def test_applies_follows_the_setting_rows_and_table(monkeypatch):
-    """"auto" from MIN_ROWS rows, "on" at any, "off" never; never past Select's per-thread
-    limit on 256 threads, the shared-memory budget or with programmatic launch; an unknown
-    setting is refused by name."""
+    """"auto" from MIN_ROWS rows in tables of MIN_TABLE_PAGES, "on" at any, "off" never;
+    never past Select's per-thread limit on 256 threads, the shared-memory budget or with
+    programmatic launch; an unknown setting is refused by name."""
     applies = estimate_select_cuda.applies
     rows = estimate_select_cuda.MIN_ROWS
     assert applies(rows, 2048, 4, 4, False) and not applies(rows - 1, 2048, 4, 4, False)
+    assert estimate_select_cuda.MIN_TABLE_PAGES == 2048 and not applies(rows, 2047, 4, 4, False)
+    monkeypatch.setattr(estimate_select_cuda, "MIN_TABLE_PAGES", 1)
     assert not applies(rows, 2048, 4, 4, True)  # programmatic launch: the two kernels
     assert not applies(rows, 4097, 4, 4, False)  # past 16 pages per thread
     assert applies(rows, 2048, 8, 4, False) and not applies(rows, 2049, 8, 4, False)

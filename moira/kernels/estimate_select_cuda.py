@@ -5,10 +5,12 @@ without the log-masses' round trip through global memory. The outputs are the tw
 (lists, counts, the token's cache write, the filled page's summary); the log-masses buffer is
 not written.
 
-``FUSED`` chooses: "auto" (default) launches it for steps of at least ``MIN_ROWS`` rows that
-both CUDA kernels would run; "off" never; "on" whenever ``applies`` holds at any row count.
+``FUSED`` chooses: "auto" (default) launches it for steps of at least ``MIN_ROWS`` rows in
+block tables of at least ``MIN_TABLE_PAGES`` pages whose Estimate runs in CUDA; "off" never;
+"on" whenever ``applies`` holds. It replaces whichever Select ``select.IMPLEMENTATION`` names.
 Steps of few rows stream each row's summaries through one SM, slower than the two kernels'
-grid (NOTES, session 56).
+grid; in a table as narrow as the rows the configured pair (CUDA Estimate, Triton Select) is
+as fast (NOTES, session 56).
 """
 
 import ctypes
@@ -27,6 +29,11 @@ FUSED = "auto"
 # (8k x 32, 16k x 32) -2.5 / -3.7 us, 128 rows (32k x 16) +0.2, 64 (64k x 8) +9.6, 32
 # (128k x 4) +25
 MIN_ROWS = 256
+# "auto": the narrowest block table (pages per row: an engine's max_model_len / 64) it is
+# launched in. Against the configured pair (CUDA Estimate, Triton Select, whose cost follows
+# the table's width), session 56: 2,048-page tables -3.1 to -4.9 us at 8k x 32 and 16k x 32;
+# tables as wide as the rows (128, 256 pages) +0.1 to +0.9 us. Widths between were not timed
+MIN_TABLE_PAGES = 2048
 MAX_SHARED = 96 * 1024  # the log-masses' shared memory per program: two programs per SM
 # A probe, not a setting: an int64 tensor of [rows, TIMELINE_FIELDS] makes the launch run the
 # FUSED_TIMELINE build, each program writing the global timer (ns) at its start, after the
@@ -57,15 +64,16 @@ def shared_bytes(max_pages, group):
 
 
 def applies(rows, max_pages, group, ways, programmatic_launch):
-    """Whether a step whose Estimate and Select both run in CUDA launches the fused kernel:
-    ``FUSED`` (a ValueError for an unknown value), the table's width (Select's per-thread
-    limit on ``THREADS`` threads, the log-masses' shared memory) and no programmatic launch
-    (the two kernels' option)."""
+    """Whether a step whose Estimate runs in CUDA launches the fused kernel: ``FUSED`` (a
+    ValueError for an unknown value; "auto": ``MIN_ROWS``, ``MIN_TABLE_PAGES``), the table's
+    width (Select's per-thread limit on ``THREADS`` threads, the log-masses' shared memory)
+    and no programmatic launch (the two kernels' option)."""
     if FUSED not in ("auto", "on", "off"):
         raise ValueError(f"estimate_select_cuda.FUSED must be 'auto', 'on' or 'off', got "
                          f"{FUSED!r}")
     widest = select_cuda.max_table_pages(group, ways) * THREADS // select_cuda.MAX_THREADS
-    return (FUSED == "on" or (FUSED == "auto" and rows >= MIN_ROWS)) \
+    automatic = FUSED == "auto" and rows >= MIN_ROWS and max_pages >= MIN_TABLE_PAGES
+    return (FUSED == "on" or automatic) \
         and not programmatic_launch and max_pages <= widest \
         and shared_bytes(max_pages, group) <= MAX_SHARED
 
