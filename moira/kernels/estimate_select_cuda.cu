@@ -105,18 +105,9 @@ __device__ void estimate_select_row(const Params& p) {
 
 // One build per (D, G rounded up to a power of two, Select's pages per thread, K_B):
 // estimate_select_cuda.py compiles this file with -DFUSED_D, -DSELECT_GROUP, -DSELECT_P,
-// -DSELECT_WAYS (select_cuda.cu's defaults otherwise)
+// -DSELECT_WAYS (select_cuda.cu, included above, sets the last three's defaults)
 #ifndef FUSED_D
 #define FUSED_D 128
-#endif
-#ifndef SELECT_P
-#define SELECT_P 8
-#endif
-#ifndef SELECT_WAYS
-#define SELECT_WAYS 4
-#endif
-#ifndef SELECT_GROUP
-#define SELECT_GROUP 4
 #endif
 
 #define MOIRA_ESTIMATE_SELECT(D, GP, P, WAYS)                                          \

@@ -442,10 +442,10 @@ __device__ void select_row(const Params& p) {
 
 }  // namespace
 
-#ifndef MOIRA_DEVICE_ONLY  // estimate_select_cuda.cu takes select_row, not the kernel
 // One build per (pages per thread, K_B, G rounded up to a power of two): select_cuda.py
 // compiles this file with -DSELECT_P=<P> -DSELECT_WAYS=<K_B> -DSELECT_GROUP=<G> for the
-// launches it makes (every (P, K_B) pair in one file took NVRTC a minute).
+// launches it makes (every (P, K_B) pair in one file took NVRTC a minute); so does
+// estimate_select_cuda.py for its file, which includes this one
 #ifndef SELECT_P
 #define SELECT_P 8
 #endif
@@ -456,6 +456,7 @@ __device__ void select_row(const Params& p) {
 #define SELECT_GROUP 4
 #endif
 
+#ifndef MOIRA_DEVICE_ONLY  // estimate_select_cuda.cu takes select_row, not the kernel
 #define MOIRA_SELECT(P, WAYS, GP)                                                  \
   extern "C" __global__ void __launch_bounds__(32 * MAX_WARPS, 1)                  \
       moira_select_p##P##_w##WAYS##_g##GP(const Params p) {                        \
