@@ -34,13 +34,12 @@ import torch
 
 from .config import (CACHE_DTYPE_NAMES, MAX_PAGES_PER_SEQ, PAGE_SIZE, SUPPORTED_HEAD_DIMS,
                      MoiraConfig)
-from .kernels import interpreting
+from .kernels import estimate as _estimate_module
+from .kernels import estimate_select_cuda, interpreting, launch
+from .kernels import select as _select_module
 from .kernels.attend import attend as _launch_attend
 from .kernels.balanced import attend_balanced as _launch_attend_balanced
 from .kernels.balanced import merge_balanced as _launch_merge_balanced
-from .kernels import estimate as _estimate_module
-from .kernels import estimate_select_cuda, launch
-from .kernels import select as _select_module
 from .kernels.estimate import estimate as _launch_estimate
 from .kernels.merge import merge as _launch_merge
 from .kernels.select import select as _launch_select
