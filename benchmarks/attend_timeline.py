@@ -14,14 +14,14 @@ From that, per (shape, spread) and launch:
   its rate (pages per µs from its first page to its end).
 
 Attend + Merge is also timed from CUDA-graph replays with the default build and the probe's
-(what the probe itself costs), in each variant (``--variants``: the chunk floor C, the
-stages, J, the table's width, ``attend_cuda.SPECULATE``), on the kernel suite's page lists
+(what the probe itself costs), in each variant (``--variants``: the chunk floor C and the
+stages), on the kernel suite's page lists
 (``bench_kernels``: 22% of each row's pages, CV 0 / 1.0 and one layer of the real-like
 spread, random positions, scattered pages).
 
     PYTHONPATH=. OUT=$OUT python3 benchmarks/attend_timeline.py [--shapes 8k32,32k16,131k4]
         [--spreads cv0,cv1,real5] [--launches 5]
-        [--variants grid24,grid12,grid24s3,grid24j2,grid24w2048,grid24p] [--rounds 2]
+        [--variants grid24,grid12,grid24s3,grid24j2,grid24w2048] [--rounds 2]
     python3 benchmarks/attend_timeline.py --plot results/<run>.json   # the plot again
 
 Writes ``$OUT/timeline.json`` (summaries of every launch, one launch's programs raw) and
@@ -76,23 +76,21 @@ def compact(records):
 
 
 def variant_settings(variant):
-    """(chunk_pages, CUDA stages, max_chunks_per_row, block-table pages, speculate) of a
-    variant name: "grid24" (the default), "grid12", "grid24s3" (3 stages), "grid24j2" (J at
-    most 2: no program past a 28-page row's chunks), "grid24w2048" (the block table widened to
-    2,048 pages, as in an engine of 131k-token contexts: J from Eq. (4)'s cap on that width),
-    "grid24p" (``attend_cuda.SPECULATE``)."""
-    match = re.fullmatch(r"grid([1-9][0-9]*)(?:s([234]))?(?:j([1-9][0-9]*))?(?:w([1-9][0-9]*))?"
-                         r"(p?)", variant)
+    """(chunk_pages, CUDA stages, max_chunks_per_row, block-table pages) of a variant name:
+    "grid24" (the default), "grid12", "grid24s3" (3 stages), "grid24j2" (J at most 2: no
+    program past a 28-page row's chunks), "grid24w2048" (the block table widened to 2,048
+    pages, as in an engine of 131k-token contexts: J from Eq. (4)'s cap on that width)."""
+    match = re.fullmatch(r"grid([1-9][0-9]*)(?:s([234]))?(?:j([1-9][0-9]*))?(?:w([1-9][0-9]*))?",
+                         variant)
     if not match:
-        raise SystemExit(f"--variants: {variant!r} is not grid<C>[s<S>][j<J>][w<pages>][p]")
-    chunk, stages, most, width, speculate = match.groups()
-    return (int(chunk), int(stages or 2), most and int(most), width and int(width),
-            bool(speculate))
+        raise SystemExit(f"--variants: {variant!r} is not grid<C>[s<S>][j<J>][w<pages>]")
+    chunk, stages, most, width = match.groups()
+    return int(chunk), int(stages or 2), most and int(most), width and int(width)
 
 
 def variant_run(s, page_lists, counts, variant):
     """Attend + Merge of one variant on a ``bench_kernels.Shape``'s caches."""
-    chunk_pages, _, most, width, _ = variant_settings(variant)
+    chunk_pages, _, most, width = variant_settings(variant)
     table = s.table
     if width and width > s.pages:  # the extra entries are never listed, so never read
         table = torch.cat([table, table.new_zeros(s.batch, width - s.pages)], dim=1)
@@ -159,10 +157,9 @@ def main():
     parser.add_argument("--spreads", default="cv0,cv1,real5")
     parser.add_argument("--launches", type=int, default=5)
     parser.add_argument("--variants", default="grid24",
-                        help="comma-separated grid<C>[s<S>][j<J>][w<pages>][p]: chunk floor C "
+                        help="comma-separated grid<C>[s<S>][j<J>][w<pages>]: chunk floor C "
                              "(chunk_pages), S pages' stages (attend.CUDA_STAGES, default 2), "
-                             "at most J programs per row, the block table <pages> wide, p: "
-                             "attend_cuda.SPECULATE")
+                             "at most J programs per row, the block table <pages> wide")
     parser.add_argument("--rounds", type=int, default=2, help="timings of each variant, in "
                         "alternation")
     parser.add_argument("--plot", metavar="JSON", help="only plot a run's timeline.json[.gz] "
@@ -199,14 +196,13 @@ def main():
             timed = {variant: [] for variant in variants}
             for _ in range(args.rounds):  # the variants in alternation
                 for variant in variants:
-                    _, stages, _, _, speculate = variant_settings(variant)
-                    with patched(attend_module, IMPLEMENTATION="cuda", CUDA_STAGES=stages), \
-                            patched(attend_cuda, SPECULATE=speculate):
+                    stages = variant_settings(variant)[1]
+                    with patched(attend_module, IMPLEMENTATION="cuda", CUDA_STAGES=stages):
                         timed[variant].append(bench(runs[variant])[0])
             for variant in variants:
-                _, stages, _, _, speculate = variant_settings(variant)
+                stages = variant_settings(variant)[1]
                 with patched(attend_module, IMPLEMENTATION="cuda", CUDA_STAGES=stages), \
-                        patched(attend_cuda, TIMELINE=timeline, SPECULATE=speculate):
+                        patched(attend_cuda, TIMELINE=timeline):
                     probe_us, _ = bench(runs[variant])
                     launches = []
                     for _ in range(args.launches):

@@ -212,7 +212,6 @@ def build_cuda():
     fits = estimate_cuda.MIN_BLOCKS_PER_SM
     builds = [(attend_cuda.SOURCE, (), ""),
               (attend_cuda.SOURCE, ("-DATTEND_TIMELINE=1",), ", timeline probe"),
-              (attend_cuda.SOURCE, ("-DATTEND_SPECULATE=1",), ", list entries guessed"),
               (estimate_cuda.SOURCE, estimate_cuda.build_options(fits), "")] + [
         (select_cuda.SOURCE, select_cuda.build_options(pages, ways, group), "")
         for pages in (1, 2, 4, 8, select_cuda.MAX_PAGES_PER_THREAD) for ways in select_cuda.WAYS

@@ -93,8 +93,7 @@ KERNEL_SETTINGS = {"estimate": ("QUERY_HEAD_AHEAD", "TARGET_PROGRAMS", "PAGES_PE
                    "estimate_select_cuda": ("FUSED", "MIN_ROWS"),
                    "select": ("IMPLEMENTATION", "CUDA_FROM_PAGES", "EIGHT_WARPS_FROM"),
                    "attend": ("PAGE_IDS_AHEAD", "PAGES_PER_ITER", "NUM_STAGES", "NUM_WARPS",
-                              "MAX_REGISTERS", "IMPLEMENTATION", "CUDA_STAGES"),
-                   "attend_cuda": ("SPECULATE",)}
+                              "MAX_REGISTERS", "IMPLEMENTATION", "CUDA_STAGES")}
 # the constants that only a module's Triton kernel reads (Attend's and, from 256-page tables,
 # Estimate's "auto" default runs the CUDA one)
 TRITON_ONLY_SETTINGS = ("attend.PAGES_PER_ITER", "attend.NUM_STAGES", "attend.NUM_WARPS",

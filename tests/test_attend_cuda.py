@@ -35,9 +35,8 @@ def test_params_mirror_the_kernels_struct():
               f'"shared_bytes({d}, {s})");' for d in attend_cuda.HEAD_DIMS for s in (2, 3, 4)]
     check_struct_mirror(
         attend_cuda.SOURCE, attend_cuda.Params,
-        retyped=(b"int num_kv_heads, max_pages, list_pages, group, chunk_floor",
-                 b"int num_kv_heads, max_pages, list_pages, group; float chunk_floor; int",
-                 "chunk_floor"),
+        retyped=(b"int num_kv_heads, max_pages, group, chunk_floor",
+                 b"int num_kv_heads, max_pages, group; float chunk_floor; int", "chunk_floor"),
         swapped=(b"const bf16* key_cache;\n  const bf16* value_cache;",
                  b"const bf16* value_cache;\n  const bf16* key_cache;"),
         more_checks=shared)
@@ -149,12 +148,9 @@ def test_cuda_attend_matches_reference(cuda_attend, group, head_dim, layout, sta
 
 @cuda
 @pytest.mark.parametrize("chunk_pages", [1000, 300])
-@pytest.mark.parametrize("speculate", [False, True])
-def test_chunks_longer_than_the_staged_ids(cuda_attend, chunk_pages, speculate):
+def test_chunks_longer_than_the_staged_ids(cuda_attend, chunk_pages):
     """A chunk of more pages than the kernel stages at once (256): 625 pages in one chunk
-    (three segments), or in chunks of 300 / 300 / 25 (a segment boundary inside a chunk); in
-    the ``SPECULATE`` build too (a floor above its 128 threads: no guess)."""
-    cuda_attend.setattr(attend_cuda, "SPECULATE", speculate)
+    (three segments), or in chunks of 300 / 300 / 25 (a segment boundary inside a chunk)."""
     keys, values = make_cache(700, 1, 64)
     table, seq_lens = make_table([64 * 624 + 17], 700)
     query = make_query(1, 4, 64)
@@ -164,32 +160,6 @@ def test_chunks_longer_than_the_staged_ids(cuda_attend, chunk_pages, speculate):
     config = MoiraConfig(chunk_pages=chunk_pages, floor_rows=1, min_chunks_per_row=3,
                          min_programs=1, step_programs=0)
     check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
-
-
-@cuda
-@pytest.mark.parametrize("group", [1, 4, 7, 8])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_guessed_list_entries_match_reference(cuda_attend, group, head_dim):
-    """``attend_cuda.SPECULATE``: chunks whose list entries were loaded on the guess chunk =
-    C, with rows where it holds (every chunk at the floor), where it does not (the short-row
-    floor, J-limited chunks longer than C, the defaults' mixed plans), and a list narrower
-    than the grid's guesses reach. Entries past each row's count hold real pages (not -1), so
-    a guess used where it does not hold reads pages the reference does not."""
-    cuda_attend.setattr(attend_cuda, "SPECULATE", True)
-    query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows(group=group,
-                                                                               head_dim=head_dim)
-    past_count = torch.arange(page_lists.shape[2], device=DEVICE) >= page_counts[..., None]
-    page_lists = torch.where(past_count, torch.randint_like(page_lists, 0, 7), page_lists)
-    poison_unread_slots(keys, values, table, seq_lens)
-    at_floor = MoiraConfig(chunk_pages=2, min_chunks_per_row=16, min_programs=1,
-                           step_programs=0)  # C = 2 and J = 16: chunk = 2 in every row
-    longer = MoiraConfig(chunk_pages=2, min_chunks_per_row=2, min_programs=1,
-                         max_chunks_per_row=2, step_programs=0)  # chunk = ceil(n / 2) > C
-    narrow = page_lists[..., :int(page_counts.max())].contiguous()
-    for lists, config in ((page_lists, at_floor), (page_lists, longer),
-                          (page_lists, SMALL_SPLIT), (page_lists, MoiraConfig()),
-                          (narrow, at_floor)):
-        check_attend(query, keys, values, table, seq_lens, lists, page_counts, config)
 
 
 @cuda

@@ -1426,12 +1426,10 @@ def test_attend_timeline_rate_conserves_the_bytes_and_finds_ramp_and_tail():
     assert summary["empty_median_us"] == pytest.approx(0.5)
 
 
-def test_attend_timeline_variants_name_chunk_stages_ceiling_table_width_and_guess():
+def test_attend_timeline_variants_name_chunk_stages_ceiling_and_table_width():
     timeline = load("attend_timeline")
-    assert timeline.variant_settings("grid24") == (24, 2, None, None, False)
-    assert timeline.variant_settings("grid32s3j4w2048") == (32, 3, 4, 2048, False)
-    assert timeline.variant_settings("grid24p") == (24, 2, None, None, True)
-    assert timeline.variant_settings("grid24s3w2048p") == (24, 3, None, 2048, True)
+    assert timeline.variant_settings("grid24") == (24, 2, None, None)
+    assert timeline.variant_settings("grid32s3j4w2048") == (32, 3, 4, 2048)
     for bad in ("persistent24", "grid24r", "grid0", "grid24s5"):
         with pytest.raises(SystemExit, match="grid<C>"):
             timeline.variant_settings(bad)

@@ -107,6 +107,10 @@ CUDA_STAGES = 2
 # each chunk's ids and first page cost the steady rate and the prefix and counts ~3 us a
 # launch); and each stage refilled as soon as its page is computed (two pages in flight while
 # a warp waits): -0.5 to +1.8%, a program's tail rate unchanged. Removed
+# Not here (session 57, attend_timeline.py): the CUDA program's list entries loaded beside its
+# row's count on the guess chunk = C (one L2 round trip off the loads before its first page):
+# -0.6 to +1.0 us in Attend + Merge, slower in 7 cells of 12, its programs' prologue (~4.4
+# us, the first page's wait in a saturated memory system) unchanged. Removed
 # Not here: each page-head's K and V by Hopper's bulk tensor copy (TMA, Triton's tensor
 # descriptors) instead of this gather. Timed in session 32 (one page per tile, 2-4 stages,
 # with and without the lookahead): +12 to +27% at 22% of the pages at 8k x 32, 32k x 16 and

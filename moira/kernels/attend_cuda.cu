@@ -33,13 +33,6 @@ constexpr int STAGED_IDS = 256;  // page ids staged per segment of a chunk
 #endif
 constexpr int TIMELINE_FIELDS = 8;  // attend_cuda.TIMELINE_FIELDS
 
-// ATTEND_SPECULATE = 1 (attend_cuda.SPECULATE, a candidate until timed): a program loads its
-// chunk's list entries beside the row's count, on the guess that its chunk is the floor C,
-// instead of after the count: see attend_program
-#ifndef ATTEND_SPECULATE
-#define ATTEND_SPECULATE 0
-#endif
-
 // Dynamic shared memory of a program (mirrored by attend_cuda.shared_bytes): the stages' K
 // and V tiles, the staged page ids (int64) and token counts (int32)
 __host__ __device__ constexpr int shared_bytes(int d, int stages) {
@@ -63,7 +56,7 @@ struct Params {
   i64 stride_vp, stride_vt, stride_vh;
   i64 stride_bt, stride_pb, stride_ph, stride_cb, stride_ch;
   i64 stride_ob, stride_oh, stride_od;
-  int num_kv_heads, max_pages, list_pages, group, chunk_floor, chunks_per_row;
+  int num_kv_heads, max_pages, group, chunk_floor, chunks_per_row;
   int step_rows, step_programs, short_pages;
   float qk_scale_log2;
   unsigned long long* timeline;  // [programs][TIMELINE_FIELDS] (ATTEND_TIMELINE builds only)
@@ -79,13 +72,6 @@ __device__ __forceinline__ unsigned smid() {
   unsigned id;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
   return id;
-}
-
-// a load the compiler may not sink past a branch (a volatile asm is issued where it stands)
-__device__ __forceinline__ int load_here(const int* address) {
-  int value;
-  asm volatile("ld.global.b32 %0, [%1];" : "=r"(value) : "l"(address));
-  return value;
 }
 
 __device__ __forceinline__ void cp_async16(void* shared, const void* global, int bytes) {
@@ -175,20 +161,6 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     }
   };
 #endif
-  const int* row_pages = p.page_lists + b * p.stride_pb + head * p.stride_ph;
-#if ATTEND_SPECULATE
-  // A program's first page waits on a chain of loads: the row's count (for its chunk), the
-  // chunk's list entries, their block-table entries, then K and V. Every row longer than the
-  // short-row bound whose J chunks of C pages cover it has chunk = C, so the entries at
-  // chunk_id * C are loaded beside the count, on that guess: one round trip off the chain
-  // where it holds, none added where it does not (the entries are loaded again, as without
-  // it). Entries past the row's count are read but never used.
-  const bool can_guess = p.chunk_floor <= THREADS;
-  const int guessed_first = chunk_id * p.chunk_floor;
-  int guessed_logical = -1;
-  if (can_guess && threadIdx.x < p.chunk_floor && guessed_first + threadIdx.x < p.list_pages)
-    guessed_logical = load_here(row_pages + guessed_first + threadIdx.x);
-#endif
   // plan_row (attend.py): Eq. (4) with the short-row floor
   const int count = p.page_counts[b * p.stride_cb + head * p.stride_ch];
   int floor_pages = p.chunk_floor;
@@ -206,6 +178,7 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
   const int seq_len = p.seq_lens[b];
+  const int* row_pages = p.page_lists + b * p.stride_pb + head * p.stride_ph;
   const int* row_table = p.block_table + b * p.stride_bt;
   const bf16* keys = p.key_cache + head * p.stride_kh;
   const bf16* values = p.value_cache + head * p.stride_vh;
@@ -344,13 +317,7 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     for (int i = threadIdx.x; i < pages; i += THREADS) {
       // an entry outside the block table reads nothing (a bad list must not read another
       // request's page), and the current page only its tokens before seq_len
-#if ATTEND_SPECULATE
-      const bool guessed = can_guess && chunk == p.chunk_floor && segment == first &&
-                           i == threadIdx.x;
-      const int logical = guessed ? guessed_logical : row_pages[segment + i];
-#else
       const int logical = row_pages[segment + i];
-#endif
       const bool in_table = logical >= 0 && logical < p.max_pages;
       page_ids[i] = in_table ? row_table[logical] : 0;
       page_tokens[i] = in_table ? max(0, min(PAGE, seq_len - logical * PAGE)) : 0;

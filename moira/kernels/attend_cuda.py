@@ -28,10 +28,6 @@ MAX_GROUP = 16  # query heads per KV head: the 16 rows of mma.m16n8k16
 # clock (cycles), its SM and its page count (benchmarks/attend_timeline.py)
 TIMELINE = None
 TIMELINE_FIELDS = 8
-# a program's chunk's list entries loaded beside its row's count, on the guess that the chunk
-# is the floor C (a candidate, off until timed; NVRTC define ATTEND_SPECULATE): one L2 round
-# trip off the loads before a program's first K/V page (benchmarks/NOTES.md, session 57)
-SPECULATE = False
 
 
 class Params(ctypes.Structure):
@@ -45,8 +41,7 @@ class Params(ctypes.Structure):
             "stride_vt", "stride_vh", "stride_bt", "stride_pb", "stride_ph", "stride_cb",
             "stride_ch", "stride_ob", "stride_oh", "stride_od")]
         + [(name, ctypes.c_int) for name in (
-            "num_kv_heads", "max_pages", "list_pages", "group", "chunk_floor", "chunks_per_row",
-            "step_rows",
+            "num_kv_heads", "max_pages", "group", "chunk_floor", "chunks_per_row", "step_rows",
             "step_programs", "short_pages")]
         + [("qk_scale_log2", ctypes.c_float), ("timeline", ctypes.c_void_p)])
 
@@ -58,10 +53,9 @@ def shared_bytes(head_dim, stages):
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(device_index, head_dim, stages, timeline=False, speculate=False):
+def kernel(device_index, head_dim, stages, timeline=False):
     """The loaded function ``moira_attend_d<D>_s<S>`` on a device (its module loaded once);
-    ``timeline``, ``speculate``: the ATTEND_TIMELINE / ATTEND_SPECULATE builds (``TIMELINE``,
-    ``SPECULATE``)."""
+    ``timeline``: the ATTEND_TIMELINE build (``TIMELINE``)."""
     limit = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
     if shared_bytes(head_dim, stages) > limit:
         raise ValueError(f"attend.CUDA_STAGES = {stages} needs "
@@ -70,8 +64,7 @@ def kernel(device_index, head_dim, stages, timeline=False, speculate=False):
                          f"lower CUDA_STAGES")
     return cuda_build.function(device_index, SOURCE, f"moira_attend_d{head_dim}_s{stages}",
                                "attend.IMPLEMENTATION", shared_bytes(head_dim, stages),
-                               options=("-DATTEND_TIMELINE=1",) * timeline
-                               + ("-DATTEND_SPECULATE=1",) * speculate)
+                               options=("-DATTEND_TIMELINE=1",) if timeline else ())
 
 
 def check_inputs(query, key_cache, value_cache, head_dim, group, stages):
@@ -130,7 +123,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
                          f"[{batch * num_kv_heads * chunks_per_row}, {TIMELINE_FIELDS}], got "
                          f"{timeline.dtype} {tuple(timeline.shape)}")
     function = kernel(cuda_build.device_index(query.device), head_dim, stages,
-                      timeline is not None, SPECULATE)
+                      timeline is not None)
     if build_only:
         return out
     params = Params(
@@ -141,8 +134,8 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), page_lists.stride(0), page_lists.stride(1),
         page_counts.stride(0), page_counts.stride(1), *out.stride(),
-        num_kv_heads, block_table.shape[1], page_lists.shape[2], group, chunk_floor,
-        chunks_per_row, step_rows, step_programs, short_pages, qk_scale_log2,
+        num_kv_heads, block_table.shape[1], group, chunk_floor, chunks_per_row, step_rows,
+        step_programs, short_pages, qk_scale_log2,
         timeline.data_ptr() if timeline is not None else None)
     cuda_build.launch(function, (batch * num_kv_heads, chunks_per_row), THREADS,
                       shared_bytes(head_dim, stages), query.device, params)
