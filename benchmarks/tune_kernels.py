@@ -46,7 +46,8 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # "estparts": the CUDA Estimate whole, its exact programs alone and its mvar programs alone;
 # "sumlayout": the CUDA Estimate with the summaries page-major or head-major, each over
 # scattered and over consecutive physical pages; "fused": Estimate and Select in one launch
-# against the two CUDA kernels; "fusedparts": the fused launch's phases by its timeline probe)
+# against the two CUDA kernels and the configured pair, its programs per row as "auto" sets
+# them and at --fused-clusters; "fusedparts": the fused launch's phases by its timeline probe)
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
          "balanced", "fractions", "step", "wide", "selectwarps", "halfbytes", "estparts",
          "sumlayout", "fused", "fusedparts")
@@ -90,6 +91,9 @@ def main():
                         help=f"comma-separated subset of {','.join(KINDS)}")
     parser.add_argument("--shapes", default="",
                         help="comma-separated subset of 8k32,32k16,64k8,128k4 (default: all)")
+    parser.add_argument("--fused-clusters", default="",
+                        help="--kinds fused: also the fused launch at these programs per row "
+                             "(comma-separated of 1, 2, 4, 8; estimate_select_cuda.CLUSTER)")
     parser.add_argument("--table-pages", type=int, default=2048,
                         help="wide: block-table columns, as in an engine whose longest admitted "
                              "context is this many pages (vllm_tpot.py's: ~2,040)")
@@ -97,6 +101,9 @@ def main():
     kinds = set(args.kinds.split(","))
     if kinds - set(KINDS):  # a kind since removed would otherwise time nothing, silently
         parser.error(f"--kinds: unknown {sorted(kinds - set(KINDS))}; known: {', '.join(KINDS)}")
+    clusters = [f"c{n}" for n in filter(None, args.fused_clusters.split(","))]
+    if any(c not in ("c1", "c2", "c4", "c8") for c in clusters):
+        parser.error(f"--fused-clusters: 1, 2, 4 or 8, got {args.fused_clusters!r}")
     results = []
     names = {f"{context // 1024}k{batch}" for context, batch in SHAPES + EXTRA_SHAPES}
     wanted = set(filter(None, args.shapes.split(",")))
@@ -284,11 +291,13 @@ def main():
                                      dense_below_pages=0, programmatic_launch=False)
 
                     def both(fused, arm=arm, selection=selection):
-                        # "default": the two kernels as configured (Select's default is Triton's)
+                        # "default": the two kernels as configured (Select's default is Triton's);
+                        # "on": the fused launch, its programs per row "auto"; "c<N>": N
                         select_kernel = select_module.IMPLEMENTATION if fused == "default" \
                             else "cuda"
-                        with patched(estimate_select_cuda,
-                                     FUSED="off" if fused == "default" else fused), \
+                        setting = {"default": "off", "off": "off"}.get(fused, "on")
+                        cluster = int(fused[1:]) if fused.startswith("c") else "auto"
+                        with patched(estimate_select_cuda, FUSED=setting, CLUSTER=cluster), \
                                 patched(estimate_module, IMPLEMENTATION="cuda"), \
                                 patched(select_module, IMPLEMENTATION=select_kernel):
                             for (copy, table_now), write in zip(arm, writes):
@@ -297,17 +306,21 @@ def main():
                                     lists_w, counts_w, write, selection)
 
                     outputs = {}
-                    for fused in ("off", "on"):
+                    fused_arms = ["on"] + clusters
+                    for fused in ["off"] + fused_arms:
                         lists_w.fill_(-1)
                         both(fused, arm=arm[:1])
                         outputs[fused] = (lists_w.clone(), counts_w.clone())
-                    (lists_off, counts_off), (lists_on, counts_on) = outputs["off"], outputs["on"]
+                    lists_off, counts_off = outputs["off"]
                     kept = torch.arange(width, device="cuda") < counts_off[..., None]
-                    if not (torch.equal(counts_on, counts_off)
-                            and torch.equal(lists_on[kept], lists_off[kept])):
-                        raise SystemExit(f"the fused Estimate + Select differs at {shape}")
+                    for fused in fused_arms:
+                        lists_on, counts_on = outputs[fused]
+                        if not (torch.equal(counts_on, counts_off)
+                                and torch.equal(lists_on[kept], lists_off[kept])):
+                            raise SystemExit(f"the fused Estimate + Select ({fused}) differs "
+                                             f"at {shape}")
                     record("check", shape, f"fused = two kernels, {mode} width={width}", 0.0)
-                    for fused in ("off", "default", "on") * 2:
+                    for fused in ["off", "default"] + fused_arms * 2 + ["off", "default"]:
                         micros = bench(lambda fused=fused: both(fused)) / len(arm)
                         record("fused", shape, f"{mode} width={width} fused {fused}", micros)
 
