@@ -109,10 +109,10 @@ __device__ __forceinline__ int cluster_rank() {
 }
 
 // every thread of the cluster's programs; shared-memory writes before it are visible to every
-// program of the cluster after it
+// program of the cluster after it (not .aligned: a warp need not have reconverged)
 __device__ __forceinline__ void cluster_barrier() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n"
-               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.arrive.release;\n"
+               "barrier.cluster.wait.acquire;\n" ::: "memory");
 }
 
 // the float at `local`'s offset in the shared memory of the cluster's program `rank`
@@ -175,21 +175,28 @@ __device__ void estimate_select_cluster(const Params& p) {
   }
   cluster_barrier();  // every program's log-masses written
   if (rank == 0 && estimated) {
-    // each page's log-masses from the program whose worker computed them (mvar_pages' shares)
+    // each page's log-masses from the program whose worker computed them (mvar_pages'
+    // shares); every load before a store, so the gather is one round trip
     typedef est::MvarShape<D, GP> S;
     const int share = cdiv(cdiv(max(last, 0), S::TILE), WORKERS - 2);
-    for (int page = threadIdx.x; page < pages_in_row; page += THREADS) {
-      const int owner = page == last ? WORKERS - 1 : page == 0 ? 0 : 1 + page / S::TILE / share;
-      if (owner / GROUPS == 0) continue;
-      float value[GP];
+    float value[P][GP];
+    int from[P];  // the page's program, 0 where nothing is gathered
 #pragma unroll
-      for (int g = 0; g < GP; ++g)  // every load before a store
-        value[g] = g < e.group
-            ? load_from_rank(masses + g * p.masses_stride + page, owner / GROUPS) : 0.f;
+    for (int k = 0; k < P; ++k) {
+      const int page = threadIdx.x + k * THREADS;
+      const int owner = page == last ? WORKERS - 1 : page == 0 ? 0 : 1 + page / S::TILE / share;
+      from[k] = page < pages_in_row ? owner / GROUPS : 0;
 #pragma unroll
       for (int g = 0; g < GP; ++g)
-        if (g < e.group) masses[g * p.masses_stride + page] = value[g];
+        value[k][g] = from[k] > 0 && g < e.group
+            ? load_from_rank(masses + g * p.masses_stride + page, from[k]) : 0.f;
     }
+#pragma unroll
+    for (int k = 0; k < P; ++k)
+#pragma unroll
+      for (int g = 0; g < GP; ++g)
+        if (from[k] > 0 && g < e.group)
+          masses[g * p.masses_stride + threadIdx.x + k * THREADS] = value[k][g];
   }
   cluster_barrier();  // the first program has read the others' shared memory
   if (rank != 0) return;
