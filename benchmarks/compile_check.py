@@ -203,10 +203,9 @@ def main():
 def build_cuda():
     """The CUDA kernels (``attend_cuda.cu``, ``estimate_cuda.cu``, ``select_cuda.cu`` at every
     pages-per-thread and K_B it launches, G = 1, 4 and 8: ``IMPLEMENTATION = "cuda"``; the
-    fused ``estimate_select_cuda.cu`` at D = 64 / 128, those G, K_B 4 / 64, P 1 / 8, and in
-    clusters of 2 / 4 / 8 at three of them) built by NVRTC for sm_90, with ptxas' report per
-    kernel (registers, spilled bytes; Attend's shared memory of the launch); nothing where no
-    libnvrtc is found. Returns the kernels that spill."""
+    fused ``estimate_select_cuda.cu`` at D = 64 / 128, those G, K_B 4 / 64, P 1 / 8) built by
+    NVRTC for sm_90, with ptxas' report per kernel (registers, spilled bytes; Attend's shared
+    memory of the launch); nothing where no libnvrtc is found. Returns the kernels that spill."""
     if cuda_build.nvrtc_library() is None:
         print("CUDA kernels                             skipped: no libnvrtc", flush=True)
         return []
@@ -222,11 +221,7 @@ def build_cuda():
          (f"-DFUSED_D={head_dim}", *select_cuda.build_options(pages, ways, group)), "")
         for head_dim in (64, 128) for group in (1, 4, select_cuda.MAX_GROUP) for ways in (4, 64)
         for pages in (1, 8)  # the per-thread limit of Select's (estimate_select_cuda.applies)
-        if pages * select_cuda.MAX_THREADS <= select_cuda.max_table_pages(group, ways)] + [
-        (estimate_select_cuda.SOURCE, (f"-DFUSED_D={head_dim}", f"-DFUSED_CLUSTER={cluster}",
-                                       *select_cuda.build_options(pages, 4, group)),
-         f", {cluster} programs per row")
-        for head_dim, group, pages, cluster in ((128, 4, 8, 8), (128, 8, 8, 4), (64, 1, 1, 2))]
+        if pages * select_cuda.MAX_THREADS <= select_cuda.max_table_pages(group, ways)]
     spilled = []
     for source, options, label in builds:
         with open(cuda_build.source_path(source), "rb") as f:

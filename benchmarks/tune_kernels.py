@@ -46,8 +46,7 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 # "estparts": the CUDA Estimate whole, its exact programs alone and its mvar programs alone;
 # "sumlayout": the CUDA Estimate with the summaries page-major or head-major, each over
 # scattered and over consecutive physical pages; "fused": Estimate and Select in one launch
-# against the two CUDA kernels and the configured pair, its programs per row as "auto" sets
-# them and at --fused-clusters; "fusedparts": the fused launch's phases by its timeline probe)
+# against the two CUDA kernels; "fusedparts": the fused launch's phases by its timeline probe)
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
          "balanced", "fractions", "step", "wide", "selectwarps", "halfbytes", "estparts",
          "sumlayout", "fused", "fusedparts")
@@ -91,9 +90,6 @@ def main():
                         help=f"comma-separated subset of {','.join(KINDS)}")
     parser.add_argument("--shapes", default="",
                         help="comma-separated subset of 8k32,32k16,64k8,128k4 (default: all)")
-    parser.add_argument("--fused-clusters", default="",
-                        help="--kinds fused: also the fused launch at these programs per row "
-                             "(comma-separated of 1, 2, 4, 8; estimate_select_cuda.CLUSTER)")
     parser.add_argument("--table-pages", type=int, default=2048,
                         help="wide: block-table columns, as in an engine whose longest admitted "
                              "context is this many pages (vllm_tpot.py's: ~2,040)")
@@ -101,9 +97,6 @@ def main():
     kinds = set(args.kinds.split(","))
     if kinds - set(KINDS):  # a kind since removed would otherwise time nothing, silently
         parser.error(f"--kinds: unknown {sorted(kinds - set(KINDS))}; known: {', '.join(KINDS)}")
-    clusters = [f"c{n}" for n in filter(None, args.fused_clusters.split(","))]
-    if any(c not in ("c1", "c2", "c4", "c8") for c in clusters):
-        parser.error(f"--fused-clusters: 1, 2, 4 or 8, got {args.fused_clusters!r}")
     results = []
     names = {f"{context // 1024}k{batch}" for context, batch in SHAPES + EXTRA_SHAPES}
     wanted = set(filter(None, args.shapes.split(",")))
@@ -291,13 +284,11 @@ def main():
                                      dense_below_pages=0, programmatic_launch=False)
 
                     def both(fused, arm=arm, selection=selection):
-                        # "default": the two kernels as configured (Select's default is Triton's);
-                        # "on": the fused launch, its programs per row "auto"; "c<N>": N
+                        # "default": the two kernels as configured (Select's default is Triton's)
                         select_kernel = select_module.IMPLEMENTATION if fused == "default" \
                             else "cuda"
-                        setting = {"default": "off", "off": "off"}.get(fused, "on")
-                        cluster = int(fused[1:]) if fused.startswith("c") else "auto"
-                        with patched(estimate_select_cuda, FUSED=setting, CLUSTER=cluster), \
+                        with patched(estimate_select_cuda,
+                                     FUSED="off" if fused == "default" else fused), \
                                 patched(estimate_module, IMPLEMENTATION="cuda"), \
                                 patched(select_module, IMPLEMENTATION=select_kernel):
                             for (copy, table_now), write in zip(arm, writes):
@@ -306,24 +297,21 @@ def main():
                                     lists_w, counts_w, write, selection)
 
                     outputs = {}
-                    fused_arms = ["on"] + clusters
-                    for fused in ["off"] + fused_arms:
+                    for fused in ("off", "on"):
                         lists_w.fill_(-1)
                         both(fused, arm=arm[:1])
                         outputs[fused] = (lists_w.clone(), counts_w.clone())
-                    lists_off, counts_off = outputs["off"]
+                    (lists_off, counts_off), (lists_on, counts_on) = outputs["off"], outputs["on"]
                     kept = torch.arange(width, device="cuda") < counts_off[..., None]
-                    for fused in fused_arms:
-                        # Select's sums are the two kernels' in the same order only where
-                        # select_cuda.shape gives the row program 256 threads (a 2,048-page
-                        # table); elsewhere a near-tie may part them: counted, not fatal
-                        lists_on, counts_on = outputs[fused]
-                        rows_apart = int(((counts_on != counts_off)
-                                          | ((lists_on != lists_off) & kept).any(-1)).sum())
-                        most = int((counts_on - counts_off).abs().max())
-                        record("check", shape, f"fused {fused} rows apart from two kernels, "
-                               f"{mode} width={width} (most pages apart {most})", rows_apart)
-                    for fused in ["off", "default"] + fused_arms * 2 + ["off", "default"]:
+                    # Select's sums are the two kernels' in the same order only where
+                    # select_cuda.shape gives its row program the fused one's 256 threads (a
+                    # 2,048-page table); elsewhere a near-tie may part them: counted, not fatal
+                    rows_apart = int(((counts_on != counts_off)
+                                      | ((lists_on != lists_off) & kept).any(-1)).sum())
+                    most = int((counts_on - counts_off).abs().max())
+                    record("check", shape, f"fused rows apart from two kernels, {mode} "
+                           f"width={width} (most pages apart {most})", rows_apart)
+                    for fused in ("off", "default", "on") * 2:
                         micros = bench(lambda fused=fused: both(fused)) / len(arm)
                         record("fused", shape, f"{mode} width={width} fused {fused}", micros)
 

@@ -1,8 +1,8 @@
 """Estimate and Select in one launch (estimate_select_cuda.cu): on a GPU the fused kernel's
-lists, counts, cache writes, summaries and outputs equal the two kernels' bit for bit (same
-arithmetic in the same order), one program per row and in clusters of 2, 4 and 8, in every
-mode and on edge rows, eagerly and in a CUDA graph; on the CPU, the struct mirror (given
-libnvrtc), the cluster size and when the step takes it."""
+lists, counts, cache writes, summaries and outputs equal the two kernels' bit for bit (the
+same arithmetic; Select's sums in another order outside 2,048-page tables, which these seeded
+inputs do not tie on), in every mode and on edge rows, eagerly and in a CUDA graph; on
+the CPU, the struct mirror (given libnvrtc) and when the step takes it."""
 
 import ctypes
 
@@ -73,25 +73,6 @@ def test_applies_follows_the_setting_rows_and_table(monkeypatch):
     assert estimate_select_cuda.pages_per_thread(100) == 1
 
 
-def test_cluster_size_follows_the_setting_rows_and_gpu(monkeypatch):
-    """"auto": about MIN_ROWS programs in clusters of at most 8 below MIN_ROWS rows on sm_90+,
-    one program per row from MIN_ROWS rows or before sm_90; a number is taken as given; any
-    other value is refused by name."""
-    capability = [(9, 0)]
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability[0])
-    size = estimate_select_cuda.cluster_size
-    rows = estimate_select_cuda.MIN_ROWS
-    assert [size(n, 0) for n in (rows, rows - 1, 128, 65, 64, 32, 16, 1)] == [1, 2, 2, 4, 4, 8,
-                                                                              8, 8]
-    capability[0] = (8, 0)
-    assert size(32, 0) == 1
-    monkeypatch.setattr(estimate_select_cuda, "CLUSTER", 4)
-    assert size(rows, 0) == 4
-    monkeypatch.setattr(estimate_select_cuda, "CLUSTER", 3)
-    with pytest.raises(ValueError, match="estimate_select_cuda.CLUSTER must be"):
-        size(32, 0)
-
-
 def test_the_step_launches_it_where_the_cuda_estimate_runs(monkeypatch):
     """A step takes the fused launch exactly when ``applies`` holds, the Estimate resolves to
     CUDA and the CUDA Select could take the inputs (whichever Select ``select.IMPLEMENTATION``
@@ -143,13 +124,11 @@ def step_inputs(group, head_dim, lengths=LENGTHS, num_kv_heads=2, extra_columns=
     return query, keys, values, summaries, table, seq_lens
 
 
-def run_step(monkeypatch, fused, inputs, new_tokens=True, graph=False, cluster=1, **options):
+def run_step(monkeypatch, fused, inputs, new_tokens=True, graph=False, **options):
     """The step's (keys, values, summaries, out, lists, counts) with the fused launch "on" or
     "off" (then the two CUDA kernels: "auto" would pick Triton's in these narrow tables),
-    from copies of ``inputs`` (each run writes its caches), its outputs poisoned; ``cluster``:
-    the fused launch's programs per row."""
+    from copies of ``inputs`` (each run writes its caches), its outputs poisoned."""
     monkeypatch.setattr(estimate_select_cuda, "FUSED", "on" if fused else "off")
-    monkeypatch.setattr(estimate_select_cuda, "CLUSTER", cluster)
     monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "cuda")
     monkeypatch.setattr(select_module, "IMPLEMENTATION", "cuda")
     calls = []
@@ -220,13 +199,12 @@ MODES = {"gamma": dict(gamma=0.9), "gamma_one": dict(gamma=1.0), "top_k": dict(t
 @cuda
 @pytest.mark.parametrize("group, head_dim", [(1, 64), (4, 128), (7, 128), (8, 64), (4, 64)])
 @pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("cluster", [1, 2, 8])
-def test_fused_equals_the_two_kernels(monkeypatch, group, head_dim, mode, cluster):
+def test_fused_equals_the_two_kernels(monkeypatch, group, head_dim, mode):
     """Every mode, on rows of one token, one and two full pages, a partial page, a padded
     row and a 41-page row, with this step's tokens written: caches, summaries, lists, counts
     and outputs equal bit for bit; the lists are the reference's (its float32 log-masses)."""
     inputs = step_inputs(group, head_dim)
-    fused = run_step(monkeypatch, True, inputs, cluster=cluster, **MODES[mode])
+    fused = run_step(monkeypatch, True, inputs, **MODES[mode])
     assert_same_step(fused, run_step(monkeypatch, False, inputs, **MODES[mode]))
     if mode == "gamma":
         keys, _, summaries, _, lists, counts = fused
@@ -239,41 +217,35 @@ def test_fused_equals_the_two_kernels(monkeypatch, group, head_dim, mode, cluste
 
 @cuda
 @pytest.mark.parametrize("per", ["kv_head", "row"])
-@pytest.mark.parametrize("cluster", [1, 4])
-def test_fused_equals_the_two_kernels_with_values_per_row(monkeypatch, per, cluster):
+def test_fused_equals_the_two_kernels_with_values_per_row(monkeypatch, per):
     """Keep fractions and coverage targets per KV head or per (request, KV head)."""
     inputs = step_inputs(4, 128)
     shape = (2,) if per == "kv_head" else (len(LENGTHS), 2)
     fractions = torch.rand(shape, device=DEVICE) * 0.6 + 0.05
     gammas = torch.rand(shape, device=DEVICE) * 0.2 + 0.79
     for options in (dict(keep_fractions=fractions), dict(gamma=gammas)):
-        assert_same_step(run_step(monkeypatch, True, inputs, cluster=cluster, **options),
+        assert_same_step(run_step(monkeypatch, True, inputs, **options),
                          run_step(monkeypatch, False, inputs, **options))
 
 
 @cuda
 @pytest.mark.parametrize("columns", [1, 2048 - 42])
-@pytest.mark.parametrize("cluster", [1, 8])
-def test_fused_equals_the_two_kernels_in_wide_tables(monkeypatch, columns, cluster):
+def test_fused_equals_the_two_kernels_in_wide_tables(monkeypatch, columns):
     """A table as wide as an engine's (2,048 pages: 8 pages per thread, 32 KB of log-masses
-    at G = 4) and one column past the longest row, without new tokens; and rows filling it
-    (2,000 pages: 63 mvar tiles over a cluster's 14 mvar workers)."""
-    lengths = [64 * 9 + 1, 64 * 40 + 17, 1, 64] + [64 * 2000 - 5] * (columns > 1)
-    inputs = step_inputs(4, 128, lengths=lengths, extra_columns=columns - 1960 * (columns > 1))
-    assert_same_step(run_step(monkeypatch, True, inputs, new_tokens=False, gamma=0.95,
-                              cluster=cluster),
+    at G = 4) and one column past the longest row, without new tokens."""
+    inputs = step_inputs(4, 128, lengths=[64 * 9 + 1, 64 * 40 + 17, 1, 64],
+                         extra_columns=columns)
+    assert_same_step(run_step(monkeypatch, True, inputs, new_tokens=False, gamma=0.95),
                      run_step(monkeypatch, False, inputs, new_tokens=False, gamma=0.95))
 
 
 @cuda
-@pytest.mark.parametrize("cluster", [1, 2])
-def test_many_rows_in_a_cuda_graph(monkeypatch, cluster):
+def test_many_rows_in_a_cuda_graph(monkeypatch):
     """128 rows of random lengths up to 6,400 tokens, captured in a CUDA
     graph and replayed: the same as the two kernels run eagerly."""
     lengths = torch.randint(1, 64 * 100, (64,)).tolist()
     inputs = step_inputs(4, 128, lengths=lengths, extra_columns=1)
-    assert_same_step(run_step(monkeypatch, True, inputs, graph=True, gamma=0.98,
-                              cluster=cluster),
+    assert_same_step(run_step(monkeypatch, True, inputs, graph=True, gamma=0.98),
                      run_step(monkeypatch, False, inputs, gamma=0.98))
 
 

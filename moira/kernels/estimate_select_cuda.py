@@ -1,10 +1,9 @@
 """Estimate and Select in one launch (``estimate_select_cuda.cu``): one 256-thread program per
 row computes the row's log-masses into shared memory with the CUDA Estimate's code and then
 selects its pages with the CUDA Select's, so a step's first two kernels become one wave
-without the log-masses' round trip through global memory. In steps of fewer rows a cluster of
-``cluster_size`` programs computes each row's log-masses and the first selects (sm_90). The
-outputs are the two kernels' (lists, counts, the token's cache write, the filled page's
-summary); the log-masses buffer is not written.
+without the log-masses' round trip through global memory. The outputs are the two kernels'
+(lists, counts, the token's cache write, the filled page's summary); the log-masses buffer is
+not written.
 
 ``FUSED`` chooses: "auto" (default) launches it for steps of at least ``MIN_ROWS`` rows in
 block tables of at least ``MIN_TABLE_PAGES`` pages whose Estimate runs in CUDA; "off" never;
@@ -35,9 +34,6 @@ MIN_ROWS = 256
 # the table's width), session 56: 2,048-page tables -3.1 to -4.9 us at 8k x 32 and 16k x 32;
 # tables as wide as the rows (128, 256 pages) +0.1 to +0.9 us. Widths between were not timed
 MIN_TABLE_PAGES = 2048
-# Programs per row: "auto" (``cluster_size``) or 1, 2, 4, 8 (a candidate below 256 rows until
-# timed: NOTES, session 57)
-CLUSTER = "auto"
 MAX_SHARED = 96 * 1024  # the log-masses' shared memory per program: two programs per SM
 # A probe, not a setting: an int64 tensor of [rows, TIMELINE_FIELDS] makes the launch run the
 # FUSED_TIMELINE build, each program writing the global timer (ns) at its start, after the
@@ -54,20 +50,6 @@ class Params(ctypes.Structure):
 
     _fields_ = [("estimate", estimate_cuda.Params), ("select", select_cuda.Params),
                 ("masses_stride", ctypes.c_int), ("timeline", ctypes.c_void_p)]
-
-
-def cluster_size(rows, device_index):
-    """Programs per row (``CLUSTER``): "auto" gives a step of fewer than ``MIN_ROWS`` rows
-    about ``MIN_ROWS`` programs in clusters of at most 8 (the portable limit) on sm_90+, one
-    per row otherwise."""
-    if CLUSTER not in ("auto", 1, 2, 4, 8):
-        raise ValueError(f"estimate_select_cuda.CLUSTER must be 'auto', 1, 2, 4 or 8, got "
-                         f"{CLUSTER!r}")
-    if CLUSTER != "auto":
-        return CLUSTER
-    if torch.cuda.get_device_capability(device_index)[0] < 9 or rows >= MIN_ROWS:
-        return 1
-    return min(8, triton.next_power_of_2(triton.cdiv(MIN_ROWS, max(rows, 1))))
 
 
 def pages_per_thread(max_pages):
@@ -97,19 +79,17 @@ def applies(rows, max_pages, group, ways, programmatic_launch):
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(device_index, head_dim, group, pages, ways, timeline=False, cluster=1):
-    """The loaded function ``moira_estimate_select_d<D>_g<G padded>_p<P>_w<K_B>[_c<C>]`` on a
-    device, allowed the shared memory of the widest table its ``pages`` per thread take (the
+def kernel(device_index, head_dim, group, pages, ways, timeline=False):
+    """The loaded function ``moira_estimate_select_d<D>_g<G padded>_p<P>_w<K_B>`` on a device,
+    allowed the shared memory of the widest table its ``pages`` per thread take (the
     attribute is the function's, shared by every table width that launches it);
-    ``timeline``: the FUSED_TIMELINE build (``TIMELINE``); ``cluster``: programs per row."""
+    ``timeline``: the FUSED_TIMELINE build (``TIMELINE``)."""
     group_pad = estimate_cuda.group_pad(group)
-    name = f"moira_estimate_select_d{head_dim}_g{group_pad}_p{pages}_w{ways}"
     return cuda_build.function(
-        device_index, SOURCE, name + (f"_c{cluster}" if cluster > 1 else ""),
+        device_index, SOURCE, f"moira_estimate_select_d{head_dim}_g{group_pad}_p{pages}_w{ways}",
         "estimate.IMPLEMENTATION", shared_bytes(THREADS * pages, group),
         options=(f"-DFUSED_D={head_dim}", *select_cuda.build_options(pages, ways, group),
-                 *(("-DFUSED_TIMELINE=1",) if timeline else ()),
-                 *((f"-DFUSED_CLUSTER={cluster}",) if cluster > 1 else ())))
+                 *(("-DFUSED_TIMELINE=1",) if timeline else ())))
 
 
 def estimate_select(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
@@ -124,17 +104,14 @@ def estimate_select(query, key_cache, summaries, block_table, seq_lens, scale, l
     group = num_heads // num_kv_heads
     max_pages = block_table.shape[1]
     rows = batch * num_kv_heads
-    device_index = cuda_build.device_index(query.device)
-    cluster = cluster_size(rows, device_index)
     timeline = TIMELINE
     if timeline is not None and (timeline.dtype != torch.int64 or not timeline.is_contiguous()
-                                 or timeline.numel() < rows * TIMELINE_FIELDS or cluster > 1):
+                                 or timeline.numel() < rows * TIMELINE_FIELDS):
         raise ValueError(f"estimate_select_cuda.TIMELINE must be a contiguous int64 tensor of "
                          f"at least [{rows}, {TIMELINE_FIELDS}], got {timeline.dtype} "
-                         f"{tuple(timeline.shape)}, and probes one program per row (CLUSTER = "
-                         f"1; {cluster} here)")
-    function = kernel(device_index, head_dim, group, pages_per_thread(max_pages), ways,
-                      timeline is not None, cluster)
+                         f"{tuple(timeline.shape)}")
+    function = kernel(cuda_build.device_index(query.device), head_dim, group,
+                      pages_per_thread(max_pages), ways, timeline is not None)
     if build_only or rows == 0:
         return page_lists, page_counts
     call = Params(
@@ -145,6 +122,6 @@ def estimate_select(query, key_cache, summaries, block_table, seq_lens, scale, l
                            top_k=top_k, row_values=row_values, fractions=fractions,
                            row_gammas=row_gammas, dense_below_pages=dense_below_pages),
         max_pages, timeline.data_ptr() if timeline is not None else None)
-    cuda_build.launch(function, (rows * cluster, 1), THREADS, shared_bytes(max_pages, group),
-                      query.device, call)
+    cuda_build.launch(function, (rows, 1), THREADS, shared_bytes(max_pages, group), query.device,
+                      call)
     return page_lists, page_counts

@@ -246,7 +246,7 @@ __device__ __forceinline__ void bisect_binned(const float (&candidate)[P], float
 constexpr float FIXED_ONE = 1099511627776.0f;  // 2^40
 
 template <int P, int WAYS, int GP>
-__device__ void select_row(const Params& p, int row) {  // row: (request, KV head)
+__device__ void select_row(const Params& p) {
   static_assert(GP <= MAX_GROUP, "G");
   // two reduction buffers in turn, each [MAX_WARPS][max(K_B values reduced, GP)] (the
   // binned passes reduce none)
@@ -256,6 +256,7 @@ __device__ void select_row(const Params& p, int row) {  // row: (request, KV hea
   __shared__ int int_buffers[2][WIDTH];
   int turn = 0;
 
+  const int row = blockIdx.x;
   const int b = row / p.num_kv_heads;
   const int head = row % p.num_kv_heads;
   const int n = min(cdiv(p.seq_lens[b], PAGE), p.max_pages);
@@ -277,7 +278,7 @@ __device__ void select_row(const Params& p, int row) {  // row: (request, KV hea
   // a 2,048-page table)
   if constexpr (P > 1) {
     if (n <= int(blockDim.x) * (P / 2)) {
-      select_row<P / 2, WAYS, GP>(p, row);
+      select_row<P / 2, WAYS, GP>(p);
       return;
     }
   }
@@ -459,7 +460,7 @@ __device__ void select_row(const Params& p, int row) {  // row: (request, KV hea
 #define MOIRA_SELECT(P, WAYS, GP)                                                  \
   extern "C" __global__ void __launch_bounds__(32 * MAX_WARPS, 1)                  \
       moira_select_p##P##_w##WAYS##_g##GP(const Params p) {                        \
-    select_row<P, WAYS, GP>(p, blockIdx.x);                                        \
+    select_row<P, WAYS, GP>(p);                                                    \
   }
 #define MOIRA_SELECT_BUILD(P, WAYS, GP) MOIRA_SELECT(P, WAYS, GP)
 
