@@ -304,8 +304,8 @@ def main():
                     (lists_off, counts_off), (lists_on, counts_on) = outputs["off"], outputs["on"]
                     kept = torch.arange(width, device="cuda") < counts_off[..., None]
                     # Select's sums are the two kernels' in the same order only where
-                    # select_cuda.shape gives its row program the fused one's 256 threads (a
-                    # 2,048-page table); elsewhere a near-tie may part them: counted, not fatal
+                    # select_cuda.shape gives its row program the fused one's 256 threads
+                    # (1,025-2,048 pages); elsewhere a near-tie may part them: counted
                     rows_apart = int(((counts_on != counts_off)
                                       | ((lists_on != lists_off) & kept).any(-1)).sum())
                     most = int((counts_on - counts_off).abs().max())

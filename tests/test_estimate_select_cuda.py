@@ -1,7 +1,7 @@
 """Estimate and Select in one launch (estimate_select_cuda.cu): on a GPU the fused kernel's
 lists, counts, cache writes, summaries and outputs equal the two kernels' bit for bit (the
-same arithmetic; Select's sums in another order outside 2,048-page tables, which these seeded
-inputs do not tie on), in every mode and on edge rows, eagerly and in a CUDA graph; on
+same arithmetic; Select's sums in another order outside tables of 1,025-2,048 pages, which
+these seeded inputs do not tie on), in every mode and on edge rows, eagerly and in a CUDA graph; on
 the CPU, the struct mirror (given libnvrtc) and when the step takes it."""
 
 import ctypes

@@ -9,9 +9,10 @@
 // memory instead of global memory, and after one barrier Select's row program (select_row,
 // any mode) runs on them with the same 256 threads. The log-masses are the CUDA Estimate's bit
 // for bit; Select's sums are the CUDA Select's in the same order where select_cuda.shape also
-// gives its row program 256 threads of P pages (2,048-page tables, where "auto" launches this
-// kernel) and in another order elsewhere, where a near-tie could part the lists (none did in
-// the tests or in tune_kernels' checks, session 57). Why: the CUDA Estimate's grid
+// gives its row program 256 threads of P pages (tables of 1,025-2,048 pages) and in another
+// order elsewhere (narrower tables, and "auto"'s wider ones up to 4,096 pages), where a
+// near-tie could part the lists (none did in the tests or in tune_kernels' checks, sessions
+// 56-57). Why: the CUDA Estimate's grid
 // of short programs reads its summaries at 1.9-2.4 TB/s, a chain of dependent loads repeated
 // over ~4 waves, and Select then pays its own launch and reloads the log-masses (NOTES,
 // session 56). Here a step of 256 rows is one wave of two programs per SM, each with 32 KB of
