@@ -23,8 +23,7 @@ cuda = pytest.mark.cuda
 def test_params_mirror_the_kernels_struct():
     """``estimate_select_cuda.Params`` (ctypes) is the kernel's: the two kernels' own structs
     (each mirror-tested in its own test file), the shared row width and the probe's pointer,
-    in that order and
-    size; a kernel whose fields were swapped fails the same checks."""
+    in that order and size; a kernel whose fields were swapped fails the same checks."""
     with open(cuda_build.source_path(estimate_select_cuda.SOURCE), "rb") as f:
         source = f.read()
     checks = "\n".join([

@@ -235,26 +235,25 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
 
 
 def implementation(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
-                   row_values):
-    """The Select that runs a call, "triton" or "cuda": ``IMPLEMENTATION`` with "auto"
-    resolved (a ValueError for an unknown name)."""
+                   row_values, setting=None, from_pages=None):
+    """The Select that runs a call, "triton" or "cuda": ``setting`` (``IMPLEMENTATION``) with
+    "auto" resolved, CUDA from ``from_pages`` (``CUDA_FROM_PAGES``) table columns (a
+    ValueError for an unknown name)."""
+    setting = IMPLEMENTATION if setting is None else setting
+    from_pages = CUDA_FROM_PAGES if from_pages is None else from_pages
     return cuda_build.resolve(
-        "select.IMPLEMENTATION", IMPLEMENTATION,
+        "select.IMPLEMENTATION", setting,
         lambda: select_cuda.check_inputs(log_masses, seq_lens, page_lists, page_counts,
                                          max_pages, ways, row_values),
-        lambda: max_pages >= CUDA_FROM_PAGES and cuda_build.can_run(
+        lambda: max_pages >= from_pages and cuda_build.can_run(
             cuda_build.device_index(log_masses.device), "Select"))
 
 
 def cuda_can_take(log_masses, seq_lens, page_lists, page_counts, max_pages, ways, row_values):
     """Whether the CUDA Select's code can run a call (its input checks pass and the device
     can build it), whatever ``IMPLEMENTATION`` says: ``estimate_select_cuda``'s condition."""
-    try:
-        select_cuda.check_inputs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
-                                 row_values)
-    except ValueError:
-        return False
-    return cuda_build.can_run(cuda_build.device_index(log_masses.device), "Select")
+    return implementation(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
+                          row_values, setting="auto", from_pages=0) == "cuda"
 
 
 def row_values_of(keep_fractions, gammas, page_counts):
