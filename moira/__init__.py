@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "PAGE_SIZE": "config",
     "MoiraConfig": "config",
+    "KernelOptions": "config",
     "DecodeWorkspace": "decode",
     "attend": "decode",
     "sparse_decode": "decode",

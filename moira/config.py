@@ -9,8 +9,11 @@ and a ceiling of 128 on J, Eq. (4)'s programs per row (session 20).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
+
+from .kernels import tuning as _tuning
 
 PAGE_SIZE = 64
 """Tokens per KV-cache page. Summaries and the estimate are defined per 64-token page."""
@@ -36,6 +39,110 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 
 CACHE_DTYPE_NAMES = ("bfloat16", "float16")
 """KV-cache dtypes the kernels read (torch's names; vLLM's ``--kv-cache-dtype`` takes them)."""
+
+
+BACKENDS = ("auto", "triton", "cuda")
+"""A stage's implementations: ``"auto"`` runs the CUDA kernel where it can, Triton elsewhere."""
+
+FUSED_MODES = ("auto", "on", "off")
+"""Estimate + Select in one CUDA launch: ``"auto"`` where it was timed faster, always, never."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """Which kernel runs each stage, and the kernels' tuning constants; validated on creation.
+
+    Parameters
+    ----------
+    estimate, select, attend:
+        ``"auto"``, ``"triton"`` or ``"cuda"``. ``"cuda"`` runs the CUDA C++ kernel (built by
+        NVRTC on first use; sm_80+, bfloat16, head_dim 64 / 128) and raises a ValueError for
+        a call it cannot run; ``"triton"`` runs the Triton kernel (any GPU, float16, the CPU
+        interpreter); ``"auto"`` picks per call: the CUDA kernel where it can run and, for
+        Estimate and Select, where the block table has at least ``estimate.cuda_from_pages``
+        / ``select.cuda_from_pages`` pages, Triton elsewhere. The resolved choice for a
+        workspace's device is ``DecodeWorkspace.backends``. Defaults: docs/design/.
+    fused:
+        ``"auto"``, ``"on"`` or ``"off"``: Estimate and Select in one CUDA launch where the
+        Estimate runs in CUDA and the CUDA Select can take the step (it then replaces the
+        configured Select). ``"auto"``: in steps of at least ``fused.min_rows`` rows and block
+        tables of at least ``fused.min_table_pages`` pages.
+    tuning:
+        ``{name: value}`` overrides of the kernels' tuning constants, e.g.
+        ``{"attend.num_warps": 8}``; names, defaults and allowed values are
+        ``moira.kernels.tuning.TUNABLES``. Stored as a sorted tuple of pairs (hashable).
+    """
+
+    estimate: str = "auto"
+    select: str = "triton"
+    attend: str = "auto"
+    fused: str = "auto"
+    tuning: tuple = ()
+
+    def __post_init__(self):
+        for stage in ("estimate", "select", "attend"):
+            if getattr(self, stage) not in BACKENDS:
+                raise ValueError(f"KernelOptions.{stage} must be one of {BACKENDS}, got "
+                                 f"{getattr(self, stage)!r}")
+        if self.fused not in FUSED_MODES:
+            raise ValueError(f"KernelOptions.fused must be one of {FUSED_MODES}, got "
+                             f"{self.fused!r}")
+        object.__setattr__(self, "tuning", _tuning.check(self.tuning))
+        for name, _ in self.tuning:  # a kernel's constant tunes that kernel: name it
+            stage, backend = name.split(".")[0], _tuning.TUNABLES[name].backend
+            chosen = getattr(self, stage, None)
+            if backend is not None and chosen != backend:
+                raise ValueError(f"tuning {name!r} is read only by the {backend} kernel, and "
+                                 f"{stage}={chosen!r}: set {stage}={backend!r} or drop it")
+
+    @functools.cached_property
+    def _values(self):
+        return dict(self.tuning)
+
+    def value(self, name):
+        """The tuning constant ``name``: its override, else its default."""
+        values = self._values
+        return values[name] if name in values else _tuning.TUNABLES[name].default
+
+    @classmethod
+    def parse(cls, text):
+        """Options from ``"attend=cuda,fused=off,attend.num_warps=8"`` (the vLLM plugin's
+        ``MOIRA_KERNELS``; an empty string gives the defaults)."""
+        fields, tuning = {}, {}
+        for item in filter(None, (part.strip() for part in str(text).split(","))):
+            key, sep, value = item.partition("=")
+            key, value = key.strip(), value.strip()
+            if not sep or not key:
+                raise ValueError(f"kernel option {item!r}: use NAME=VALUE, e.g. attend=cuda "
+                                 f"or attend.num_warps=8")
+            if "." in key:
+                tuning[key] = _tuning.parse_value(key, value)
+            elif key in ("estimate", "select", "attend", "fused"):
+                fields[key] = value
+            else:
+                raise ValueError(f"kernel option {key!r}: use estimate, select, attend, fused "
+                                 f"or a tuning name such as attend.num_warps")
+        return cls(**fields, tuning=tuning)
+
+    @classmethod
+    def from_mapping(cls, mapping):
+        """Options from ``{"attend": "cuda", "tuning": {"attend.num_warps": 8}}`` (JSON)."""
+        if isinstance(mapping, cls):
+            return mapping
+        if not isinstance(mapping, dict):
+            raise ValueError(f"kernels must be a mapping such as {{\"attend\": \"cuda\"}}, "
+                             f"got {mapping!r}")
+        unknown = set(mapping) - {"estimate", "select", "attend", "fused", "tuning"}
+        if unknown:
+            raise ValueError(f"kernels: unknown keys {sorted(unknown)}; use estimate, select, "
+                             f"attend, fused, tuning")
+        return cls(**mapping)
+
+    def describe(self):
+        """The options as one line: the stages' settings and the tuning that differs."""
+        text = f"estimate={self.estimate} select={self.select} attend={self.attend} " \
+               f"fused={self.fused}"
+        return text + "".join(f" {name}={value}" for name, value in self.tuning)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +199,8 @@ class MoiraConfig:
         N_T, the fewest programs Attend launches in all (so a few long rows still fill the GPU).
     programs:
         P of the balanced schedule: programs launched per step.
+    kernels:
+        ``KernelOptions``: which kernel runs each stage (Triton or CUDA) and their tuning.
     bisection_ways:
         The K_B schedule: ``((max_pages, K_B), ...)`` in increasing ``max_pages``; a step whose
         block table holds fewer than ``max_pages`` pages per row uses that K_B, and the last
@@ -111,8 +220,14 @@ class MoiraConfig:
     max_chunks_per_row: int = 128
     programs: int = 1056
     bisection_ways: tuple[tuple[int, int], ...] = ((256, 8), (4096, 4), (32768, 2))
+    kernels: KernelOptions = KernelOptions()
 
     def __post_init__(self):
+        if isinstance(self.kernels, dict):
+            object.__setattr__(self, "kernels", KernelOptions.from_mapping(self.kernels))
+        if not isinstance(self.kernels, KernelOptions):
+            raise ValueError(f"kernels must be a KernelOptions, got {self.kernels!r}: pass "
+                             f"KernelOptions(attend='cuda', ...)")
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, numbers.Real):
             raise ValueError(f"gamma must be a float in (0, 1], got {self.gamma!r}")
         if not (0.0 < float(self.gamma) <= 1.0):

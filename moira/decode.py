@@ -28,155 +28,22 @@ replayed with new lengths and cache contents.
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
-from .config import (CACHE_DTYPE_NAMES, MAX_PAGES_PER_SEQ, PAGE_SIZE, SUPPORTED_HEAD_DIMS,
-                     MoiraConfig)
-from .kernels import estimate as _estimate_module
-from .kernels import estimate_select_cuda, interpreting, launch
-from .kernels import select as _select_module
-from .kernels.attend import attend as _launch_attend
-from .kernels.balanced import attend_balanced as _launch_attend_balanced
-from .kernels.balanced import merge_balanced as _launch_merge_balanced
-from .kernels.estimate import estimate as _launch_estimate
-from .kernels.merge import merge as _launch_merge
-from .kernels.select import select as _launch_select
-from .kernels.summarize import summarize_filled_slots, summarize_pages
-
-CACHE_DTYPES = tuple(getattr(torch, name) for name in CACHE_DTYPE_NAMES)
-SUMMARY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-# --------------------------------------------------------------------------------------------
-# Argument checks (shapes, dtypes and devices only: values stay on the GPU)
-# --------------------------------------------------------------------------------------------
-
-
-def _require(condition, message):
-    if not condition:
-        raise ValueError(message)
-
-
-def _check_tensors(**tensors):
-    for name, tensor in tensors.items():
-        _require(torch.is_tensor(tensor), f"{name} must be a torch.Tensor, got "
-                                          f"{type(tensor).__name__}")
-
-
-def _check_unit_stride(**tensors):
-    """The kernels step through these tensors' last dimension one element at a time."""
-    for name, tensor in tensors.items():
-        _require(tensor.shape[-1] <= 1 or tensor.stride(-1) == 1,
-                 f"{name} must be contiguous in its last dimension, got strides "
-                 f"{tuple(tensor.stride())}: pass {name}.contiguous()")
-
-
-def _check_device(**tensors):
-    devices = {t.device for t in tensors.values()}
-    names = ", ".join(tensors)
-    _require(len(devices) == 1, f"{names} must be on one device, got {sorted(map(str, devices))}")
-    device = devices.pop()
-    _require(
-        device.type == "cuda" or interpreting(),
-        f"{names} are on {device}: Moira's kernels need a CUDA device (or TRITON_INTERPRET=1, "
-        f"Triton's CPU interpreter, for tests); move the tensors with .cuda()",
-    )
-
-
-def _check_cache(key_cache, value_cache, name="key_cache"):
-    _check_tensors(**{name: key_cache})
-    _require(key_cache.dim() == 4, f"{name} must be [num_pages, 64, num_kv_heads, head_dim], "
-             f"got shape {tuple(key_cache.shape)}")
-    if key_cache.dtype not in CACHE_DTYPES:
-        fp8 = "float8" in str(key_cache.dtype)
-        raise ValueError(
-            f"{name} has dtype {key_cache.dtype}: "
-            + ("an FP8 KV cache is not supported yet; use a bf16 or fp16 cache "
-               "(vLLM: --kv-cache-dtype auto)" if fp8 else "use bfloat16 or float16")
-        )
-    _require(key_cache.shape[1] == PAGE_SIZE,
-             f"{name} has pages of {key_cache.shape[1]} tokens: Moira needs 64-token pages "
-             f"(vLLM: --block-size 64)")
-    _require(key_cache.shape[3] in SUPPORTED_HEAD_DIMS,
-             f"{name} has head_dim {key_cache.shape[3]}, which has no kernel; supported: "
-             f"{SUPPORTED_HEAD_DIMS}")
-    _require(key_cache.shape[2] >= 1, f"{name} has no KV heads (shape {tuple(key_cache.shape)})")
-    if value_cache is not None:  # a tensor: _check_step checked it
-        _require(value_cache.shape == key_cache.shape,
-                 f"value_cache shape {tuple(value_cache.shape)} must equal key_cache shape "
-                 f"{tuple(key_cache.shape)}")
-        _require(value_cache.dtype == key_cache.dtype,
-                 f"value_cache dtype {value_cache.dtype} must equal key_cache dtype "
-                 f"{key_cache.dtype}")
-
-
-def _check_table(block_table, seq_lens, batch=None):
-    _check_tensors(block_table=block_table, seq_lens=seq_lens)
-    _require(block_table.dim() == 2 and block_table.dtype == torch.int32,
-             f"block_table must be a 2-D int32 tensor [batch, max_pages_per_seq], got "
-             f"{block_table.dtype} of shape {tuple(block_table.shape)}")
-    _require(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32,
-             f"seq_lens must be a 1-D int32 tensor [batch], got {seq_lens.dtype} of shape "
-             f"{tuple(seq_lens.shape)}")
-    _require(seq_lens.shape[0] == block_table.shape[0],
-             f"seq_lens has {seq_lens.shape[0]} rows but block_table has {block_table.shape[0]}")
-    _check_unit_stride(block_table=block_table, seq_lens=seq_lens)
-    if batch is not None:
-        _require(block_table.shape[0] == batch,
-                 f"block_table has {block_table.shape[0]} rows but query has batch {batch}")
-
-
-def _check_step(query, key_cache, value_cache, block_table, seq_lens):
-    """Validate a decode step's inputs; return ``(batch, num_heads, num_kv_heads, head_dim)``."""
-    _check_tensors(query=query, value_cache=value_cache)
-    _require(query.dim() == 3, f"query must be [batch, num_heads, head_dim], got shape "
-             f"{tuple(query.shape)}")
-    _check_cache(key_cache, value_cache)
-    batch, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    _require(batch >= 1, "query has batch 0: a step needs at least one request")
-    _require(query.dtype == key_cache.dtype,
-             f"query dtype {query.dtype} must equal the cache dtype {key_cache.dtype}")
-    _require(head_dim == key_cache.shape[3],
-             f"query head_dim {head_dim} must equal the cache head_dim {key_cache.shape[3]}")
-    _require(num_heads % num_kv_heads == 0,
-             f"query has {num_heads} heads, not a multiple of the cache's {num_kv_heads} KV heads")
-    _check_table(block_table, seq_lens, batch)
-    _check_device(query=query, key_cache=key_cache, value_cache=value_cache,
-                  block_table=block_table, seq_lens=seq_lens)
-    return batch, num_heads, num_kv_heads, head_dim
-
-
-def _check_summaries(summaries, key_cache):
-    _check_tensors(summaries=summaries)
-    num_pages, _, num_kv_heads, head_dim = key_cache.shape
-    expected = (num_pages, num_kv_heads, 2, head_dim)
-    _require(tuple(summaries.shape) == expected,
-             f"summaries must have shape {expected} ([num_pages, num_kv_heads, 2, head_dim]), "
-             f"got {tuple(summaries.shape)}")
-    _require(summaries.dtype in SUMMARY_DTYPES,
-             f"summaries dtype {summaries.dtype} must be one of {SUMMARY_DTYPES}")
-    _check_device(summaries=summaries, key_cache=key_cache)
-
-
-def _check_out(out, query):
-    if out is not None:
-        _require(out.shape == query.shape and out.dtype == query.dtype
-                 and out.device == query.device,
-                 f"out must match query ({tuple(query.shape)}, {query.dtype}, {query.device}), "
-                 f"got ({tuple(out.shape)}, {out.dtype}, {out.device})")
-
-
-def _resolve_scale(scale, head_dim):
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    _require(isinstance(scale, numbers.Real) and not isinstance(scale, bool)
-             and math.isfinite(scale) and scale > 0,
-             f"scale must be a positive finite float, got {scale!r}")
-    return float(scale)
-
+from . import checks
+from .config import MAX_PAGES_PER_SEQ, SUPPORTED_HEAD_DIMS, MoiraConfig
+from .kernels import backends, launch
+from .kernels.cuda import attend as cuda_attend
+from .kernels.cuda import estimate as cuda_estimate
+from .kernels.cuda import estimate_select as cuda_estimate_select
+from .kernels.cuda import select as cuda_select
+from .kernels.triton import attend as triton_attend
+from .kernels.triton import balanced as triton_balanced
+from .kernels.triton import estimate as triton_estimate
+from .kernels.triton import merge as triton_merge
+from .kernels.triton import select as triton_select
+from .kernels.triton.summarize import summarize_filled_slots, summarize_pages
 
 # --------------------------------------------------------------------------------------------
 # Workspace
@@ -195,31 +62,40 @@ class DecodeWorkspace:
       ``page_counts`` int32 ``[max_batch * num_kv_heads]``: Select's output.
     - ``partial_out`` / ``partial_lse`` float32: Attend's per-chunk partials, sized for the
       largest ``rows * J`` of any batch up to ``max_batch`` (J from ``config``).
+
+    ``backends`` says which kernel each stage runs here (``config.kernels`` resolved for the
+    device once, at creation; an explicit "cuda" that cannot run on it raises then).
     """
 
     def __init__(self, max_batch, max_pages_per_seq, num_heads, num_kv_heads, head_dim, *,
                  device, config=None):
-        _require(config is None or isinstance(config, MoiraConfig),
-                 f"config must be a MoiraConfig, got {type(config).__name__}: pass "
-                 f"MoiraConfig(...)")
+        checks.require(config is None or isinstance(config, MoiraConfig),
+                       f"config must be a MoiraConfig, got {type(config).__name__}: pass "
+                       f"MoiraConfig(...)")
         self.config = config or MoiraConfig()
         for name, value in (("max_batch", max_batch), ("num_heads", num_heads),
                             ("num_kv_heads", num_kv_heads)):
-            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                     f"{name} must be a positive int, got {value!r}")
-        _require(isinstance(max_pages_per_seq, int) and 1 <= max_pages_per_seq <= MAX_PAGES_PER_SEQ,
-                 f"max_pages_per_seq must be an int in [1, {MAX_PAGES_PER_SEQ}], got "
-                 f"{max_pages_per_seq!r}")
-        _require(num_heads % num_kv_heads == 0,
-                 f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-        _require(head_dim in SUPPORTED_HEAD_DIMS,
-                 f"head_dim {head_dim} has no kernel; supported: {SUPPORTED_HEAD_DIMS}")
+            checks.require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                           f"{name} must be a positive int, got {value!r}")
+        checks.require(isinstance(max_pages_per_seq, int)
+                       and 1 <= max_pages_per_seq <= MAX_PAGES_PER_SEQ,
+                       f"max_pages_per_seq must be an int in [1, {MAX_PAGES_PER_SEQ}], got "
+                       f"{max_pages_per_seq!r}")
+        checks.require(num_heads % num_kv_heads == 0,
+                       f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+        checks.require(head_dim in SUPPORTED_HEAD_DIMS,
+                       f"head_dim {head_dim} has no kernel; supported: {SUPPORTED_HEAD_DIMS}")
         if self.config.programmatic_launch and torch.device(device).type == "cuda":
             capability = torch.cuda.get_device_capability(device)
-            _require(capability >= (9, 0),
-                     f"programmatic_launch needs a Hopper-or-newer GPU (sm_90+); "
-                     f"{torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}: "
-                     f"set programmatic_launch=False")
+            checks.require(capability >= (9, 0),
+                           f"programmatic_launch needs a Hopper-or-newer GPU (sm_90+); "
+                           f"{torch.cuda.get_device_name(device)} is "
+                           f"sm_{capability[0]}{capability[1]}: set programmatic_launch=False")
+        self.backends = backends.resolve(self.config.kernels, device, head_dim,
+                                         num_heads // num_kv_heads, self.config.schedule)
+        """The kernel each stage runs on this workspace's device: ``{"estimate", "select",
+        "attend": "cuda" | "triton", "fused": "auto" | "on" | "off"}`` (``KernelOptions``
+        resolved; a call the CUDA kernel cannot take runs Triton under "auto")."""
         self.max_batch = max_batch
         self.max_pages_per_seq = max_pages_per_seq
         self.num_kv_heads = num_kv_heads
@@ -244,19 +120,20 @@ class DecodeWorkspace:
                    query.shape[2], device=query.device, config=config)
 
     def check_fits(self, batch, num_heads, num_kv_heads, head_dim, max_pages, device):
-        _require(batch <= self.max_batch,
-                 f"workspace holds {self.max_batch} requests, the step has {batch}: build the "
-                 f"DecodeWorkspace with a larger max_batch")
-        _require(max_pages <= self.max_pages_per_seq,
-                 f"workspace holds {self.max_pages_per_seq} pages per request, block_table has "
-                 f"{max_pages}: build the DecodeWorkspace with a larger max_pages_per_seq")
-        _require((num_kv_heads, num_heads // num_kv_heads, head_dim)
-                 == (self.num_kv_heads, self.group, self.head_dim),
-                 f"workspace was built for {self.num_kv_heads} KV heads, G={self.group}, "
-                 f"head_dim={self.head_dim}; the step has {num_kv_heads}, "
-                 f"{num_heads // num_kv_heads}, {head_dim}")
-        _require(device == self.page_counts.device,
-                 f"workspace is on {self.page_counts.device}, the step on {device}")
+        checks.require(batch <= self.max_batch,
+                       f"workspace holds {self.max_batch} requests, the step has {batch}: "
+                       f"build the DecodeWorkspace with a larger max_batch")
+        checks.require(max_pages <= self.max_pages_per_seq,
+                       f"workspace holds {self.max_pages_per_seq} pages per request, "
+                       f"block_table has {max_pages}: build the DecodeWorkspace with a larger "
+                       f"max_pages_per_seq")
+        checks.require((num_kv_heads, num_heads // num_kv_heads, head_dim)
+                       == (self.num_kv_heads, self.group, self.head_dim),
+                       f"workspace was built for {self.num_kv_heads} KV heads, G={self.group}, "
+                       f"head_dim={self.head_dim}; the step has {num_kv_heads}, "
+                       f"{num_heads // num_kv_heads}, {head_dim}")
+        checks.require(device == self.page_counts.device,
+                       f"workspace is on {self.page_counts.device}, the step on {device}")
 
     def selection_buffers(self, batch, max_pages):
         """Views ``(log_masses [rows, G, max_pages], page_lists [batch, Hkv, max_pages],
@@ -293,14 +170,14 @@ def summarize(key_cache, block_table, seq_lens, summaries=None):
     summaries : index ``[..., 0, :]`` holds the per-channel mean, ``[..., 1, :]`` the
         population variance of the page's 64 keys.
     """
-    _check_cache(key_cache, None)
-    _check_table(block_table, seq_lens)
+    checks.cache(key_cache, None)
+    checks.table(block_table, seq_lens)
     if summaries is None:
         num_pages, _, num_kv_heads, head_dim = key_cache.shape
         summaries = torch.empty(num_pages, num_kv_heads, 2, head_dim, dtype=key_cache.dtype,
                                 device=key_cache.device)
-    _check_summaries(summaries, key_cache)
-    _check_device(key_cache=key_cache, block_table=block_table, seq_lens=seq_lens)
+    checks.summaries(summaries, key_cache)
+    checks.device(key_cache=key_cache, block_table=block_table, seq_lens=seq_lens)
     return summarize_pages(key_cache, block_table, seq_lens, summaries)
 
 
@@ -312,71 +189,47 @@ def update_summaries(key_cache, slot_mapping, summaries):
     last slot (offset 63) appears is summarized from the cache, so call this after the keys are
     written. Returns ``summaries``.
     """
-    _check_cache(key_cache, None)
-    _check_slot_mapping(slot_mapping)
-    _check_summaries(summaries, key_cache)
-    _check_device(key_cache=key_cache, slot_mapping=slot_mapping)
+    checks.cache(key_cache, None)
+    checks.slot_mapping(slot_mapping)
+    checks.summaries(summaries, key_cache)
+    checks.device(key_cache=key_cache, slot_mapping=slot_mapping)
     return summarize_filled_slots(key_cache, slot_mapping, summaries)
-
-
-def _check_slot_mapping(slot_mapping):
-    _check_tensors(slot_mapping=slot_mapping)
-    _require(slot_mapping.dim() == 1 and slot_mapping.dtype in (torch.int32, torch.int64),
-             f"slot_mapping must be a 1-D int32/int64 tensor, got {slot_mapping.dtype} of shape "
-             f"{tuple(slot_mapping.shape)}")
-    _check_unit_stride(slot_mapping=slot_mapping)
-
-
-def _check_new_tokens(new_keys, new_values, slot_mapping, key_cache, value_cache, batch):
-    """``sparse_decode``'s cache write: None, or the launch's ``new_kv`` tuple."""
-    given = [name for name, tensor in (("new_keys", new_keys), ("new_values", new_values),
-                                        ("slot_mapping", slot_mapping)) if tensor is not None]
-    if not given:
-        return None
-    _require(len(given) == 3, f"new_keys, new_values and slot_mapping go together; got only "
-                              f"{', '.join(given)}")
-    expected = (batch, key_cache.shape[2], key_cache.shape[3])
-    for name, tensor in (("new_keys", new_keys), ("new_values", new_values)):
-        _require(tuple(tensor.shape) == expected and tensor.dtype == key_cache.dtype,
-                 f"{name} must be {key_cache.dtype} [batch, num_kv_heads, head_dim] = "
-                 f"{list(expected)}, got {tensor.dtype} of shape {tuple(tensor.shape)}")
-    _check_slot_mapping(slot_mapping)
-    _check_device(key_cache=key_cache, new_keys=new_keys, new_values=new_values,
-                  slot_mapping=slot_mapping)
-    return new_keys, new_values, value_cache, slot_mapping
-
-
-def _check_page_stats(page_stats, query):
-    if page_stats is not None:
-        _require(page_stats.dtype == torch.int64 and tuple(page_stats.shape) == (2,)
-                 and page_stats.device == query.device,
-                 f"page_stats must be an int64 tensor of shape (2,) on {query.device}, got "
-                 f"{page_stats.dtype} {tuple(page_stats.shape)} on {page_stats.device}")
-        _check_unit_stride(page_stats=page_stats)
 
 
 def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
                       page_counts, scale, workspace, out, page_stats=None, planned_batch=None):
-    config = workspace.config
-    partials = (workspace.partial_out, workspace.partial_lse)
+    config, options = workspace.config, workspace.config.kernels
+    partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
     stats = dict(seq_lens=seq_lens, max_pages=block_table.shape[1], page_stats=page_stats)
     inputs = (query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts)
     num_kv_heads = key_cache.shape[2]
     if config.schedule == "balanced":
         split = dict(min_pages=config.chunk_pages, programs=config.programs)
-        attend_kernel, merge_kernel = _launch_attend_balanced, _launch_merge_balanced
+        triton_balanced.attend_balanced(*inputs, scale=scale, out=out, partial_out=partial_out,
+                                        partial_lse=partial_lse, options=options, **split)
+        triton_balanced.merge_balanced(page_counts, partial_out, partial_lse, out,
+                                       num_kv_heads=num_kv_heads, **split, **stats)
+        return out
+    # planned for the padded batch of a captured graph, so that an eager step of fewer
+    # requests splits each row exactly as the replay does
+    rows = (planned_batch or query.shape[0]) * num_kv_heads
+    split = dict(chunk_floor=config.chunk_floor(rows),
+                 chunks_per_row=config.chunks_per_row(rows, block_table.shape[1]),
+                 step_rows=rows, step_programs=config.step_programs)
+    if backends.attend(workspace, query, key_cache, value_cache) == "cuda":
+        cuda_attend.attend(
+            *inputs, qk_scale_log2=scale * math.log2(math.e), out=out, partial_out=partial_out,
+            partial_lse=partial_lse, short_pages=triton_attend.short_row_pages(
+                split["chunk_floor"], rows, config.step_programs),
+            stages=options.value("attend.cuda_stages"), build_only=launch.building_only(),
+            **split)
     else:
-        # planned for the padded batch of a captured graph, so that an eager step of fewer
-        # requests splits each row exactly as the replay does
-        rows = (planned_batch or query.shape[0]) * num_kv_heads
-        split = dict(chunk_floor=config.chunk_floor(rows),
-                     chunks_per_row=config.chunks_per_row(rows, block_table.shape[1]),
-                     step_rows=rows, step_programs=config.step_programs)
-        attend_kernel, merge_kernel = _launch_attend, _launch_merge
-        split["programmatic_launch"] = config.programmatic_launch
-    attend_kernel(*inputs, scale=scale, out=out, partial_out=partials[0],
-                  partial_lse=partials[1], **split)
-    merge_kernel(page_counts, *partials, out, num_kv_heads=num_kv_heads, **split, **stats)
+        triton_attend.attend(*inputs, scale=scale, out=out, partial_out=partial_out,
+                             partial_lse=partial_lse, options=options,
+                             programmatic_launch=config.programmatic_launch, **split)
+    triton_merge.merge(page_counts, partial_out, partial_lse, out, num_kv_heads=num_kv_heads,
+                       programmatic_launch=config.programmatic_launch,
+                       even_chunks=options.value("attend.even_chunks"), **split, **stats)
     return out
 
 
@@ -402,23 +255,23 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     -------
     out : ``[batch, num_heads, head_dim]``, the query's dtype.
     """
-    batch, num_heads, num_kv_heads, head_dim = _check_step(query, key_cache, value_cache,
+    batch, num_heads, num_kv_heads, head_dim = checks.step(query, key_cache, value_cache,
                                                            block_table, seq_lens)
-    _check_tensors(page_lists=page_lists, page_counts=page_counts)
-    _require(page_lists.dim() == 3 and page_lists.dtype == torch.int32
-             and tuple(page_lists.shape[:2]) == (batch, num_kv_heads),
-             f"page_lists must be int32 [batch={batch}, num_kv_heads={num_kv_heads}, max_list], "
-             f"got {page_lists.dtype} of shape {tuple(page_lists.shape)}")
-    _check_unit_stride(page_lists=page_lists)
-    _require(page_counts.dtype == torch.int32
-             and tuple(page_counts.shape) == (batch, num_kv_heads),
-             f"page_counts must be int32 [batch={batch}, num_kv_heads={num_kv_heads}], got "
-             f"{page_counts.dtype} of shape {tuple(page_counts.shape)}")
-    _check_device(query=query, page_lists=page_lists, page_counts=page_counts)
-    _check_out(out, query)
-    _check_page_stats(page_stats, query)
-    scale = _resolve_scale(scale, head_dim)
-    _check_table_width(block_table)
+    checks.tensors(page_lists=page_lists, page_counts=page_counts)
+    checks.require(page_lists.dim() == 3 and page_lists.dtype == torch.int32
+                   and tuple(page_lists.shape[:2]) == (batch, num_kv_heads),
+                   f"page_lists must be int32 [batch={batch}, num_kv_heads={num_kv_heads}, "
+                   f"max_list], got {page_lists.dtype} of shape {tuple(page_lists.shape)}")
+    checks.unit_stride(page_lists=page_lists)
+    checks.require(page_counts.dtype == torch.int32
+                   and tuple(page_counts.shape) == (batch, num_kv_heads),
+                   f"page_counts must be int32 [batch={batch}, num_kv_heads={num_kv_heads}], got "
+                   f"{page_counts.dtype} of shape {tuple(page_counts.shape)}")
+    checks.device(query=query, page_lists=page_lists, page_counts=page_counts)
+    checks.out(out, query)
+    checks.page_stats(page_stats, query)
+    scale = checks.scale(scale, head_dim)
+    checks.table_width(block_table)
     _check_config_fits(config, workspace)
     if workspace is None:
         workspace = DecodeWorkspace(batch, block_table.shape[1], num_heads, num_kv_heads,
@@ -430,65 +283,56 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
                              page_counts, scale, workspace, out, page_stats)
 
 
-def _check_table_width(block_table):
-    _require(block_table.shape[1] >= 1,
-             "block_table has no columns: a request needs at least one page")
-    _require(block_table.shape[1] <= MAX_PAGES_PER_SEQ,
-             f"block_table has {block_table.shape[1]} pages per request; Moira supports up to "
-             f"{MAX_PAGES_PER_SEQ} ({MAX_PAGES_PER_SEQ * PAGE_SIZE:,} tokens): trim the table to "
-             f"the pages in use")
-
-
 def _check_config_fits(config, workspace):
     """A workspace carries its own config; a different one passed beside it would be ignored."""
-    _require(config is None or isinstance(config, MoiraConfig),
-             f"config must be a MoiraConfig, got {type(config).__name__}: pass MoiraConfig(...)")
-    _require(workspace is None or isinstance(workspace, DecodeWorkspace),
-             f"workspace must be a DecodeWorkspace, got {type(workspace).__name__}")
+    checks.require(config is None or isinstance(config, MoiraConfig),
+                   f"config must be a MoiraConfig, got {type(config).__name__}: pass "
+                   f"MoiraConfig(...)")
+    checks.require(workspace is None or isinstance(workspace, DecodeWorkspace),
+                   f"workspace must be a DecodeWorkspace, got {type(workspace).__name__}")
     if config is not None and workspace is not None and config != workspace.config:
         raise ValueError(f"config {config} differs from the workspace's {workspace.config}: "
                          f"pass only the workspace, or build it with this config "
                          f"(DecodeWorkspace(..., config=config))")
 
 
-def _check_row_values(name, values, batch, num_kv_heads, query):
-    """A float32 value per KV head or per (request, KV head), on the query's device."""
-    _require(values.dtype == torch.float32
-             and tuple(values.shape) in ((num_kv_heads,), (batch, num_kv_heads)),
-             f"{name} must be a float32 tensor [num_kv_heads={num_kv_heads}] or "
-             f"[batch={batch}, num_kv_heads={num_kv_heads}], got {values.dtype} of shape "
-             f"{tuple(values.shape)}")
-    _check_device(query=query, **{name: values})
-
-
 def _estimate_and_select(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-                         page_lists, page_counts, new_kv, selection):
-    """Estimate then Select (``selection``: ``_launch_select``'s keywords), in one launch
-    where ``estimate_select_cuda.applies``, the Estimate runs in CUDA and the CUDA Select could
-    take the inputs (the fused kernel replaces whichever Select ``select.IMPLEMENTATION``
-    names; ``estimate_select_cuda.FUSED = "off"`` keeps it)."""
+                         page_lists, page_counts, new_kv, selection, workspace):
+    """Estimate then Select (``selection``: the Select launchers' keywords), in one CUDA launch
+    where ``backends.fused`` holds (it then replaces whichever Select is configured)."""
+    options = workspace.config.kernels
     num_kv_heads, max_pages = key_cache.shape[2], block_table.shape[1]
-    rows, group = log_masses.shape[0], log_masses.shape[1]
-    row_values, fractions, row_gammas = _select_module.row_values_of(
+    ways, pdl = selection["ways"], selection["programmatic_launch"]
+    dense_below_pages = selection["dense_below_pages"]
+    row_values, fractions, row_gammas = triton_select.row_values_of(
         selection["keep_fractions"], selection["gammas"], page_counts)
-    if estimate_select_cuda.applies(rows, max_pages, group, selection["ways"],
-                                    selection["programmatic_launch"]) \
-            and _estimate_module.implementation(query, key_cache, summaries, block_table,
-                                                seq_lens, new_kv, log_masses) == "cuda" \
-            and _select_module.cuda_can_take(log_masses, seq_lens, page_lists, page_counts,
-                                             max_pages, selection["ways"], row_values):
-        estimate_select_cuda.estimate_select(
+    estimate_runs = backends.estimate(workspace, query, key_cache, summaries, block_table,
+                                      seq_lens, new_kv, log_masses)
+    rule = dict(gamma=selection["gamma"], top_k=selection["top_k"], ways=ways,
+                row_values=row_values, fractions=fractions, row_gammas=row_gammas,
+                dense_below_pages=dense_below_pages, build_only=launch.building_only())
+    if backends.fused(workspace, estimate_runs, log_masses, seq_lens, page_lists, page_counts,
+                      max_pages, ways, row_values, pdl):
+        cuda_estimate_select.estimate_select(
             query, key_cache, summaries, block_table, seq_lens, scale, log_masses, page_lists,
-            page_counts, new_kv=new_kv, dense_below_pages=selection["dense_below_pages"],
-            gamma=selection["gamma"], top_k=selection["top_k"], ways=selection["ways"],
-            row_values=row_values, fractions=fractions, row_gammas=row_gammas,
-            build_only=launch.building_only())
+            page_counts, new_kv=new_kv, **rule)
         return
-    _launch_estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-                     dense_below_pages=selection["dense_below_pages"],
-                     programmatic_launch=selection["programmatic_launch"], new_kv=new_kv)
-    _launch_select(log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
-                   max_pages=max_pages, **selection)
+    if estimate_runs == "cuda":
+        cuda_estimate.estimate(query, key_cache, summaries, block_table, seq_lens, scale,
+                               log_masses, options=options, dense_below_pages=dense_below_pages,
+                               new_kv=new_kv, build_only=launch.building_only())
+    else:
+        triton_estimate.estimate(query, key_cache, summaries, block_table, seq_lens, scale,
+                                 log_masses, options, dense_below_pages=dense_below_pages,
+                                 programmatic_launch=pdl, new_kv=new_kv)
+    if backends.select(workspace, log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
+                       row_values) == "cuda":
+        cuda_select.select(log_masses, seq_lens, page_lists, page_counts,
+                           num_kv_heads=num_kv_heads, max_pages=max_pages, **rule)
+    else:
+        triton_select.select(log_masses, seq_lens, page_lists, page_counts,
+                             num_kv_heads=num_kv_heads, max_pages=max_pages, options=options,
+                             **selection)
 
 
 def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_lens, *,
@@ -552,26 +396,26 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
         and ``[batch, num_kv_heads]`` int32. These are views into the workspace, overwritten
         by its next step.
     """
-    batch, num_heads, num_kv_heads, head_dim = _check_step(query, key_cache, value_cache,
+    batch, num_heads, num_kv_heads, head_dim = checks.step(query, key_cache, value_cache,
                                                            block_table, seq_lens)
-    _check_summaries(summaries, key_cache)
-    _check_out(out, query)
-    _check_page_stats(page_stats, query)
-    _require(planned_batch is None or (isinstance(planned_batch, int)
+    checks.summaries(summaries, key_cache)
+    checks.out(out, query)
+    checks.page_stats(page_stats, query)
+    checks.require(planned_batch is None or (isinstance(planned_batch, int)
                                        and planned_batch >= batch),
-             f"planned_batch must be an int >= the batch ({batch}), got {planned_batch!r}")
+                   f"planned_batch must be an int >= the batch ({batch}), got {planned_batch!r}")
     if keep_fractions is not None:
-        _check_row_values("keep_fractions", keep_fractions, batch, num_kv_heads, query)
-        _require(top_k is None, "pass either top_k or keep_fractions, not both")
+        checks.row_values("keep_fractions", keep_fractions, batch, num_kv_heads, query)
+        checks.require(top_k is None, "pass either top_k or keep_fractions, not both")
     gammas = None
     if torch.is_tensor(gamma):
-        _check_row_values("gamma", gamma, batch, num_kv_heads, query)
-        _require(top_k is None and keep_fractions is None,
-                 "per-row gamma targets apply to the coverage rule: pass them without top_k or "
-                 "keep_fractions")
+        checks.row_values("gamma", gamma, batch, num_kv_heads, query)
+        checks.require(top_k is None and keep_fractions is None,
+                       "per-row gamma targets apply to the coverage rule: pass them without "
+                       "top_k or keep_fractions")
         gamma, gammas = None, gamma
     max_pages = block_table.shape[1]
-    _check_table_width(block_table)
+    checks.table_width(block_table)
     _check_config_fits(config, workspace)
     if workspace is None:
         workspace = DecodeWorkspace(batch, max_pages, num_heads, num_kv_heads, head_dim,
@@ -583,15 +427,15 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
                  if value is not None}
     if overrides:  # validated by the config's own checks
         config = config.replace(**overrides)
-    _require(gammas is None or config.top_k is None,
-             "per-row gamma targets apply to the coverage rule, and this config sets top_k")
-    _require(keep_fractions is None or config.top_k is None,
-             f"keep_fractions and the config's top_k={config.top_k} both fix the page count: "
-             f"pass a config without top_k")
-    scale = _resolve_scale(scale, head_dim)
+    checks.require(gammas is None or config.top_k is None,
+                   "per-row gamma targets apply to the coverage rule, and this config sets top_k")
+    checks.require(keep_fractions is None or config.top_k is None,
+                   f"keep_fractions and the config's top_k={config.top_k} both fix the page count: "
+                   f"pass a config without top_k")
+    scale = checks.scale(scale, head_dim)
     out = torch.empty_like(query) if out is None else out
 
-    new_kv = _check_new_tokens(new_keys, new_values, slot_mapping, key_cache, value_cache,
+    new_kv = checks.new_tokens(new_keys, new_values, slot_mapping, key_cache, value_cache,
                                batch)
     log_masses, page_lists, page_counts = workspace.selection_buffers(batch, max_pages)
     selection = dict(gamma=config.gamma,
@@ -600,7 +444,7 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
                      gammas=gammas, dense_below_pages=config.dense_below_pages,
                      programmatic_launch=config.programmatic_launch)
     _estimate_and_select(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-                         page_lists, page_counts, new_kv, selection)
+                         page_lists, page_counts, new_kv, selection, workspace)
     _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
                       page_counts, scale, workspace, out, page_stats, planned_batch)
     return (out, page_lists, page_counts) if return_pages else out

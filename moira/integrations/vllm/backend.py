@@ -218,6 +218,8 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         self.max_batch = max(vllm_config.scheduler_config.max_num_seqs,
                              self.max_cudagraph_size or 0)
         self.workspace = self._workspace(-(-max_model_len // PAGE_SIZE))
+        logger.info_once("Moira kernels: " + ", ".join(
+            f"{stage}={backend}" for stage, backend in self.workspace.backends.items()))
         self.retired = []
         self.imposed = None
         if self.settings.imposed_fraction is not None:

@@ -77,6 +77,14 @@ key                environment variable     meaning
                                             outputs bit-identical in vLLM, 0.06 ms less per
                                             token at 8k x 1, benchmarks/RESULTS.md "Session
                                             23: the write in Estimate")
+``kernels``        ``MOIRA_KERNELS``        which kernel runs each stage and their tuning
+                                            (``moira.KernelOptions``): a JSON object such as
+                                            ``{"attend": "cuda", "fused": "off", "tuning":
+                                            {"attend.cuda_stages": 3}}``, or in the
+                                            environment ``attend=cuda,fused=off,``
+                                            ``attend.cuda_stages=3`` (default: every stage
+                                            "auto" but Select, "triton"; the startup log
+                                            names what each stage resolved to)
 =================  =======================  ==================================================
 """
 
@@ -86,7 +94,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from ...config import CACHE_DTYPE_NAMES, PAGE_SIZE, SUPPORTED_HEAD_DIMS, MoiraConfig
+from ...config import CACHE_DTYPE_NAMES, PAGE_SIZE, SUPPORTED_HEAD_DIMS, KernelOptions, MoiraConfig
 
 # settings passed through to MoiraConfig's fields of the same name (None: its default)
 SPLIT_SETTINGS = ("floor_rows", "min_programs", "step_programs", "min_chunks_per_row",
@@ -115,6 +123,7 @@ class MoiraSettings:
     min_chunks_per_row: int | None = None
     max_chunks_per_row: int | None = None
     fused_cache_write: bool = True
+    kernels: KernelOptions = KernelOptions()
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
             "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE",
@@ -126,9 +135,14 @@ class MoiraSettings:
             "min_programs": "MOIRA_MIN_PROGRAMS", "step_programs": "MOIRA_STEP_PROGRAMS",
             "min_chunks_per_row": "MOIRA_MIN_CHUNKS_PER_ROW",
             "max_chunks_per_row": "MOIRA_MAX_CHUNKS_PER_ROW",
-            "fused_cache_write": "MOIRA_FUSED_CACHE_WRITE"}
+            "fused_cache_write": "MOIRA_FUSED_CACHE_WRITE", "kernels": "MOIRA_KERNELS"}
 
     def __post_init__(self):
+        if not isinstance(self.kernels, KernelOptions):  # a JSON object's errors name the key
+            try:
+                object.__setattr__(self, "kernels", KernelOptions.from_mapping(self.kernels))
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"moira kernels: {error}") from None
         tokens = self.dense_below_tokens
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise ValueError(f"moira dense_below_tokens must be an int >= 0 (0 turns it off), "
@@ -191,7 +205,8 @@ class MoiraSettings:
         split = {name: getattr(self, name) for name in SPLIT_SETTINGS
                  if getattr(self, name) is not None}
         return MoiraConfig(gamma=self.gamma, top_k=self.top_k, schedule=self.schedule,
-                           programmatic_launch=self.programmatic_launch, **split)
+                           programmatic_launch=self.programmatic_launch, kernels=self.kernels,
+                           **split)
 
     @classmethod
     def from_sources(cls, additional_config: Mapping | None,
@@ -225,6 +240,12 @@ class MoiraSettings:
                     continue
                 if key in ("schedule", "calibration"):
                     values[key] = text
+                    continue
+                if key == "kernels":
+                    try:
+                        values[key] = KernelOptions.parse(text)
+                    except ValueError as error:
+                        raise ValueError(f"{variable}={text!r}: {error}") from None
                     continue
                 if key == "imposed_fraction" and ":" in text:
                     try:

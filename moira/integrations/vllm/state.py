@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ...kernels.imposed import imposed_fractions
+from ...benchmarking.imposed import imposed_fractions
 from ...synthetic import layer_head_fractions
 
 logger = logging.getLogger("moira")

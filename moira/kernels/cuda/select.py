@@ -1,4 +1,4 @@
-"""Select in CUDA C++ (``select.IMPLEMENTATION = "cuda"``): ``select_cuda.cu``'s kernel, built
+"""Select in CUDA C++ (``KernelOptions(select="cuda")``): ``select_cuda.cu``'s kernel, built
 by NVRTC on first use (one build per pages-per-thread and K_B) and launched through the CUDA
 driver API (``cuda_build``).
 
@@ -21,9 +21,9 @@ import functools
 import torch
 import triton
 
-from . import cuda_build
+from . import build
 
-SOURCE = "select_cuda.cu"  # in this folder (cuda_build.source_path)
+SOURCE = "select.cu"  # in this folder (build.source_path)
 MAX_GROUP = 8  # the .cu file's MAX_GROUP
 MAX_THREADS = 512  # 32 * MAX_WARPS
 MAX_PAGES_PER_THREAD = 16  # 32 spills under the 128 registers 512 threads allow
@@ -70,15 +70,15 @@ def build_options(pages_per_thread, ways, group):
 @functools.lru_cache(maxsize=None)
 def kernel(device_index, pages_per_thread, ways, group):
     """The loaded function ``moira_select_p<P>_w<K_B>_g<G padded>`` on a device."""
-    return cuda_build.function(
+    return build.function(
         device_index, SOURCE,
         f"moira_select_p{pages_per_thread}_w{ways}_g{triton.next_power_of_2(group)}",
-        "select.IMPLEMENTATION", options=build_options(pages_per_thread, ways, group))
+        "select", options=build_options(pages_per_thread, ways, group))
 
 
 def check_inputs(log_masses, seq_lens, page_lists, page_counts, max_pages, ways, row_values):
     """A ValueError naming what the CUDA Select cannot run, and the fix."""
-    prefix = "select.IMPLEMENTATION = 'cuda'"
+    prefix = "KernelOptions(select='cuda')"
     if log_masses.device.type != "cuda":
         raise ValueError(f"{prefix} runs on CUDA tensors, got {log_masses.device}: use "
                          f"'triton' (the interpreter) on the CPU")
@@ -129,12 +129,12 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
     ``check_inputs`` passed."""
     rows, group = log_masses.shape[0], log_masses.shape[1]
     threads, pages_per_thread = shape(max_pages)
-    function = kernel(cuda_build.device_index(log_masses.device), pages_per_thread, ways, group)
+    function = kernel(build.device_index(log_masses.device), pages_per_thread, ways, group)
     if build_only or rows == 0:
         return page_lists, page_counts
     call = params(log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
                   max_pages=max_pages, gamma=gamma, top_k=top_k, row_values=row_values,
                   fractions=fractions, row_gammas=row_gammas,
                   dense_below_pages=dense_below_pages)
-    cuda_build.launch(function, (rows, 1), threads, 0, log_masses.device, call)
+    build.launch(function, (rows, 1), threads, 0, log_masses.device, call)
     return page_lists, page_counts

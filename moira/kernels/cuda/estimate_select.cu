@@ -19,14 +19,14 @@
 // summaries in flight. A step of few rows would stream every row's summaries through one SM
 // each, so decode.py keeps the two kernels there.
 
-#include "moira_cuda.cuh"  // once, here: the two files' own includes then find it included
+#include "common.cuh"  // once, here: the two files' own includes then find it included
 
 #define MOIRA_DEVICE_ONLY
 namespace est {
-#include "estimate_cuda.cu"
+#include "estimate.cu"
 }
 namespace sel {
-#include "select_cuda.cu"
+#include "select.cu"
 }
 #undef MOIRA_DEVICE_ONLY
 

@@ -11,8 +11,8 @@ Bytes: each summarized page reads 64 keys (64 * D elements) and writes 2 * D val
 import triton
 import triton.language as tl
 
-from ..config import PAGE_SIZE
-from . import launch
+from ...config import PAGE_SIZE
+from .. import launch
 
 
 @triton.jit

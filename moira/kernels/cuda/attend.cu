@@ -19,7 +19,7 @@
 
 namespace {
 
-#include "moira_cuda.cuh"
+#include "common.cuh"
 
 constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;

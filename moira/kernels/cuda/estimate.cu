@@ -24,7 +24,7 @@
 // beside the row's length (+0.3 to +0.8) lost.
 namespace {
 
-#include "moira_cuda.cuh"
+#include "common.cuh"
 
 constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;

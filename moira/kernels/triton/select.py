@@ -37,48 +37,11 @@ current page) and ``page_counts[b, h] = count``. Entries past the count are not 
 import triton
 import triton.language as tl
 
-from ..config import BISECTION_BITS, PAGE_SIZE
-from . import cuda_build, launch, select_cuda
+from ...config import BISECTION_BITS, PAGE_SIZE
+from .. import launch
 
 
-# rows whose [G, lanes] tile of log-masses has at most this many elements compute their G
-# softmaxes side by side (two reductions); larger ones head by head (2 G reductions in a
-# chain), since a larger tile spills on sm_90 (benchmarks/compile_check.py). 0: always head by
-# head (the form timed before session 7)
-SOFTMAX_TILE = 16384
-# "triton" (this file's kernel), "cuda" (select_cuda.cu: the same rule on up to 512 threads
-# of P pages each, one barrier per pass, lane tiers as this kernel's; G <= 8, tables of up
-# to 8,192 pages, 4,096 at G > 4, K_B in 2-16, or 64 in binned passes on tables half as
-# wide; select_cuda.check_inputs) or "auto": "cuda" where it can run and the block table has
-# at least CUDA_FROM_PAGES pages, else "triton". Why the CUDA kernel: one program per row
-# leaves 100 of the H200's 132 SMs idle at 131k x 4, where this kernel's straight-line code
-# (~2,000 instructions per lane tier, four tiers) waits on instruction fetches (NOTES, sessions 27,
-# 34, 38). Alone, with its code cached, this kernel is the faster (session 38, coverage: 4.1 /
-# 7.3 / 9.1 us against 6.3 / 9.4 / 12.2 at 8k x 32, 64k x 8, 128k x 4); in a decode step
-# Attend's stream of K/V evicts its code from the L2, and the whole step (Estimate + Select +
-# Attend + Merge) with the CUDA Select was +4.9 / +2.1 / -10.5 us per layer (ncu, caches
-# flushed, at 128k x 4: 14.7 us against 24). In vLLM at 130k x 4 the CUDA Estimate and
-# Select took 4.1% off TPOT (session 37). But the host knows only the table's width, and in a
-# 2,048-page table (an engine admitting 131k tokens) rows of 8k-64k tokens made the step 3.9
-# to 7.5 us slower with the CUDA Select (it had no lane tiers then: it paid for the width).
-# With its tiers (session 40) 8k rows there cost as with this kernel, but rows that fill
-# their table 8-11 us more than before (128k x 4: 160.2 against 152.2, this kernel's 152.8
-# in 8 warps). So "triton"; "auto" with this width suits engines whose rows are all about as
-# long as their table
-IMPLEMENTATION = "triton"
-CUDA_FROM_PAGES = 2048
-# Tables of at least this many lanes run the Triton Select in 8 warps, not 4. Alone 4 warps
-# were the faster at 2,048 lanes (9.1 against 9.4 us, session 8); in a decode step, where
-# its code comes cold from HBM (see above), 8 warps (3,264 instructions against 4,720) made
-# the whole step at 128k x 4 in its 2,048-page table 162.4 -> 153.4 us per layer, level
-# with the CUDA Select's 152.2, and in vLLM TPOT at 130k x 4 8.52 -> 8.20 ms; rows of 8k-32k
-# tokens in a 2,048-page table pay +1.1-1.4 us. 16 warps: 151.4 at 128k x 4, but +16 us with
-# 8k rows in a 4,096-page table (their smallest lane tier is 512 lanes) (session 39,
-# ``tune_kernels --kinds selectwarps``)
-EIGHT_WARPS_FROM = 2048
-
-
-def num_warps(block):
+def num_warps(block, eight_warps_from=2048):
     """Warps per row program, from ``block``, the block table's width in lanes (a launch
     parameter must not depend on the rows' lengths, which only the GPU knows). Select is a
     chain of dependent row-wide reductions, so a narrow table is fastest in one warp (no block
@@ -91,7 +54,7 @@ def num_warps(block):
     warp serves engines of up to 16k tokens."""
     if block <= 256:
         return 1
-    if block < EIGHT_WARPS_FROM:
+    if block < eight_warps_from:
         return 4
     return 8 if block <= 8192 else 16
 
@@ -234,28 +197,6 @@ def _select_kernel(log_masses, seq_lens, row_values, page_lists, page_counts,
                     SOFTMAX_TILE)
 
 
-def implementation(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
-                   row_values, setting=None, from_pages=None):
-    """The Select that runs a call, "triton" or "cuda": ``setting`` (``IMPLEMENTATION``) with
-    "auto" resolved, CUDA from ``from_pages`` (``CUDA_FROM_PAGES``) table columns (a
-    ValueError for an unknown name)."""
-    setting = IMPLEMENTATION if setting is None else setting
-    from_pages = CUDA_FROM_PAGES if from_pages is None else from_pages
-    return cuda_build.resolve(
-        "select.IMPLEMENTATION", setting,
-        lambda: select_cuda.check_inputs(log_masses, seq_lens, page_lists, page_counts,
-                                         max_pages, ways, row_values),
-        lambda: max_pages >= from_pages and cuda_build.can_run(
-            cuda_build.device_index(log_masses.device), "Select"))
-
-
-def cuda_can_take(log_masses, seq_lens, page_lists, page_counts, max_pages, ways, row_values):
-    """Whether the CUDA Select's code can run a call (its input checks pass and the device
-    can build it), whatever ``IMPLEMENTATION`` says: ``estimate_select_cuda``'s condition."""
-    return implementation(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
-                          row_values, setting="auto", from_pages=0) == "cuda"
-
-
 def row_values_of(keep_fractions, gammas, page_counts):
     """``(row_values, fractions, row_gammas)`` of a call: its per-row values (keep fractions
     or coverage targets, a ``[num_kv_heads]`` tensor expanded to ``page_counts``' shape; None
@@ -268,7 +209,7 @@ def row_values_of(keep_fractions, gammas, page_counts):
 
 
 def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
-           top_k, ways, keep_fractions=None, gammas=None, dense_below_pages=0,
+           top_k, ways, options, keep_fractions=None, gammas=None, dense_below_pages=0,
            programmatic_launch=False):
     """Fill ``page_lists`` ``[batch, num_kv_heads, >= max_pages]`` and ``page_counts``
     ``[batch, num_kv_heads]`` (int32) from ``log_masses`` ``[rows, G, >= max_pages]``.
@@ -280,15 +221,9 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
     # the smaller tiers keep at least one lane per thread: fewer would replicate the row across
     # threads and save nothing (and a scan over replicated lanes is a layout Triton's compiler
     # has miscompiled before)
-    lanes = min(block, 32 * num_warps(block))
+    warps = num_warps(block, options.value("select.eight_warps_from"))
+    lanes = min(block, 32 * warps)
     row_values, fractions, row_gammas = row_values_of(keep_fractions, gammas, page_counts)
-    if implementation(log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
-                      row_values) == "cuda":
-        return select_cuda.select(
-            log_masses, seq_lens, page_lists, page_counts, num_kv_heads=num_kv_heads,
-            max_pages=max_pages, gamma=gamma, top_k=top_k, ways=ways, row_values=row_values,
-            fractions=fractions, row_gammas=row_gammas, dense_below_pages=dense_below_pages,
-            build_only=launch.building_only())
     launch.on(_select_kernel, (rows,))(
         log_masses, seq_lens, seq_lens if row_values is None else row_values, page_lists,
         page_counts, log_masses.stride(0), log_masses.stride(1), *page_lists.stride()[:2],
@@ -299,7 +234,7 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
         PASSES=BISECTION_BITS // (ways.bit_length() - 1),
         FIXED_COUNT=top_k is not None or fractions, FRACTIONS=fractions,
         ROW_GAMMAS=row_gammas, PAGE=PAGE_SIZE,
-        GROUP_PAD=triton.next_power_of_2(group), SOFTMAX_TILE=SOFTMAX_TILE,
-        num_warps=num_warps(block), **launch.options(programmatic_launch, "select"),
+        GROUP_PAD=triton.next_power_of_2(group), SOFTMAX_TILE=options.value("select.softmax_tile"),
+        num_warps=warps, **launch.options(programmatic_launch, "select"),
     )
     return page_lists, page_counts

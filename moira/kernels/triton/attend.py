@@ -6,8 +6,8 @@ alone. Program (row, j) reads the row's list length n from GPU memory and plans 
     c = max(C, ceil(n / J))      pages per chunk
     m = ceil(n / c)              chunks of this row (at least 1)
 
-and processes pages [j c, min((j + 1) c, n)) or exits if j >= m. (``EVEN_CHUNKS``, off,
-makes the m chunks equal instead, c = ceil(n / m): timed slower at 8k x 32.) All G query
+and processes pages [j c, min((j + 1) c, n)) or exits if j >= m. (``attend.even_chunks``,
+off, makes the m chunks equal instead, c = ceil(n / m): timed slower at 8k x 32.) All G query
 heads of the group share each K/V tile (one read of every K/V byte per group). A
 single-chunk row writes its output directly; otherwise each chunk writes its normalized
 partial output and log-sum-exp for Merge.
@@ -26,96 +26,8 @@ import math
 import triton
 import triton.language as tl
 
-from ..config import PAGE_SIZE
-from . import attend_cuda, cuda_build, launch
-
-# tuned on the H200 (benchmarks/NOTES.md, session 4: two pages per tile and two stages are
-# 3-6% faster than one page and three stages at 22% of every row, all four shapes)
-NUM_WARPS = 4
-NUM_STAGES = 2
-PAGES_PER_ITER = 2  # listed pages per inner-loop tile ([PAGES_PER_ITER * 64, D]), a power of 2
-# a ceiling on registers per thread (Triton's maxnreg; None: ptxas's choice). The default
-# build (147 registers, 74 KB of shared memory) fits 3 blocks per SM; one page per tile halves
-# the shared memory (39 KB), and then 128 registers fit 4 blocks, 96 five (8 bytes spilled).
-# A tuning option (tune_kernels.py --kinds registers). Timed in session 26: one page per tile
-# uncapped +6 to +8%, at 128 registers +10 to +22%, at 96 +15% at 8k x 32 and within 2%
-# elsewhere, against this default; so ptxas's choice
-MAX_REGISTERS = None
-# the softmax denominator sums the weights as rounded to the cache dtype for the P @ V product
-# (True: the output stays a weighted average, about half the error against float32) or as
-# computed in float32 before rounding (False: FA3's convention, so outputs round like FA3's)
-SUM_ROUNDED_WEIGHTS = True
-# the order and rounding of FA3's main loop (its hdim-128 paged decode also reads 128-token
-# tiles): tiles from the last to the first, the running max over raw scores and the scale
-# folded into the exponent's fused multiply-add. Exact attention either way; the bf16 weights
-# that multiply V are rounded at the same running maxima as FA3's when the split boundaries
-# agree, so a row's output should round like FA3's more often (the engine's dense check:
-# vllm_checks.py --fa3-arithmetic). False: first to last tile, max in the log2 domain. The
-# sm_90 build with it has 255 registers (147 without; the descending loop alone: 152, and a
-# plain multiply-subtract instead of tl.fma builds the same 255): a numerics experiment. In
-# the engine (session 10) 4.1% of elements were > 1 ulp from FA3 (FA3 at one split: 6.0%;
-# the default order 10.6% in session 9, with equal chunks), while greedy tokens parted from
-# dense's no later
-FA3_TILE_ORDER = False
-# a row's chunks of equal length: Eq. (4)'s m = ceil(n / c) chunks, each of ceil(n / m) pages
-# instead of c (the last one shorter). As many programs, none longer than Eq. (4)'s, but timed
-# on the H200 (session 9, tune_kernels.py --kinds step, 22% of every row) 7% slower at 8k x 32
-# (72.2 against 67.4 us) and equal at 32k-131k (within 0.3%): off, Eq. (4) as is
-EVEN_CHUNKS = False
-# each tile's page ids (list entry -> block table) loaded one tile ahead and carried by the
-# loop. Why: Triton's pipeliner gives K and V one shared-memory buffer each when their
-# addresses come from loads in the same iteration (the default, at any NUM_STAGES: one tile
-# in flight per program, and none while it computes); with the ids carried, NUM_STAGES 3
-# gives two buffers (one page per tile: 72 KB, 150 registers, 3 blocks per SM) and 4 three
-# (105 KB, 2 blocks per SM), so the next tile loads while this one is computed (sm_90 builds,
-# compile_check.py). Both schedules (rows, balanced); FA3_TILE_ORDER's loop, a numerics
-# experiment, ignores it. Timed in session 30 (bench_kernels.py's moira_ahead<P><S> arms):
-# one page per tile at 3 stages +0 to +1.6% at every shape and spread, 4 stages +1 to +10%
-# (2 blocks per SM); ncu: stalls per instruction 13.4 -> 9.9 cycles, DRAM throughput
-# unchanged. A program's rate matters only in grids smaller than the GPU (C = 32 at 8k x 32:
-# 4 stages 6.5% faster). Off
-PAGE_IDS_AHEAD = False
-# "auto" (the default), "triton" (this file's kernel) or "cuda" (attend_cuda.cu: the same
-# program with CUDA_STAGES pages' K and V in flight by cp.async, each warp copying the tokens it
-# computes; built by NVRTC on first use). "auto" runs "cuda" where it can (CUDA tensors on
-# sm_80+, bfloat16, head_dim 64 / 128, G <= 16, 16-byte aligned strides, NVRTC found, this
-# file's options at their defaults, schedule "rows") and "triton" elsewhere (the CPU's
-# interpreter, float16, other head dims, the balanced schedule); "cuda" refuses what it cannot
-# run. Why: Triton keeps one K/V tile per program in flight and none while it computes, and
-# FlashInfer's pipelined decode kernel is 4-11% faster at equal row lengths. Timed
-# (bench_kernels.py's moira_cuda<S> arms): +6 to +30% as first built, +3 to +10% with its
-# copies rewritten (session 33); with the tiles swizzled, copies by warp and the next page's
-# copy issued before the current page is computed (session 34, 2 stages): -0.0 to -2.1% at
-# CV 0, -1.3 to -4.9% on spreads. Session 35 (NVRTC build, two runs on one host): -2.3 to
-# +0.6% at CV 0, -1.4 to -4.9% on spreads and real-like lists, flat in spread where Triton is
-# not. Session 36, in vLLM (tpot_pairs.sh, Llama-3.1-8B geometry, gamma 0.98): TPOT -1.3 /
-# -1.1 / -1.0 / -1.6% at 8k x 32, 16k x 32, 32k x 16, 130k x 4, and vllm_checks.py as close
-# to exact as Triton (no element over one bf16 ulp at its head's scale); "auto" since then
-IMPLEMENTATION = "auto"
-# pages in flight per CUDA program (2-4; shared memory allows 3 / 2 / 1 programs per SM at
-# D = 128). Session 34: 2 stages beat 3 on spreads by 2-5% and tied at CV 0 (3 ahead at
-# 16k x 32 only, by 2%); 4 was 24-41% slower in session 33
-CUDA_STAGES = 2
-# Not here: Merge done by each split row's last program in the CUDA kernel (a fence and a
-# count per program, the last one merging from the L2 with all its threads, no Merge launch).
-# Timed in session 51 (bench_kernels.py's moira_lm): -4.1% at 8k x 32 CV 0 (2 chunks a row),
-# +1.0 / +1.6% at 64k x 8 / 131k x 4 CV 0, -0.4 to +1.8% on their spreads (10-19 chunks a
-# row: every program waits for its fence and count before it exits). Removed
-# Not here (session 55, benchmarks/attend_timeline.py; Attend + Merge on the suite's lists):
-# a persistent CUDA Attend, one program per slot taking Eq. (4)'s chunks off an atomic
-# counter, at C = 24 / 12 / 8: +0.5 to +8.4% in every cell (the tail shrank at C <= 12, but
-# each chunk's ids and first page cost the steady rate and the prefix and counts ~3 us a
-# launch); and each stage refilled as soon as its page is computed (two pages in flight while
-# a warp waits): -0.5 to +1.8%, a program's tail rate unchanged. Removed
-# Not here (session 57, attend_timeline.py): the CUDA program's list entries loaded beside its
-# row's count on the guess chunk = C (one L2 round trip off the loads before its first page):
-# -0.6 to +1.0 us in Attend + Merge, slower in 7 cells of 12, its programs' prologue (~4.4
-# us, the first page's wait in a saturated memory system) unchanged. Removed
-# Not here: each page-head's K and V by Hopper's bulk tensor copy (TMA, Triton's tensor
-# descriptors) instead of this gather. Timed in session 32 (one page per tile, 2-4 stages,
-# with and without the lookahead): +12 to +27% at 22% of the pages at 8k x 32, 32k x 16 and
-# 131k x 4, equal at 16k x 32; the copy cannot mask, so V's stale rows were zeroed in
-# registers and V staged through shared memory twice (benchmarks/NOTES.md). Removed
+from ...config import PAGE_SIZE
+from .. import launch
 
 
 @triton.jit
@@ -318,44 +230,18 @@ def _attend_kernel(query, key_cache, value_cache, block_table, seq_lens, page_li
         tl.store(partial_lse + slot, lse, mask=groups < GROUP)
 
 
-def implementation(query, key_cache, value_cache):
-    """The Attend that runs a call, "triton" or "cuda": ``IMPLEMENTATION`` with "auto" resolved
-    (a ValueError for an unknown name, or for "cuda" with an option only Triton has)."""
-    triton_only = dict(PAGE_IDS_AHEAD=PAGE_IDS_AHEAD, FA3_TILE_ORDER=FA3_TILE_ORDER,
-                       EVEN_CHUNKS=EVEN_CHUNKS, SUM_ROUNDED_WEIGHTS=not SUM_ROUNDED_WEIGHTS)
-    if IMPLEMENTATION == "cuda" and any(triton_only.values()):
-        raise ValueError(f"attend.IMPLEMENTATION = 'cuda' has none of the Triton kernel's "
-                         f"options: set {', '.join(k for k, v in triton_only.items() if v)} "
-                         f"back to the default, or use 'triton' or 'auto'")
-    head_dim, group = query.shape[2], query.shape[1] // key_cache.shape[2]
-
-    def check():
-        if any(triton_only.values()):  # "auto": Triton's kernel has these options
-            raise ValueError("an option of the Triton kernel is set")
-        attend_cuda.check_inputs(query, key_cache, value_cache, head_dim, group, CUDA_STAGES)
-
-    return cuda_build.resolve("attend.IMPLEMENTATION", IMPLEMENTATION, check, lambda: (
-        attend_cuda.usable(cuda_build.device_index(query.device), head_dim, CUDA_STAGES)))
-
-
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
-           scale, chunk_floor, chunks_per_row, out, partial_out, partial_lse, step_rows=0,
-           step_programs=0, programmatic_launch=False):
+           scale, chunk_floor, chunks_per_row, out, partial_out, partial_lse, options,
+           step_rows=0, step_programs=0, programmatic_launch=False):
     """Launch (batch * KV heads, J) programs. ``partial_out`` ``[>= rows * J * G * D]`` and
     ``partial_lse`` ``[>= rows * J * G]`` are float32 scratch (only split rows write them);
-    ``step_rows``: the rows the split is planned for (a captured graph's padded batch)."""
+    ``step_rows``: the rows the split is planned for (a captured graph's padded batch);
+    ``options``: the ``KernelOptions`` whose ``attend.*`` tuning builds the kernel."""
     assert step_rows > 0 or not step_programs, "step_programs needs the planned step_rows"
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    if implementation(query, key_cache, value_cache) == "cuda":
-        return attend_cuda.attend(
-            query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
-            qk_scale_log2=scale * math.log2(math.e), chunk_floor=chunk_floor,
-            chunks_per_row=chunks_per_row, out=out, partial_out=partial_out,
-            partial_lse=partial_lse, step_rows=step_rows, step_programs=step_programs,
-            short_pages=short_row_pages(chunk_floor, step_rows, step_programs),
-            stages=CUDA_STAGES, build_only=launch.building_only())
+    tuned = options.value
     launch.on(_attend_kernel, (batch * num_kv_heads, chunks_per_row))(
         query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,
         out, partial_out, partial_lse,
@@ -365,9 +251,11 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         chunks_per_row, step_rows, step_programs,
         short_row_pages(chunk_floor, step_rows, step_programs),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE=PAGE_SIZE, PAGES_PER_TILE=PAGES_PER_ITER, SUM_ROUNDED=SUM_ROUNDED_WEIGHTS,
-        FA3_ORDER=FA3_TILE_ORDER, EVEN_CHUNKS=EVEN_CHUNKS, PAGES_AHEAD=PAGE_IDS_AHEAD,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS,
+        PAGE=PAGE_SIZE, PAGES_PER_TILE=tuned("attend.pages_per_iter"),
+        SUM_ROUNDED=tuned("attend.sum_rounded_weights"),
+        FA3_ORDER=tuned("attend.fa3_tile_order"), EVEN_CHUNKS=tuned("attend.even_chunks"),
+        PAGES_AHEAD=tuned("attend.page_ids_ahead"), num_warps=tuned("attend.num_warps"),
+        num_stages=tuned("attend.num_stages"), maxnreg=tuned("attend.max_registers"),
         **launch.options(programmatic_launch, "attend"),
     )
     return out

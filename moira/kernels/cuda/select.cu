@@ -14,7 +14,7 @@
 
 namespace {
 
-#include "moira_cuda.cuh"
+#include "common.cuh"
 
 constexpr int MAX_GROUP = 8;
 constexpr int MAX_WARPS = 16;  // 512 threads

@@ -14,9 +14,8 @@ the same kernel (and CUDA graph) instead of extra reductions per layer.
 import triton
 import triton.language as tl
 
-from ..config import PAGE_SIZE
-from . import attend as attend_module
-from . import launch
+from ...config import PAGE_SIZE
+from .. import launch
 from .attend import plan_row, short_row_pages
 from .combine import add_page_stats, merged
 
@@ -51,10 +50,11 @@ def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_sta
 
 def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_floor,
           chunks_per_row, step_rows=0, step_programs=0, seq_lens=None, max_pages=0,
-          page_stats=None, programmatic_launch=False):
+          page_stats=None, programmatic_launch=False, even_chunks=False):
     """Write ``out`` ``[batch, num_heads, head_dim]`` for every row Attend split; with
     ``page_stats`` (int64 ``[2]``), also add (listed pages, pages of the rows: min(ceil(seq_len
-    / page), max_pages)) summed over all rows."""
+    / page), max_pages)) summed over all rows. ``even_chunks``: Attend's
+    ``attend.even_chunks``, so both plan the same chunks."""
     assert step_rows > 0 or not step_programs, "step_programs needs the planned step_rows"
     batch, num_heads, head_dim = out.shape
     group = num_heads // num_kv_heads
@@ -67,7 +67,7 @@ def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_flo
         short_row_pages(chunk_floor, step_rows, step_programs),
         GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
         SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)), HAS_STATS=has_stats,
-        PAGE=PAGE_SIZE, EVEN_CHUNKS=attend_module.EVEN_CHUNKS, num_warps=4,
+        PAGE=PAGE_SIZE, EVEN_CHUNKS=even_chunks, num_warps=4,
         **launch.options(programmatic_launch, "merge"),
     )
     return out

@@ -1,4 +1,4 @@
-"""Estimate in CUDA C++ (``estimate.IMPLEMENTATION = "cuda"``): ``estimate_cuda.cu``'s kernel,
+"""Estimate in CUDA C++ (``KernelOptions(estimate="cuda")``): ``estimate_cuda.cu``'s kernel,
 built by NVRTC on first use and launched through the CUDA driver API (``cuda_build``).
 
 The same step as the Triton kernel (the token's cache write, the filled page's summary, the
@@ -15,52 +15,16 @@ import functools
 import torch
 import triton
 
-from . import cuda_build
+from . import build
 
-SOURCE = "estimate_cuda.cu"  # in this folder (cuda_build.source_path)
+SOURCE = "estimate.cu"  # in this folder (build.source_path)
 THREADS = 128  # the .cu file's THREADS
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8
-# mvar programs to launch over the whole batch (the J of each row: about this many over the
-# rows, at most one per tile of the table). Each program keeps 4 warps x 8 pages' summaries in
-# flight and loops over its share of the row's tiles, so fewer programs than the Triton
-# kernel's 2,048 suffice: five blocks fit an SM (MIN_BLOCKS_PER_SM), 660 on the H200. Timed at
-# 330 / 660 / 1,320 / 2,640 (session 37): 660 is best or within 0.5 us of it at every shape
-TARGET_PROGRAMS = 660
-# blocks per SM the build is told to fit (`__launch_bounds__`' second argument; 0: ptxas'
-# own choice, 86 registers at G = 4, D = 128, five blocks per SM). ptxas' choice issues 6
-# of a tile's 8 summary loads together and the 8th after the next tile's block-table
-# entries, an exposed load per tile (its SASS, session 37); told to fit 5 it takes 94
-# registers and issues all 8 within the tile's first 181 instructions (the build takes 4 at
-# G = 8, where 5 spill). Timed in session 38 (tune_kernels.py --kinds cuda): 5 the fastest
-# at every shape but 8k x 32 (15.1 against 14.9 us with 4), 13.7 against 15.2 us with 0 at
-# 128k x 4
-MIN_BLOCKS_PER_SM = 5
-# however many rows the batch has, a row as long as the table is split so that no program
-# loops over more tiles than this (the Triton kernel's MAX_TILES_PER_PROGRAM)
-MAX_TILES_PER_PROGRAM = 8
-# Not here: a row's sink and current page in one exact program (warps 0-1 the sink, 2-3 the
-# current page, a thread a token, both pages' keys copied into shared memory by cp.async),
-# grid (rows, 1 + J). Timed in session 52 (results/tune-2026-12-03-s52-foldexact.json): in
-# the rows' own tables +0.1 / +0.3 / +0.7 / +1.0 us at 8k x 32 / 16k x 32 / 64k x 8 / 128k x 4,
-# with the step's token written +0.4 to +1.0; faster only in a 2,048-page table at 8k-16k x 32
-# (-1.2 / -0.6). Not profiled; the likely costs: the one program's longer chain, and its
-# 36 KB of static shared memory, which every program of the grid reserves (+1.0 us at
-# 128k x 4, where it saves 32 programs of 736). Removed
-# Not here: the mvar programs on tensor cores (8 pages x the group's heads per mma.m16n8k16,
-# each coefficient split into two bf16 for ~16 bits; ~4 warp instructions per page instead of
-# ~80). Timed in session 53 (results/tune-2026-12-03-s53-mvarmma-*.json; log-masses within
-# 1.9e-6 of this form): with the coefficients in registers the whole kernel was +0.9 / +2.5 /
-# +1.8 / +2.6 / +1.2 us at 8k x 32 / 16k x 32 / 32k x 16 / 64k x 8 / 128k x 4; in shared memory
-# with the next tile loaded ahead, +0.4 to +4.0. Instructions do not bound the mvar programs:
-# alone they read 33.5 MB in 13.7-14.7 us from 32k x 16 on whatever their arithmetic. Removed
-# Not here: this kernel chained by programmatic dependent launch (cuLaunchKernelEx; the block
-# table, row lengths and sink's keys loaded and the program's summaries prefetched into the L2
-# before griddepcontrol.wait). Timed in session 54 after a query copy, in a CUDA graph
-# (results/tune-2026-12-03-s54-estpdl.json): +1.3 / +2.5 / +2.6 / +2.4 / +3.5 us at 8k x 32 /
-# 16k x 32 / 32k x 16 / 64k x 8 / 128k x 4. Not profiled; likely: the kernel ahead (vLLM's
-# rotary, or the copy) never triggers its dependents early, so little could overlap, while
-# the prefetches cost every program instructions. Removed
+# The grid's tuning (``estimate.cuda_target_programs``: 660 programs, five blocks per SM on
+# the H200; ``estimate.cuda_min_blocks_per_sm``: the build told to fit 5 blocks so that all
+# of a tile's summary loads issue together; ``estimate.cuda_max_tiles_per_program``) and the
+# forms measured and rejected: docs/design/estimate.md.
 
 
 class Params(ctypes.Structure):
@@ -90,13 +54,16 @@ def tile_pages(head_dim, group):
     return 4 * loads * (32 // (head_dim // 4))
 
 
-def programs_per_row(rows, max_pages, head_dim, group):
-    """J: mvar programs per row, about ``TARGET_PROGRAMS`` over the batch, at most one per tile
-    of the block table and enough that none loops over more than ``MAX_TILES_PER_PROGRAM``
-    (so the grid follows the batch shape, not the rows' lengths)."""
+def programs_per_row(rows, max_pages, head_dim, group, options):
+    """J: mvar programs per row, about ``estimate.cuda_target_programs`` over the batch, at
+    most one per tile of the block table and enough that none loops over more than
+    ``estimate.cuda_max_tiles_per_program`` (so the grid follows the batch shape, not the rows'
+    lengths)."""
     table_tiles = triton.cdiv(max_pages, tile_pages(head_dim, group))
-    return max(1, min(table_tiles, max(triton.cdiv(TARGET_PROGRAMS, max(rows, 1)),
-                                       triton.cdiv(table_tiles, MAX_TILES_PER_PROGRAM))))
+    target = options.value("estimate.cuda_target_programs")
+    most_tiles = options.value("estimate.cuda_max_tiles_per_program")
+    return max(1, min(table_tiles, max(triton.cdiv(target, max(rows, 1)),
+                                       triton.cdiv(table_tiles, most_tiles))))
 
 
 def build_options(min_blocks):
@@ -108,14 +75,14 @@ def build_options(min_blocks):
 def kernel(device_index, head_dim, group, min_blocks):
     """The loaded function ``moira_estimate_d<D>_g<G padded>`` on a device, built to fit
     ``min_blocks`` blocks per SM."""
-    return cuda_build.function(device_index, SOURCE,
+    return build.function(device_index, SOURCE,
                                f"moira_estimate_d{head_dim}_g{group_pad(group)}",
-                               "estimate.IMPLEMENTATION", options=build_options(min_blocks))
+                               "estimate", options=build_options(min_blocks))
 
 
 def check_inputs(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses):
     """A ValueError naming what the CUDA Estimate cannot read or write, and the fix."""
-    prefix = "estimate.IMPLEMENTATION = 'cuda'"
+    prefix = "KernelOptions(estimate='cuda')"
     if query.device.type != "cuda":
         raise ValueError(f"{prefix} runs on CUDA tensors, got {query.device}: use 'triton' "
                          f"(the interpreter) on the CPU")
@@ -178,8 +145,8 @@ def params(query, key_cache, summaries, block_table, seq_lens, scale, log_masses
         slot_mapping.shape[0] if new_kv else 0, first_program, scale)
 
 
-def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-             dense_below_pages=0, new_kv=None, build_only=False, parts="all"):
+def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses, *,
+             options, dense_below_pages=0, new_kv=None, build_only=False, parts="all"):
     """Launch ``estimate_cuda.cu``'s kernel on the current stream: ``estimate.estimate``'s
     arguments and outputs, inputs that ``check_inputs`` passed. ``parts`` launches only the
     exact programs ("exact": the sink's, and the current page's with the token's write) or only
@@ -191,13 +158,13 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     rows = batch * num_kv_heads
-    function = kernel(cuda_build.device_index(query.device), head_dim, group,
-                      MIN_BLOCKS_PER_SM)
+    function = kernel(build.device_index(query.device), head_dim, group,
+                      options.value("estimate.cuda_min_blocks_per_sm"))
     if build_only or rows == 0:
         return log_masses
-    per_row = programs_per_row(rows, block_table.shape[1], head_dim, group)
+    per_row = programs_per_row(rows, block_table.shape[1], head_dim, group, options)
     call = params(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
                   dense_below_pages, new_kv, per_row, 2 if parts == "mvar" else 0)
     programs = {"all": 2 + per_row, "exact": 2, "mvar": per_row}[parts]
-    cuda_build.launch(function, (rows, programs), THREADS, 0, query.device, call)
+    build.launch(function, (rows, programs), THREADS, 0, query.device, call)
     return log_masses

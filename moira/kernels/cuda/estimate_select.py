@@ -1,48 +1,31 @@
-"""Estimate and Select in one launch (``estimate_select_cuda.cu``): one 256-thread program per
+"""Estimate and Select in one launch (``estimate_select.cu``): one 256-thread program per
 row computes the row's log-masses into shared memory with the CUDA Estimate's code and then
 selects its pages with the CUDA Select's, so a step's first two kernels become one wave
 without the log-masses' round trip through global memory. The outputs are the two kernels'
 (lists, counts, the token's cache write, the filled page's summary); the log-masses buffer is
 not written.
 
-``FUSED`` chooses: "auto" (default) launches it for steps of at least ``MIN_ROWS`` rows in
-block tables of at least ``MIN_TABLE_PAGES`` pages whose Estimate runs in CUDA; "off" never;
-"on" whenever ``applies`` holds. It replaces whichever Select ``select.IMPLEMENTATION`` names.
-Steps of few rows stream each row's summaries through one SM, slower than the two kernels'
-grid; in a table as narrow as the rows the configured pair (CUDA Estimate, Triton Select) is
-as fast (NOTES, session 56).
+``KernelOptions.fused`` chooses: "auto" (default) launches it for steps of at least
+``fused.min_rows`` rows in block tables of at least ``fused.min_table_pages`` pages whose
+Estimate runs in CUDA; "off" never; "on" whenever ``applies`` holds. It replaces whichever
+Select ``KernelOptions.select`` names. Steps of few rows stream each row's summaries through
+one SM, slower than the two kernels' grid; in a table as narrow as the rows the configured
+pair (CUDA Estimate, Triton Select) is as fast (docs/design/select.md).
 """
 
 import ctypes
 import functools
 
-import torch
 import triton
 
-from . import cuda_build, estimate_cuda, select_cuda
+from ...benchmarking import timeline as probes
+from . import build
+from . import estimate as estimate_cuda
+from . import select as select_cuda
 
-SOURCE = "estimate_select_cuda.cu"  # in this folder (cuda_build.source_path)
+SOURCE = "estimate_select.cu"  # in this folder (build.source_path)
 THREADS = 256  # the .cu file's THREADS: two of the CUDA Estimate's programs
-FUSED = "auto"
-# "auto": the fewest rows (requests x KV heads) a step launches it for. Timed in session 56
-# (tune_kernels.py --kinds fused, a 2,048-page table, against the two kernels): 256 rows
-# (8k x 32, 16k x 32) -2.5 / -3.7 us, 128 rows (32k x 16) +0.2, 64 (64k x 8) +9.6, 32
-# (128k x 4) +25
-MIN_ROWS = 256
-# "auto": the narrowest block table (pages per row: an engine's max_model_len / 64) it is
-# launched in. Against the configured pair (CUDA Estimate, Triton Select, whose cost follows
-# the table's width), session 56: 2,048-page tables -3.1 to -4.9 us at 8k x 32 and 16k x 32;
-# tables as wide as the rows (128, 256 pages) +0.1 to +0.9 us. Widths between were not timed
-MIN_TABLE_PAGES = 2048
 MAX_SHARED = 96 * 1024  # the log-masses' shared memory per program: two programs per SM
-# A probe, not a setting: an int64 tensor of [rows, TIMELINE_FIELDS] makes the launch run the
-# FUSED_TIMELINE build, each program writing the global timer (ns) at its start, after the
-# token's write, after group 0's exact page and mvar tiles, after group 1's, before Select and
-# at its end (a field a program did not reach keeps its value); tune_kernels.py --kinds
-# fusedparts
-TIMELINE = None
-TIMELINE_FIELDS = 8
-
 
 class Params(ctypes.Structure):
     """``Params`` of estimate_select_cuda.cu: the two kernels' own, and the shared log-masses'
@@ -63,17 +46,16 @@ def shared_bytes(max_pages, group):
     return estimate_cuda.group_pad(group) * max_pages * 4
 
 
-def applies(rows, max_pages, group, ways, programmatic_launch):
-    """Whether a step whose Estimate runs in CUDA launches the fused kernel: ``FUSED`` (a
-    ValueError for an unknown value; "auto": ``MIN_ROWS``, ``MIN_TABLE_PAGES``), the table's
-    width (Select's per-thread limit on ``THREADS`` threads, the log-masses' shared memory)
-    and no programmatic launch (the two kernels' option)."""
-    if FUSED not in ("auto", "on", "off"):
-        raise ValueError(f"estimate_select_cuda.FUSED must be 'auto', 'on' or 'off', got "
-                         f"{FUSED!r}")
+def applies(rows, max_pages, group, ways, programmatic_launch, options):
+    """Whether a step whose Estimate runs in CUDA launches the fused kernel: ``options.fused``
+    ("auto": ``fused.min_rows``, ``fused.min_table_pages``), the table's width (Select's
+    per-thread limit on ``THREADS`` threads, the log-masses' shared memory) and no
+    programmatic launch (the two kernels' option)."""
+    mode = options.fused
     widest = select_cuda.max_table_pages(group, ways) * THREADS // select_cuda.MAX_THREADS
-    automatic = FUSED == "auto" and rows >= MIN_ROWS and max_pages >= MIN_TABLE_PAGES
-    return (FUSED == "on" or automatic) \
+    automatic = mode == "auto" and rows >= options.value("fused.min_rows") \
+        and max_pages >= options.value("fused.min_table_pages")
+    return (mode == "on" or automatic) \
         and not programmatic_launch and max_pages <= widest \
         and shared_bytes(max_pages, group) <= MAX_SHARED
 
@@ -83,11 +65,11 @@ def kernel(device_index, head_dim, group, pages, ways, timeline=False):
     """The loaded function ``moira_estimate_select_d<D>_g<G padded>_p<P>_w<K_B>`` on a device,
     allowed the shared memory of the widest table its ``pages`` per thread take (the
     attribute is the function's, shared by every table width that launches it);
-    ``timeline``: the FUSED_TIMELINE build (``TIMELINE``)."""
+    ``timeline``: the FUSED_TIMELINE build (``moira.benchmarking.timeline``)."""
     group_pad = estimate_cuda.group_pad(group)
-    return cuda_build.function(
+    return build.function(
         device_index, SOURCE, f"moira_estimate_select_d{head_dim}_g{group_pad}_p{pages}_w{ways}",
-        "estimate.IMPLEMENTATION", shared_bytes(THREADS * pages, group),
+        "estimate", shared_bytes(THREADS * pages, group),
         options=(f"-DFUSED_D={head_dim}", *select_cuda.build_options(pages, ways, group),
                  *(("-DFUSED_TIMELINE=1",) if timeline else ())))
 
@@ -104,13 +86,8 @@ def estimate_select(query, key_cache, summaries, block_table, seq_lens, scale, l
     group = num_heads // num_kv_heads
     max_pages = block_table.shape[1]
     rows = batch * num_kv_heads
-    timeline = TIMELINE
-    if timeline is not None and (timeline.dtype != torch.int64 or not timeline.is_contiguous()
-                                 or timeline.numel() < rows * TIMELINE_FIELDS):
-        raise ValueError(f"estimate_select_cuda.TIMELINE must be a contiguous int64 tensor of "
-                         f"at least [{rows}, {TIMELINE_FIELDS}], got {timeline.dtype} "
-                         f"{tuple(timeline.shape)}")
-    function = kernel(cuda_build.device_index(query.device), head_dim, group,
+    timeline = probes.buffer("estimate_select", rows)
+    function = kernel(build.device_index(query.device), head_dim, group,
                       pages_per_thread(max_pages), ways, timeline is not None)
     if build_only or rows == 0:
         return page_lists, page_counts
@@ -122,6 +99,6 @@ def estimate_select(query, key_cache, summaries, block_table, seq_lens, scale, l
                            top_k=top_k, row_values=row_values, fractions=fractions,
                            row_gammas=row_gammas, dense_below_pages=dense_below_pages),
         max_pages, timeline.data_ptr() if timeline is not None else None)
-    cuda_build.launch(function, (rows, 1), THREADS, shared_bytes(max_pages, group), query.device,
+    build.launch(function, (rows, 1), THREADS, shared_bytes(max_pages, group), query.device,
                       call)
     return page_lists, page_counts

@@ -6,7 +6,7 @@ from the page summaries, without reading keys; the sink (page 0) and the current
 which has no summary yet, are computed exactly from their keys.
 
 Grid: (rows = batch * KV heads, 2 + J): programs 0 and 1 of a row compute the sink and the
-current page from their keys; the J others split the row's tiles of ``PAGES_PER_PROGRAM`` pages
+current page from their keys; the J others split the row's tiles of 32 pages
 between them, each reading the row's length from GPU memory (as Attend does), and apply mvar to
 the middle pages. J depends on the batch shape alone (``programs_per_row``): enough programs to
 fill the GPU, not one per tile of the block table's width. In an engine the block table is as
@@ -32,100 +32,31 @@ import math
 import triton
 import triton.language as tl
 
-from ..config import PAGE_SIZE
-from . import cuda_build, estimate_cuda, launch
+from ...config import PAGE_SIZE
+from .. import launch
 from .summarize import summarize_page
 
-# tuned on the H200 (benchmarks/NOTES.md)
-PAGES_PER_PROGRAM = 32
-NUM_WARPS = 4
-# a ceiling on registers per thread (Triton's maxnreg; None: ptxas's choice, 117 at G = 4,
-# D = 128, i.e. 4 blocks of 4 warps per SM), for groups of at most MAX_REGISTERS_GROUP query
-# heads (``max_registers``). 96 registers allow 5 blocks, with no spill at G <= 4 (G = 8
-# spills 16 bytes at 96, so larger groups keep ptxas's choice). Timed on the H200 (sessions
-# 25-26, tune_kernels.py --kinds registers,query): 96 registers 2-5% faster than ptxas's
-# choice at every shape from 32k x 16 on, with the query ahead (below) at all four; 80 (six
-# blocks, 80 bytes spilled) and 64 (eight, 200 bytes) slower. Blocks per SM are not the
-# lever session 25 took them for: five instead of four gained 4%, not 20%
-MAX_REGISTERS = 96
-MAX_REGISTERS_GROUP = 4
-# mvar programs to launch over the whole batch: about 16 per SM on the H200's 132, the grid of
-# one program per tile that the kernel was tuned with at 131k x 4 (4 requests, 2,048 pages), so
-# rows that fill the table keep that grid and only the exiting programs of short rows go
-TARGET_PROGRAMS = 2048
-# a program's tiles run one after another (two dependent loads each): however many rows the
-# batch has, a row as long as the table is split so that no program has more tiles than this
-MAX_TILES_PER_PROGRAM = 8
-# (Removed in session 26, timed and lost twice: a program loading tile t + 1's summaries while
-# it computed tile t, with fewer programs: 20.3 against 19.1 us at 128k x 4 in session 25,
-# +42-49% under 96 registers in session 26; and, from session 15, the first tile's
-# block-table entries loaded beside the row's length: 16.26 against 16.73 us at 128k x 4,
-# under the 1.5 us the rule asked for. benchmarks/NOTES.md has both.)
-# how the sink's and the current page's exact log-masses are computed (G heads over the
-# page's 64 tokens):
-# - "chained" (the timed default): head by head, a row sum over D, then the head's
-#   log-sum-exp (two reductions across the program), each head after the other;
-# - "side by side": the G heads' logits in one [64, G] tile, then one pair of reductions for
-#   all heads (41 barriers in the sm_90 build instead of 57 at G = 4; registers 118 -> 127 at
-#   G = 4, 128 -> 155 at G = 8). Timed (sessions 9-10): 15.3 against 16.3 us at 8k x 32,
-#   16.6 against 16.9 at 128k x 4, equal at 32k x 16, below the 10% bar set before;
-# ("product", the [64, G] logits as one tensor-core product keys [64, D] @ queries [D, 16]
-# in the cache's dtype, 104 registers and 35 barriers, was timed in session 17: 14.3 against
-# 16.2 us at 8k x 32 but 19.5 against 19.4 at 32k x 16 and 16.6 against 16.9 at 128k x 4,
-# short of the 0.8 us at 8k x 32 and 32k x 16 the rule set before asked for: removed.)
-# (The middle pages' mvar as two such products, G padded to 16, was timed slower in session
-# 10, 19.1 to 162 us against 16.9 at 128k x 4 depending on the precision, and removed.)
-EXACT_PAGES = "chained"
-EXACT_FORMS = ("chained", "side by side")
-# each head's query loaded while the previous head computes (head 0's with the tile), in the
-# mvar tiles and the exact pages' chained form. Why: ncu (session 26, 128k x 4) showed each
-# head's query load (one bf16 per thread, then through shared memory to the tile's layout)
-# issued after the previous head's row sums and store, so every head waited a load's latency
-# before its FMAs: 11% of the warps' stall samples, at the shared-memory store of the query.
-# Timed (session 26, tune_kernels.py --kinds query): 3% faster at 8k x 32, 7% at 32k x 16 to
-# 128k x 4 (19.1 -> 17.9 us there). Off: each head's query loaded as its turn comes
-QUERY_HEAD_AHEAD = True
-# "triton" (this file's kernel), "cuda" (estimate_cuda.cu: the same step, with each warp's
-# summary loads all in flight at once and pages summed over lanes by shuffles; bfloat16,
-# head_dim 64 / 128, G <= 8) or "auto": "cuda" where it can run and the block table has at
-# least CUDA_FROM_PAGES pages, else "triton". Why: this kernel is latency-bound at about twice
-# its bytes' time (NOTES, sessions 25-26, 34). Timed in session 38 (tune_kernels.py --kinds
-# cuda,wide; the CUDA kernel built for 5 blocks per SM), alone: 15.1 / 18.5 / 15.9 / 14.9 /
-# 13.7 us against Triton's 14.6 / 21.1 / 19.2 / 18.0 / 17.5 at 8k x 32, 16k x 32, 32k x 16,
-# 64k x 8, 128k x 4; in the whole step (Estimate + Select + Attend + Merge) +0.7 / -2.5 /
-# -2.9 / -3.2 / -3.7 us; in a 2,048-page table +1.4 / -0.1 / -3.2 / -3.7 us at the first
-# four. In vLLM, TPOT -0.5 / -0.7 / -1.2% at 32k x 16, 64k x 8, 130k x 4. The width is all
-# the host knows of the rows (a CUDA graph serves every step of a batch size): from 256 pages
-# (an engine admitting 16k tokens), where rows of 8k tokens lose up to 1.4 us and longer ones
-# gain. 256, not session 38's 512, from session 39: at 16k x 32 (a 261-page table) TPOT
-# 12.01 -> 11.92 ms (-0.7%) in one vLLM pair
-IMPLEMENTATION = "auto"
-CUDA_FROM_PAGES = 256
+
+def max_registers(group, options):
+    """Triton's ``maxnreg`` for Estimate's build at ``group`` query heads per KV head: the
+    ``estimate.max_registers`` ceiling up to ``estimate.max_registers_group`` heads (96
+    registers fit 5 blocks per SM without spills at G <= 4; G = 8 spills), ptxas's choice
+    above."""
+    if group <= options.value("estimate.max_registers_group"):
+        return options.value("estimate.max_registers")
+    return None
 
 
-def implementation(query, key_cache, summaries, block_table, seq_lens, new_kv, log_masses):
-    """The Estimate that runs a call, "triton" or "cuda": ``IMPLEMENTATION`` with "auto"
-    resolved (a ValueError for an unknown name)."""
-    return cuda_build.resolve(
-        "estimate.IMPLEMENTATION", IMPLEMENTATION,
-        lambda: estimate_cuda.check_inputs(query, key_cache, summaries, block_table, seq_lens,
-                                           new_kv, log_masses),
-        lambda: block_table.shape[1] >= CUDA_FROM_PAGES and cuda_build.can_run(
-            cuda_build.device_index(query.device), "Estimate"))
-
-
-def max_registers(group):
-    """Triton's ``maxnreg`` for Estimate's build at ``group`` query heads per KV head."""
-    return MAX_REGISTERS if group <= MAX_REGISTERS_GROUP else None
-
-
-def programs_per_row(rows, max_pages):
+def programs_per_row(rows, max_pages, options):
     """J: mvar programs per row for a step of ``rows`` rows and a block table of ``max_pages``
-    pages per row: about ``TARGET_PROGRAMS`` over the batch, at most one per tile of the table,
-    and enough that no program has more than ``MAX_TILES_PER_PROGRAM`` tiles."""
-    table_tiles = triton.cdiv(max_pages, PAGES_PER_PROGRAM)
-    return max(1, min(table_tiles, max(triton.cdiv(TARGET_PROGRAMS, max(rows, 1)),
-                                       triton.cdiv(table_tiles, MAX_TILES_PER_PROGRAM))))
+    pages per row: about ``estimate.target_programs`` over the batch, at most one per tile of
+    the table, and enough that no program has more than ``estimate.max_tiles_per_program``
+    tiles (so the grid follows the batch shape, not the table's width)."""
+    table_tiles = triton.cdiv(max_pages, options.value("estimate.pages_per_program"))
+    target = options.value("estimate.target_programs")
+    most_tiles = options.value("estimate.max_tiles_per_program")
+    return max(1, min(table_tiles, max(triton.cdiv(target, max(rows, 1)),
+                                       triton.cdiv(table_tiles, most_tiles))))
 
 
 @triton.jit
@@ -302,7 +233,7 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
 
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-             dense_below_pages=0, programmatic_launch=False, new_kv=None):
+             options, dense_below_pages=0, programmatic_launch=False, new_kv=None):
     """Fill ``log_masses`` ``[batch * num_kv_heads, G, >= max_pages]`` float32 (pages past a
     row's end, and rows of at most ``dense_below_pages`` pages, are not written), and write
     ``summaries`` of every row's current page that is full.
@@ -310,20 +241,14 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     ``new_kv``: ``(new_keys, new_values, value_cache, slot_mapping)``, request ``b``'s new
     key and value (``[batch, num_kv_heads, head_dim]``) written to slot ``slot_mapping[b]``
     (``b < len(slot_mapping)``, negative: not written) before anything reads the page, so a
-    decode step needs no separate cache-write launch."""
-    if EXACT_PAGES not in EXACT_FORMS:
-        raise ValueError(f"estimate.EXACT_PAGES is {EXACT_PAGES!r}: use one of {EXACT_FORMS}")
-    if implementation(query, key_cache, summaries, block_table, seq_lens, new_kv,
-                      log_masses) == "cuda":
-        return estimate_cuda.estimate(query, key_cache, summaries, block_table, seq_lens, scale,
-                                      log_masses, dense_below_pages, new_kv,
-                                      build_only=launch.building_only())
+    decode step needs no separate cache-write launch. ``options``: the ``KernelOptions``
+    whose ``estimate.*`` tuning builds the kernel."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     max_pages = block_table.shape[1]
     rows = batch * num_kv_heads
-    per_row = programs_per_row(rows, max_pages)
+    per_row = programs_per_row(rows, max_pages, options)
     # columns 0 and 1: the exact sink and current page of each row; then the mvar programs
     grid = (rows, 2 + per_row)
     # without new_kv the write's code is not compiled: any tensors of the right ranks will do
@@ -338,9 +263,10 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         num_kv_heads, max_pages, scale, dense_below_pages, per_row,
         slot_mapping.shape[0] if new_kv else 0,
         GROUP=group, GROUP_DOT=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-        PAGE=PAGE_SIZE, BLOCK_P=PAGES_PER_PROGRAM,
-        EXACT=EXACT_PAGES, WRITE_KV=new_kv is not None, QUERY_AHEAD=QUERY_HEAD_AHEAD,
-        num_warps=NUM_WARPS, maxnreg=max_registers(group),
+        PAGE=PAGE_SIZE, BLOCK_P=options.value("estimate.pages_per_program"),
+        EXACT=options.value("estimate.exact_pages"), WRITE_KV=new_kv is not None,
+        QUERY_AHEAD=options.value("estimate.query_head_ahead"),
+        num_warps=options.value("estimate.num_warps"), maxnreg=max_registers(group, options),
         **launch.options(programmatic_launch, "estimate"),
     )
     return log_masses

@@ -22,9 +22,8 @@ import math
 import triton
 import triton.language as tl
 
-from ..config import PAGE_SIZE
-from . import attend as attend_module
-from . import launch
+from ...config import PAGE_SIZE
+from .. import launch
 from .attend import attend_segment
 from .combine import add_page_stats, merged
 
@@ -143,12 +142,12 @@ def _rows_pad(num_rows):
 
 
 def attend_balanced(query, key_cache, value_cache, block_table, seq_lens, page_lists,
-                    page_counts, *, scale, min_pages, programs, out, partial_out, partial_lse):
+                    page_counts, *, scale, min_pages, programs, out, partial_out, partial_lse,
+                    options):
     """Launch ``programs`` programs over all rows' pages. ``partial_out``
-    ``[>= (programs + rows) * G * D]`` and ``partial_lse`` ``[>= (programs + rows) * G]``."""
-    if attend_module.IMPLEMENTATION == "cuda":  # the CUDA Attend runs the rows schedule
-        raise ValueError("attend.IMPLEMENTATION = 'cuda' runs with schedule='rows': set "
-                         "MoiraConfig.schedule='rows' or use 'auto' or 'triton'")
+    ``[>= (programs + rows) * G * D]`` and ``partial_lse`` ``[>= (programs + rows) * G]``;
+    ``options``: the ``KernelOptions`` whose ``attend.*`` tuning builds the kernel."""
+    tuned = options.value
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -161,10 +160,10 @@ def attend_balanced(query, key_cache, value_cache, block_table, seq_lens, page_l
         num_kv_heads, rows, block_table.shape[1], scale * math.log2(math.e), min_pages,
         programs,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE=PAGE_SIZE, PAGES_PER_TILE=attend_module.PAGES_PER_ITER, ROWS_PAD=_rows_pad(rows),
-        SUM_ROUNDED=attend_module.SUM_ROUNDED_WEIGHTS, FA3_ORDER=attend_module.FA3_TILE_ORDER,
-        PAGES_AHEAD=attend_module.PAGE_IDS_AHEAD, num_warps=attend_module.NUM_WARPS,
-        num_stages=attend_module.NUM_STAGES,
+        PAGE=PAGE_SIZE, PAGES_PER_TILE=tuned("attend.pages_per_iter"), ROWS_PAD=_rows_pad(rows),
+        SUM_ROUNDED=tuned("attend.sum_rounded_weights"), FA3_ORDER=tuned("attend.fa3_tile_order"),
+        PAGES_AHEAD=tuned("attend.page_ids_ahead"), num_warps=tuned("attend.num_warps"),
+        num_stages=tuned("attend.num_stages"),
     )
     return out
 

@@ -21,6 +21,7 @@ import warnings
 
 import torch
 
+
 def nvrtc_library():
     """The path or name of a loadable libnvrtc, or None: the ``nvidia-cuda-nvrtc`` wheel's (the
     one of torch's CUDA version first), else a CUDA toolkit's ($CUDA_HOME, /usr/local/cuda, the
@@ -49,7 +50,8 @@ def _nvrtc():
     if library is None:
         raise RuntimeError("Moira's CUDA kernels are built by NVRTC, and no libnvrtc was "
                            "found: pip install nvidia-cuda-nvrtc (torch's CUDA builds bring "
-                           "it), or set the kernel's IMPLEMENTATION to 'triton'")
+                           "it), or choose the Triton kernels: KernelOptions(estimate='triton', "
+                           "attend='triton')")
     # NVRTC dlopens its builtins library by name, and 13.0's wheel does not find it beside
     # itself unless a CUDA build of torch has loaded it already: load it first
     folder = os.path.dirname(library)  # "" for a name the loader resolves
@@ -220,11 +222,11 @@ def function(device_index, file_name, name, setting, dynamic_shared=0, options=(
     """The kernel ``name`` of ``file_name``'s module (built with NVRTC ``options``, a tuple)
     on a device, built and loaded on first use (which must not be inside a CUDA graph
     capture), allowed ``dynamic_shared`` bytes of dynamic shared memory; a ValueError naming
-    ``setting`` (e.g. "attend.IMPLEMENTATION") on a GPU older than sm_80."""
+    ``setting`` (e.g. "attend") on a GPU older than sm_80."""
     major, minor = torch.cuda.get_device_capability(device_index)
     if major < 8:
-        raise ValueError(f"{setting} = 'cuda' needs sm_80 or newer (cp.async, mma.sync on "
-                         f"bf16); this GPU is sm_{major}{minor}: use 'triton'")
+        raise ValueError(f"KernelOptions({setting}='cuda') needs sm_80 or newer (cp.async, "
+                         f"mma.sync on bf16); this GPU is sm_{major}{minor}: use 'triton'")
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"Moira's CUDA kernel {name} loads at its first launch, which must "
                            f"not be inside a CUDA graph capture: run one step eagerly before "
@@ -254,26 +256,6 @@ def launch(handle, grid, threads, dynamic_shared, device, params):
     grid_x, grid_y = grid
     check(driver().cuLaunchKernel(handle, grid_x, grid_y, 1, threads, 1, 1, dynamic_shared,
                                   stream, arguments, None), "cuLaunchKernel")
-
-
-def resolve(setting, value, check, usable):
-    """The implementation that runs a call, "triton" or "cuda", for a kernel module's
-    IMPLEMENTATION ``value`` (named ``setting`` in the error for any other value). ``check()``
-    raises a ValueError for inputs this folder's kernel cannot take (with "cuda", the caller's
-    error; with "auto", Triton's kernel runs them), and ``usable()`` says whether the device
-    can build and run it ("auto"). The inputs are checked here once: the CUDA launchers do not
-    check them again."""
-    if value not in ("auto", "triton", "cuda"):
-        raise ValueError(f"{setting} must be 'auto', 'triton' or 'cuda', got {value!r}")
-    if value == "triton":
-        return value
-    try:
-        check()
-    except ValueError:
-        if value == "cuda":
-            raise
-        return "triton"
-    return "cuda" if value == "cuda" or usable() else "triton"
 
 
 def device_index(device):

@@ -1,4 +1,4 @@
-"""Attend in CUDA C++ (``attend.IMPLEMENTATION = "cuda"``): ``attend_cuda.cu``'s kernel, built
+"""Attend in CUDA C++ (``KernelOptions(attend="cuda")``): ``attend_cuda.cu``'s kernel, built
 by NVRTC on first use and launched through the CUDA driver API (``cuda_build``).
 
 The kernel is Attend's Triton kernel with a deeper K/V pipeline (the .cu file says why); the
@@ -13,22 +13,16 @@ import functools
 
 import torch
 
-from ..config import PAGE_SIZE
-from . import cuda_build
+from ...benchmarking import timeline as probes
+from ...config import PAGE_SIZE
+from . import build
 
-SOURCE = "attend_cuda.cu"  # in this folder (cuda_build.source_path)
+SOURCE = "attend.cu"  # in this folder (build.source_path)
 # the .cu file's THREADS and STAGED_IDS (its PAGE is config.PAGE_SIZE)
 THREADS = 128
 STAGED_IDS = 256
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 16  # query heads per KV head: the 16 rows of mma.m16n8k16
-# A probe, not a setting: an int64 tensor of [programs, TIMELINE_FIELDS] (programs = rows x
-# chunks_per_row, row fastest) makes Attend run its ATTEND_TIMELINE build, which writes there
-# per program: start, first page landed and end on the global timer (ns), the same on its SM's
-# clock (cycles), its SM and its page count (benchmarks/attend_timeline.py)
-TIMELINE = None
-TIMELINE_FIELDS = 8
-
 
 class Params(ctypes.Structure):
     """``Params`` of attend_cuda.cu, field by field (the kernel's one argument)."""
@@ -55,44 +49,44 @@ def shared_bytes(head_dim, stages):
 @functools.lru_cache(maxsize=None)
 def kernel(device_index, head_dim, stages, timeline=False):
     """The loaded function ``moira_attend_d<D>_s<S>`` on a device (its module loaded once);
-    ``timeline``: the ATTEND_TIMELINE build (``TIMELINE``)."""
+    ``timeline``: the ATTEND_TIMELINE build (``moira.benchmarking.timeline``)."""
     limit = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
     if shared_bytes(head_dim, stages) > limit:
         raise ValueError(f"attend.CUDA_STAGES = {stages} needs "
                          f"{shared_bytes(head_dim, stages)} bytes of shared memory per "
                          f"program at head_dim {head_dim}; this GPU allows {limit}: "
                          f"lower CUDA_STAGES")
-    return cuda_build.function(device_index, SOURCE, f"moira_attend_d{head_dim}_s{stages}",
-                               "attend.IMPLEMENTATION", shared_bytes(head_dim, stages),
+    return build.function(device_index, SOURCE, f"moira_attend_d{head_dim}_s{stages}",
+                               "attend", shared_bytes(head_dim, stages),
                                options=("-DATTEND_TIMELINE=1",) if timeline else ())
 
 
 def check_inputs(query, key_cache, value_cache, head_dim, group, stages):
     """A ValueError naming what the CUDA Attend cannot read, and the fix."""
     if query.device.type != "cuda":
-        raise ValueError(f"attend.IMPLEMENTATION = 'cuda' runs on CUDA tensors, got "
+        raise ValueError(f"KernelOptions(attend='cuda') runs on CUDA tensors, got "
                          f"{query.device}: use 'triton' (the interpreter) on the CPU")
     if head_dim not in HEAD_DIMS:
-        raise ValueError(f"attend.IMPLEMENTATION = 'cuda' is built for head_dim in "
+        raise ValueError(f"KernelOptions(attend='cuda') is built for head_dim in "
                          f"{HEAD_DIMS}, got {head_dim}: use 'triton'")
     if group > MAX_GROUP:
-        raise ValueError(f"attend.IMPLEMENTATION = 'cuda' takes at most {MAX_GROUP} query "
+        raise ValueError(f"KernelOptions(attend='cuda') takes at most {MAX_GROUP} query "
                          f"heads per KV head, got {group}: use 'triton'")
     if stages not in (2, 3, 4):
         raise ValueError(f"attend.CUDA_STAGES must be 2, 3 or 4, got {stages}")
     for name, tensor in (("query", query), ("key_cache", key_cache),
                          ("value_cache", value_cache)):
         if tensor.dtype != torch.bfloat16:
-            raise ValueError(f"attend.IMPLEMENTATION = 'cuda' reads bfloat16, got {name} "
+            raise ValueError(f"KernelOptions(attend='cuda') reads bfloat16, got {name} "
                              f"{tensor.dtype}: use 'triton'")
         if tensor.stride(-1) != 1:
-            raise ValueError(f"attend.IMPLEMENTATION = 'cuda' needs {name}'s head dim "
+            raise ValueError(f"KernelOptions(attend='cuda') needs {name}'s head dim "
                              f"contiguous (stride {tensor.stride()}): use 'triton'")
     # 16-byte copies of the caches, 4-byte loads of the query
     for name, tensor, unit in (("key_cache", key_cache, 8), ("value_cache", value_cache, 8),
                                ("query", query, 2)):
         if tensor.data_ptr() % (2 * unit) or any(s % unit for s in tensor.stride()[:-1]):
-            raise ValueError(f"attend.IMPLEMENTATION = 'cuda' needs {name} aligned to "
+            raise ValueError(f"KernelOptions(attend='cuda') needs {name} aligned to "
                              f"{2 * unit} bytes in every stride (strides {tensor.stride()}): "
                              f"use 'triton'")
 
@@ -103,7 +97,7 @@ def usable(index, head_dim, stages):
     (``attend.IMPLEMENTATION = "auto"``): sm_80+, the stages' shared memory, libnvrtc."""
     properties = torch.cuda.get_device_properties(index)
     return shared_bytes(head_dim, stages) <= properties.shared_memory_per_block_optin \
-        and cuda_build.can_run(index, "Attend")
+        and build.can_run(index, "Attend")
 
 
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
@@ -115,14 +109,8 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    timeline = TIMELINE
-    if timeline is not None and (timeline.dtype != torch.int64 or not timeline.is_contiguous()
-                                 or timeline.numel() < batch * num_kv_heads * chunks_per_row
-                                 * TIMELINE_FIELDS):
-        raise ValueError(f"attend_cuda.TIMELINE must be a contiguous int64 tensor of at least "
-                         f"[{batch * num_kv_heads * chunks_per_row}, {TIMELINE_FIELDS}], got "
-                         f"{timeline.dtype} {tuple(timeline.shape)}")
-    function = kernel(cuda_build.device_index(query.device), head_dim, stages,
+    timeline = probes.buffer("attend", batch * num_kv_heads * chunks_per_row)
+    function = kernel(build.device_index(query.device), head_dim, stages,
                       timeline is not None)
     if build_only:
         return out
@@ -137,6 +125,6 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         num_kv_heads, block_table.shape[1], group, chunk_floor, chunks_per_row, step_rows,
         step_programs, short_pages, qk_scale_log2,
         timeline.data_ptr() if timeline is not None else None)
-    cuda_build.launch(function, (batch * num_kv_heads, chunks_per_row), THREADS,
+    build.launch(function, (batch * num_kv_heads, chunks_per_row), THREADS,
                       shared_bytes(head_dim, stages), query.device, params)
     return out
