@@ -145,7 +145,7 @@ def scale(scale, head_dim):
 
 
 
-def slot_mapping(slot_mapping):
+def slots(slot_mapping):
     tensors(slot_mapping=slot_mapping)
     require(slot_mapping.dim() == 1 and slot_mapping.dtype in (torch.int32, torch.int64),
             f"slot_mapping must be a 1-D int32/int64 tensor, got {slot_mapping.dtype} of shape "
@@ -166,7 +166,7 @@ def new_tokens(new_keys, new_values, slot_mapping, key_cache, value_cache, batch
         require(tuple(tensor.shape) == expected and tensor.dtype == key_cache.dtype,
                 f"{name} must be {key_cache.dtype} [batch, num_kv_heads, head_dim] = "
                 f"{list(expected)}, got {tensor.dtype} of shape {tuple(tensor.shape)}")
-    slot_mapping(slot_mapping)
+    slots(slot_mapping)
     device(key_cache=key_cache, new_keys=new_keys, new_values=new_values,
            slot_mapping=slot_mapping)
     return new_keys, new_values, value_cache, slot_mapping

@@ -190,7 +190,7 @@ def update_summaries(key_cache, slot_mapping, summaries):
     written. Returns ``summaries``.
     """
     checks.cache(key_cache, None)
-    checks.slot_mapping(slot_mapping)
+    checks.slots(slot_mapping)
     checks.summaries(summaries, key_cache)
     checks.device(key_cache=key_cache, slot_mapping=slot_mapping)
     return summarize_filled_slots(key_cache, slot_mapping, summaries)

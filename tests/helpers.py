@@ -7,7 +7,7 @@ import torch
 
 from moira import MoiraConfig
 from moira.config import PAGE_SIZE
-from moira.kernels import cuda_build
+from moira.kernels.cuda import build as cuda_build
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # tests that build a CUDA kernel with NVRTC (on the CPU too: registers, struct layouts)
@@ -108,7 +108,7 @@ def check_struct_mirror(file_name, params, retyped, swapped, more_checks=(), opt
     with one initializer too many, with a field retyped on the kernel's side (``retyped``:
     ``(old, new, field)``, source bytes and the field's name) or with two fields of one type
     swapped there (``swapped``: ``(old, new)``; same offsets by type, wrong by name)."""
-    from moira.kernels import cuda_build
+    from moira.kernels.cuda import build as cuda_build
 
     with open(cuda_build.source_path(file_name), "rb") as f:
         source = f.read()

@@ -6,11 +6,17 @@ from helpers import (DEVICE, SMALL_SPLIT, assert_attention_close, make_cache, ma
                      make_table, poisoned)
 
 import moira
-from moira import MoiraConfig
+from moira import KernelOptions, MoiraConfig
 from moira import reference as ref
-from moira.kernels import attend as attend_module
 from moira.kernels import launch
-from moira.kernels.attend import plan_row
+from moira.kernels.triton import attend as attend_module
+from moira.kernels.triton.attend import plan_row
+
+
+def attend_with(config=SMALL_SPLIT, backend="triton", **tuning):
+    """``config`` with Attend on ``backend`` and these ``attend.*`` tuning constants."""
+    return config.replace(kernels=KernelOptions(
+        attend=backend, tuning={f"attend.{name}": value for name, value in tuning.items()}))
 
 
 def random_lists(seq_lens, num_kv_heads, width, fraction=0.5, shuffle=False):
@@ -231,8 +237,7 @@ def test_a_row_of_exactly_short_row_pages_gets_the_finer_floor():
 # "auto": the CUDA Attend on a GPU (bfloat16), Triton's kernel on the CPU
 @pytest.mark.parametrize("implementation",
                          ["auto", pytest.param("triton", marks=pytest.mark.cuda)])
-def test_attend_matches_reference(monkeypatch, group, head_dim, layout, implementation):
-    monkeypatch.setattr(attend_module, "IMPLEMENTATION", implementation)
+def test_attend_matches_reference(group, head_dim, layout, implementation):
     num_kv_heads, num_pages = 2, 120
     keys, values = make_cache(num_pages, num_kv_heads, head_dim, layout=layout)
     # one token, one full page, a partial second page, rows that split unevenly
@@ -240,7 +245,8 @@ def test_attend_matches_reference(monkeypatch, group, head_dim, layout, implemen
     query = make_query(len(seq_lens), num_kv_heads * group, head_dim)
     page_lists, page_counts = random_lists(seq_lens.cpu(), num_kv_heads, table.shape[1],
                                            shuffle=layout == "hnd")
-    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, SMALL_SPLIT)
+    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts,
+                 attend_with(backend=implementation))
 
 
 def mixed_rows(num_kv_heads=2, group=4, head_dim=64):
@@ -255,12 +261,10 @@ def mixed_rows(num_kv_heads=2, group=4, head_dim=64):
 
 
 @pytest.mark.parametrize("pages_per_iter", [1, 2, 4])
-def test_several_pages_per_tile(monkeypatch, pages_per_iter):
+def test_several_pages_per_tile(pages_per_iter):
     """The tuning knob that loads several listed pages per inner-loop tile: chunks whose length
     is not a multiple of it, partial last pages, empty and full rows."""
-    monkeypatch.setattr(attend_module, "IMPLEMENTATION", "triton")  # its knob
-    monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
-    check_attend(*mixed_rows(), SMALL_SPLIT)
+    check_attend(*mixed_rows(), attend_with(pages_per_iter=pages_per_iter))
 
 
 def record_launches(monkeypatch):
@@ -283,20 +287,18 @@ def record_launches(monkeypatch):
                           ("balanced", 1, 3, 4, 4, 64)])
 def test_page_ids_loaded_a_tile_ahead(monkeypatch, schedule, pages_per_iter, stages, warps,
                                       group, head_dim):
-    """PAGE_IDS_AHEAD (a tuning option): each tile's page ids come from the loop's previous
+    """``attend.page_ids_ahead`` (a tuning option): each tile's page ids come from the loop's previous
     iteration, and the lookahead past a chunk's last tile reads nothing; chunks of one to
     eight tiles, partial last pages, empty and full rows, G = 1 / 4 / 7 / 8, both schedules;
     the stages and warps of bench_kernels.py's arms (the GPU builds differ by them, the
     interpreter not). The launch must have taken the option."""
-    monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
-    monkeypatch.setattr(attend_module, "NUM_STAGES", stages)
-    monkeypatch.setattr(attend_module, "NUM_WARPS", warps)
-    monkeypatch.setattr(attend_module, "PAGE_IDS_AHEAD", True)
     launched = record_launches(monkeypatch)
     # chunks of up to 8 pages (the floor not scaled down for this small step): several tiles
     # per chunk at every tile size here
-    config = SMALL_SPLIT.replace(chunk_pages=8, floor_rows=1, step_programs=0,
-                                 schedule=schedule)
+    config = attend_with(SMALL_SPLIT.replace(chunk_pages=8, floor_rows=1, step_programs=0,
+                                             schedule=schedule),
+                         pages_per_iter=pages_per_iter, num_stages=stages, num_warps=warps,
+                         page_ids_ahead=True)
     check_attend(*mixed_rows(group=group, head_dim=head_dim), config)
     assert any(options.get("PAGES_AHEAD") is True for options in launched)
 
@@ -313,26 +315,25 @@ def poison_unread_slots(keys, values, table, seq_lens):
 
 
 @pytest.mark.parametrize("pages_per_iter, registers", [(1, 128), (1, 96)])
-def test_register_ceiling(monkeypatch, pages_per_iter, registers):
-    """MAX_REGISTERS (a tuning option): builds under a register ceiling (96 spills 8 bytes on
-    sm_90) compute the same; the interpreter ignores the ceiling, the GPU run checks it."""
-    monkeypatch.setattr(attend_module, "IMPLEMENTATION", "triton")  # its knob
-    monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
-    monkeypatch.setattr(attend_module, "MAX_REGISTERS", registers)
-    check_attend(*mixed_rows(), SMALL_SPLIT)
+def test_register_ceiling(pages_per_iter, registers):
+    """``attend.max_registers`` (a tuning option): builds under a register ceiling (96 spills 8
+    bytes on sm_90) compute the same; the interpreter ignores the ceiling, the GPU run checks
+    it."""
+    check_attend(*mixed_rows(), attend_with(pages_per_iter=pages_per_iter,
+                                            max_registers=registers))
 
 
 @pytest.mark.parametrize("schedule", ["rows", "balanced"])
-def test_fa3_normalizer_convention_matches_reference(monkeypatch, schedule):
+def test_fa3_normalizer_convention_matches_reference(schedule):
     """The softmax denominator summed from float32 weights (FA3's convention) instead of the
     rounded ones: within the same tolerance of the reference, on both schedules."""
-    monkeypatch.setattr(attend_module, "SUM_ROUNDED_WEIGHTS", False)
-    check_attend(*mixed_rows(), SMALL_SPLIT.replace(schedule=schedule))
+    check_attend(*mixed_rows(), attend_with(SMALL_SPLIT.replace(schedule=schedule),
+                                            sum_rounded_weights=False))
 
 
 @pytest.mark.parametrize("schedule, pages_per_iter", [("rows", 2), ("rows", 1),
                                                       ("balanced", 2)])
-def test_fa3_tile_order_matches_reference(monkeypatch, schedule, pages_per_iter):
+def test_fa3_tile_order_matches_reference(schedule, pages_per_iter):
     """FA3's loop order and rounding (tiles last to first, the max over raw scores, the scale
     in the exponent's multiply-add) with its normalizer: still exact attention, on both
     schedules, one-page and partial tiles included; and on the rows schedule, whose chunks
@@ -340,12 +341,12 @@ def test_fa3_tile_order_matches_reference(monkeypatch, schedule, pages_per_iter)
     differently from the default order's somewhere (the balanced schedule's short segments
     here are about one tile, where the two orders coincide in the interpreter, whose fma is a
     multiply and an add)."""
-    monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
-    monkeypatch.setattr(attend_module, "SUM_ROUNDED_WEIGHTS", False)
     inputs = mixed_rows()
-    config = SMALL_SPLIT.replace(schedule=schedule)
-    default_order = moira.attend(*inputs, config=config)
-    monkeypatch.setattr(attend_module, "FA3_TILE_ORDER", True)
+    split = SMALL_SPLIT.replace(schedule=schedule)
+    default_order = moira.attend(*inputs, config=attend_with(
+        split, pages_per_iter=pages_per_iter, sum_rounded_weights=False))
+    config = attend_with(split, pages_per_iter=pages_per_iter, sum_rounded_weights=False,
+                         fa3_tile_order=True)
     check_attend(*inputs, config)
     if schedule == "rows":
         assert not torch.equal(moira.attend(*inputs, config=config), default_order)
@@ -392,13 +393,11 @@ def test_pages_past_seq_len_are_masked():
 @pytest.mark.parametrize("pages_per_iter, ahead, implementation", [
     (1, False, "triton"), (2, False, "triton"), (1, True, "triton"), (2, True, "triton"),
     pytest.param(2, False, "cuda", marks=pytest.mark.cuda)])  # attend_cuda.cu
-def test_list_entries_outside_the_table_read_nothing(monkeypatch, pages_per_iter, ahead,
-                                                     implementation):
+def test_list_entries_outside_the_table_read_nothing(pages_per_iter, ahead, implementation):
     # -1 (the reference's padding) and entries past the table's width, inside the count: they
     # must not read another request's page (row 1's -1 would be row 0's last column)
-    monkeypatch.setattr(attend_module, "PAGES_PER_ITER", pages_per_iter)
-    monkeypatch.setattr(attend_module, "PAGE_IDS_AHEAD", ahead)
-    monkeypatch.setattr(attend_module, "IMPLEMENTATION", implementation)
+    config = attend_with(backend=implementation) if implementation == "cuda" else \
+        attend_with(pages_per_iter=pages_per_iter, page_ids_ahead=ahead)
     keys, values = make_cache(12, 1, 64)
     table, _ = make_table([64 * 3, 64 * 3], 12, extra_columns=0)
     table = table[:, :2]  # narrower than the rows: seq_len reaches past the table
@@ -408,22 +407,21 @@ def test_list_entries_outside_the_table_read_nothing(monkeypatch, pages_per_iter
     page_lists = torch.tensor([[[0, 1, 2, -1]], [[-1, 0, 5, 1]]], dtype=torch.int32,
                               device=DEVICE)
     page_counts = torch.tensor([[4], [4]], dtype=torch.int32, device=DEVICE)
-    out = check_attend(query, keys, values, table, seq_lens, page_lists, page_counts,
-                       SMALL_SPLIT)
+    out = check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
     in_table = torch.tensor([[[0, 1]], [[0, 1]]], dtype=torch.int32, device=DEVICE)
     expected = moira.attend(query, keys, values, table, seq_lens, in_table,
                             torch.full((2, 1), 2, dtype=torch.int32, device=DEVICE),
-                            config=SMALL_SPLIT)
+                            config=config)
     torch.testing.assert_close(out, expected, rtol=0, atol=2e-3)
 
 
 @pytest.mark.parametrize("even", [True, False])
-def test_equal_chunks_and_eq4_chunks(monkeypatch, even):
+def test_equal_chunks_and_eq4_chunks(even):
     """Rows whose Eq. (4) chunks are unequal (C = 4, J = 3: 5, 6 and 9 pages are 4 + 1, 4 + 2
-    and 4 + 4 + 1, equal 3 + 2, 3 + 3 and 3 + 3 + 3): both rules (``EVEN_CHUNKS``), with Merge,
-    against the reference."""
-    monkeypatch.setattr(attend_module, "EVEN_CHUNKS", even)
-    config = MoiraConfig(chunk_pages=4, floor_rows=1, min_chunks_per_row=3, min_programs=8)
+    and 4 + 4 + 1, equal 3 + 2, 3 + 3 and 3 + 3 + 3): both rules (``attend.even_chunks``), with
+    Merge, against the reference."""
+    config = attend_with(MoiraConfig(chunk_pages=4, floor_rows=1, min_chunks_per_row=3,
+                                     min_programs=8), even_chunks=even)
     num_kv_heads, group, head_dim = 2, 4, 64
     keys, values = make_cache(40, num_kv_heads, head_dim)
     table, seq_lens = make_table([64 * 4 + 10, 64 * 6, 64 * 8 + 1, 1], 40)

@@ -357,10 +357,10 @@ def test_planned_batch_splits_rows_as_the_padded_batch_does(monkeypatch):
     bit-identical outputs (vLLM's FULL graphs against graph mode NONE)."""
     import moira.decode
     splits = []
-    launch = moira.decode._launch_attend
-    monkeypatch.setattr(moira.decode, "_launch_attend", lambda *args, **kwargs: (
+    merge = moira.decode.triton_merge.merge  # Merge plans the split Attend ran, on any backend
+    monkeypatch.setattr(moira.decode.triton_merge, "merge", lambda *args, **kwargs: (
         splits.append((kwargs["chunk_floor"], kwargs["chunks_per_row"], kwargs["step_rows"])),
-        launch(*args, **kwargs))[1])
+        merge(*args, **kwargs))[1])
     ctx, summaries = structured_step(batch=3)
     # the split depends on the row count here: 6 rows C = 3, J = 8; 8 rows C = 4, J = 6
     config = moira.MoiraConfig(chunk_pages=8, floor_rows=16, min_chunks_per_row=2,
@@ -498,10 +498,10 @@ def test_bad_workspace_arguments_raise_value_error(changes, match):
 
 
 def test_non_cuda_device_raises(monkeypatch):
-    import moira.decode
+    import moira.checks
 
     step = good_step()
-    monkeypatch.setattr(moira.decode, "interpreting", lambda: False)
+    monkeypatch.setattr(moira.checks, "interpreting", lambda: False)
     if DEVICE == "cuda":
         step = {name: t.cpu() for name, t in step.items()}
     with pytest.raises(ValueError, match="CUDA device"):

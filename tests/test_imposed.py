@@ -7,7 +7,7 @@ import torch
 from helpers import DEVICE
 
 from moira import reference as ref
-from moira.kernels.imposed import imposed_fractions
+from moira.benchmarking.imposed import imposed_fractions
 
 
 @pytest.mark.parametrize("knot_tokens", [[1], [8192, 131072],

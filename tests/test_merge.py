@@ -5,7 +5,7 @@ import torch
 from helpers import DEVICE, poisoned
 
 from moira import reference as ref
-from moira.kernels.merge import merge
+from moira.kernels.triton.merge import merge
 
 
 @pytest.mark.parametrize("group", [1, 4, 7, 8])

@@ -7,23 +7,19 @@ import torch
 from helpers import DEVICE
 
 from moira import reference as ref
-from moira.config import PAGE_SIZE, MoiraConfig
-from moira.kernels import select as select_module
-from moira.kernels.select import select
+from moira.config import PAGE_SIZE, KernelOptions, MoiraConfig
+from moira.kernels.triton.select import select
 
-
-@pytest.fixture(autouse=True)
-def triton_select(monkeypatch):
-    """This file's cases run the Triton kernel on every device ("auto" would pick the CUDA
-    one for wide tables on a GPU); test_select_cuda.py runs them on the CUDA one."""
-    monkeypatch.setattr(select_module, "IMPLEMENTATION", "triton")
+# this file's launches go to the Triton kernel directly; test_select_cuda.py runs the cases on
+# the CUDA one
+TRITON = KernelOptions(select="triton")
 
 
 NEAR = 1e-6  # pages this close to the threshold may differ from the reference's choice
 
 
 def run_select(log_masses, seq_lens, *, gamma=0.98, top_k=None, max_pages=None,
-               keep_fractions=None, gammas=None, dense_below_pages=0):
+               keep_fractions=None, gammas=None, dense_below_pages=0, options=TRITON):
     batch, num_kv_heads, group, width = log_masses.shape
     max_pages = max_pages or width
     page_lists = torch.full((batch, num_kv_heads, width), -7, dtype=torch.int32, device=DEVICE)
@@ -31,6 +27,7 @@ def run_select(log_masses, seq_lens, *, gamma=0.98, top_k=None, max_pages=None,
     select(log_masses.to(DEVICE).view(batch * num_kv_heads, group, width), seq_lens.to(DEVICE),
            page_lists, page_counts, num_kv_heads=num_kv_heads, max_pages=max_pages,
            gamma=gamma, top_k=top_k, ways=MoiraConfig().bisection_ways_for(max_pages),
+           options=options,
            keep_fractions=None if keep_fractions is None else keep_fractions.to(DEVICE),
            gammas=None if gammas is None else gammas.to(DEVICE),
            dense_below_pages=dense_below_pages)
@@ -84,12 +81,12 @@ def test_coverage_matches_reference(group, spread, gamma):
 
 
 @pytest.mark.parametrize("softmax_tile", [0, 1 << 14])
-def test_both_softmax_forms_match_reference(monkeypatch, softmax_tile):
+def test_both_softmax_forms_match_reference(softmax_tile):
     """The G softmaxes head by head (0) and side by side in one tile: both the reference's."""
-    monkeypatch.setattr(select_module, "SOFTMAX_TILE", softmax_tile)
     seq_lens = [1, 65, 64 * 37 + 9, 64 * 200 + 1, 64 * 300]
     log_masses, seq_lens = random_log_masses(seq_lens, 2, 7, 2.0)
-    page_lists, page_counts = run_select(log_masses, seq_lens, gamma=0.95)
+    options = KernelOptions(select="triton", tuning={"select.softmax_tile": softmax_tile})
+    page_lists, page_counts = run_select(log_masses, seq_lens, gamma=0.95, options=options)
     check_coverage(log_masses, seq_lens, page_lists, page_counts, 0.95)
 
 
@@ -255,7 +252,7 @@ def test_fraction_mode_keeps_each_heads_share_of_every_row():
 @pytest.mark.parametrize("pages", [2000, 4096, 16384])
 def test_long_rows(pages):
     # 16,384 pages = 1M tokens on chip in one program; 2,000 pages: 2,048 lanes in 8 warps
-    # (EIGHT_WARPS_FROM), a row on each of its lane tiers but the 512
+    # (``select.eight_warps_from``), a row on each of its lane tiers but the 512
     log_masses, seq_lens = random_log_masses([64 * pages - 5, 64 * 1000, 64 * 100 + 7], 1, 2,
                                              3.0, width=pages)
     page_lists, page_counts = run_select(log_masses, seq_lens, gamma=0.95)

@@ -13,7 +13,7 @@ host-to-host spread (~1 point at batch 1; benchmarks/NOTES.md).
 import triton
 import triton.language as tl
 
-from . import launch
+from ..kernels import launch
 
 
 @triton.jit
