@@ -1,9 +1,9 @@
 """Moira's parameters: the coverage target and the kernels' work-split constants.
 
 The defaults are the paper's (section 3.3), C = 24, N_J = 32, N_T = 4096, except the K_B
-schedule, tuned on the H200 (benchmarks/NOTES.md): K_B = 8, 4, 2 thresholds per bisection pass
-for block tables of fewer than 256, 4,096 and more pages (the paper switches to 2 at 1,024),
-and a ceiling of 128 on J, Eq. (4)'s programs per row (session 20).
+schedule, tuned on the H200 (docs/design/select.md): K_B = 8, 4, 2 thresholds per bisection
+pass for block tables of fewer than 256, 4,096 and more pages (the paper switches to 2 at
+1,024), and a ceiling of 128 on J, Eq. (4)'s programs per row (docs/design/work-split.md).
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ class MoiraConfig:
         How Attend splits the work. ``"rows"``: the paper's Eq. (4), J programs per row, each
         planning its chunk from its row's length. ``"balanced"``: ``programs`` programs split
         the concatenation of all rows' lists evenly (each at least C pages), planning from all
-        rows' lengths (``moira/kernels/balanced.py``).
+        rows' lengths (``moira/kernels/triton/balanced.py``).
     dense_below_pages:
         Rows of at most this many pages read every page in every mode, and Estimate skips them:
         below some length, estimating and selecting costs more than reading everything
@@ -184,8 +184,9 @@ class MoiraConfig:
         floor of ceil(n * rows / T) pages (at least 2, at most C) instead of C, so that a
         step of a few short rows still spreads over about T programs (about two per H200
         SM at the default) rather than one or two chunks of C pages per row. Steps of T rows
-        or more are split as by C alone. 0 turns it off (Eq. 4's floor C alone). 256 since
-        session 15 (128 before; benchmarks/RESULTS.md, "Short requests")
+        or more are split as by C alone. 0 turns it off (Eq. 4's floor C alone). 256: no
+        shape was more than 0.5% slower than at 128, and 2k x 4 and 8k x 4 were a point or
+        more faster (docs/design/work-split.md)
     min_chunks_per_row:
         N_J, the fewest programs Attend launches per row.
     max_chunks_per_row:
@@ -193,8 +194,8 @@ class MoiraConfig:
         makes 512 per row for one request). A row of a small step is then cut into at most
         this many chunks; the programs launched beyond a row's chunks exit at once but are
         not free: in vLLM at batch 1 with 2,048-page tables, J = 342 against 32 made the step
-        0.12 ms longer, in Attend and in a GEMM two kernels later (benchmarks/NOTES.md,
-        session 20). 128 changes only steps of fewer than 32 rows (N_T / 128).
+        0.12 ms longer, in Attend and in a GEMM two kernels later (docs/design/work-split.md).
+        128 changes only steps of fewer than 32 rows (N_T / 128).
     min_programs:
         N_T, the fewest programs Attend launches in all (so a few long rows still fill the GPU).
     programs:

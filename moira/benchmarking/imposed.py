@@ -1,13 +1,13 @@
-"""Imposed read fractions (timing runs with random weights, issue 5): per decode row, the
+"""Imposed read fractions (timing runs with random weights): per decode row, the
 per-(layer, KV head) fractions of pages to keep, interpolated in log context length between
 knots ``(log_tokens[k], tables[k])`` and clamped outside them (``reference.imposed_fractions``).
 
 One program per row writes ``fractions[:, row, :]``. Why a kernel: the plugin fills these
 before every decode step, outside the captured graph, and the same arithmetic as PyTorch ops
-put ~18 small kernels on the GPU's stream per step (session 15; predicted ~2 us each, ~0.7%
-of a 5 ms step), a cost of the timing harness that neither dense vLLM nor Moira's coverage
-mode pays; this is one launch. Session 16's TPOT pairs showed no effect of it beyond the
-host-to-host spread (~1 point at batch 1; benchmarks/NOTES.md).
+put ~18 small kernels on the GPU's stream per step (predicted ~2 us each, ~0.7% of a 5 ms
+step), a cost of the timing harness that neither dense vLLM nor Moira's coverage mode pays;
+this is one launch. TPOT pairs showed no effect of it beyond the host-to-host spread (~1 point
+at batch 1; docs/design/vllm-integration.md).
 """
 
 import triton

@@ -13,8 +13,8 @@ Attend, which may launch while Estimate still runs, cannot read lists Select has
 nor K/V before the cache write that precedes Estimate). Nothing may move above the wait. Off by
 default (``MoiraConfig.programmatic_launch``): the paper measured no clear TPOT change at batch
 shapes, and at batch 1 in vLLM it gave -1.4 / -1.1% TPOT at 2k / 8k tokens but +2.2% at 16k
-against plain Moira (session 9, one engine per arm), then +1.3 / +1.3% and -2.8% in
-interleaved pairs (session 10): no stable gain.
+against plain Moira with one engine per arm, then +1.3 / +1.3% and -2.8% in interleaved
+pairs: no stable gain (docs/design/work-split.md).
 """
 
 import contextlib
@@ -55,12 +55,11 @@ def on(kernel, grid):
 
 
 # the kernels chained when programmatic launch is on; the others launch plainly (their
-# programs neither trigger nor wait, and the stream orders them). A tuning knob, timed by
-# bench_single.py's *_pdl_no_attend / *_pdl_est_sel arms. All four: in vLLM a chained kernel
-# can only overlap the decode-step kernel before it (the GEMMs between layers launch plainly),
-# and the bench's chain of Estimate and Select alone, which is what leaving Attend out leaves
-# in vLLM, saved nothing (session 9: rows read in full 16.8 / 22.3 / 30.5 us per layer at 2k /
-# 8k / 16k against 16.7 / 22.2 / 30.6 plain)
+# programs neither trigger nor wait, and the stream orders them). All four: in vLLM a chained
+# kernel can only overlap the decode-step kernel before it (the GEMMs between layers launch
+# plainly), and chaining Estimate and Select alone, which is what leaving Attend out leaves in
+# vLLM, saved nothing (measured on the H200 at batch 1, rows read in full: 16.8 / 22.3 / 30.5
+# us per layer at 2k / 8k / 16k against 16.7 / 22.2 / 30.6 plain; docs/design/work-split.md)
 CHAINED = frozenset({"estimate", "select", "attend", "merge"})
 
 

@@ -247,8 +247,9 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         num_decodes, num_decode_tokens = split_decodes(cam.query_start_loc_cpu, cam.num_reqs,
                                                        cam.max_query_len)
         prefill, prefill_from, prefill_slots, whole_batch = None, 0, None, None
-        # with exact_prefill FA3 gets the whole batch, dense vLLM's call (session 12: given the
-        # batch without its decode rows, it rounded 0.8% of SmolLM2's prefill-row elements apart)
+        # with exact_prefill FA3 gets the whole batch, dense vLLM's call (given the batch
+        # without its decode rows, it rounded 0.8% of SmolLM2's prefill-row elements apart;
+        # docs/design/vllm-integration.md)
         fa3_call = fa3_rows(num_decodes, cam.num_reqs, num_decode_tokens,
                             self.settings.exact_prefill)
         if fa3_call is not None:

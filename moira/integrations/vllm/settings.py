@@ -45,7 +45,8 @@ key                environment variable     meaning
                                             engine's prefill log-probs matched bit for
                                             bit with it on, 12 of 12 prompts; with the
                                             zeroing, 0 of 468,926,464 other-row elements
-                                            differed from dense vLLM's call, session 14)
+                                            differed from dense vLLM's call;
+                                            docs/design/vllm-integration.md)
 ``dense_below_tokens``  ``MOIRA_DENSE_BELOW_TOKENS``  a decode step of B requests reads
                                             every page of its rows of at most this / B
                                             tokens, skipping Estimate's and Select's work:
@@ -58,8 +59,8 @@ key                environment variable     meaning
                                             of 24 pages down in proportion (default 32)
 ``min_programs``   ``MOIRA_MIN_PROGRAMS``   Attend's split: the fewest programs per step,
                                             so a few rows still fill the GPU (default 4096;
-                                            with 1, 32 chunks per row; benchmarks/RESULTS.md,
-                                            "A single request", times both at batch 1)
+                                            with 1, 32 chunks per row;
+                                            docs/design/work-split.md)
 ``step_programs``  ``MOIRA_STEP_PROGRAMS``  Attend's split: a short row of a small step is
                                             cut finer so the step has about this many
                                             programs (default 256; 0: Eq. 4's floor C alone)
@@ -68,15 +69,14 @@ key                environment variable     meaning
 ``max_chunks_per_row``  ``MOIRA_MAX_CHUNKS_PER_ROW``  Attend's split: the most programs
                                             per row (default 128; binds only in steps of
                                             fewer than min_programs / 128 rows; 4096: J
-                                            from Eq. 4 alone, as before session 20)
+                                            from Eq. 4 alone; docs/design/work-split.md)
 ``fused_cache_write``  ``MOIRA_FUSED_CACHE_WRITE``  pure decode steps write each new
                                             token's K and V inside Estimate's launch instead
                                             of vLLM's ``reshape_and_cache_flash`` kernel
                                             (one launch fewer per layer; mixed steps write
-                                            them as before; default on since session 23:
-                                            outputs bit-identical in vLLM, 0.06 ms less per
-                                            token at 8k x 1, benchmarks/RESULTS.md "Session
-                                            23: the write in Estimate")
+                                            them with vLLM's kernel; default on: outputs
+                                            bit-identical in vLLM, 0.06 ms less per token at
+                                            8k x 1 on the H200; docs/design/summaries.md)
 ``kernels``        ``MOIRA_KERNELS``        which kernel runs each stage and their tuning
                                             (``moira.KernelOptions``): a JSON object such as
                                             ``{"attend": "cuda", "fused": "off", "tuning":

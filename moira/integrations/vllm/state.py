@@ -100,8 +100,8 @@ class DenseCheck:
     batch, with ``exact_prefill`` built with the engine's schedule but without its decode rows'
     key lengths zeroed, so the count checks that zeroing them changes no other row)
     are counted bitwise (with FA3 on the batch without its decode rows: 0 in every
-    Llama-geometry run, 0.8% of SmolLM2-135M's elements, from FA3's per-launch scheduling,
-    sessions 11-12).
+    Llama-geometry run, 0.8% of SmolLM2-135M's elements, from FA3's per-launch scheduling;
+    docs/design/vllm-integration.md).
 
     Ulps are counted at each element's own magnitude (strict: an element near zero has a tiny
     spacing) and, as the paper's Appendix B states its bound, at the scale of the head's output
@@ -112,7 +112,7 @@ class DenseCheck:
     closer to the truth, not only how far apart they are; ``*_exact_outward_sum`` sums the
     error along the exact value's sign, (value - exact) * sign(exact): a kernel whose outputs
     lean toward or away from zero shows a sum far from zero where unbiased rounding cancels.
-    (Files of sessions 11-12 also hold ``other_rows_differing_one_split`` and
+    (The result files of the FA3 split study also hold ``other_rows_differing_one_split`` and
     ``other_rows_split_in_whole_batch``, the counters that traced the prefill rows'
     differences to FA3's split choice.)"""
 

@@ -1,14 +1,14 @@
-// Attend in CUDA C++ (attend.IMPLEMENTATION = "cuda"; built and launched by attend_cuda.py).
+// Attend in CUDA C++ (KernelOptions(attend="cuda"); built and launched by cuda/attend.py).
 //
-// The same self-planning split-KV attention as attend.py's Triton kernel (plan_row, the
+// The same self-planning split-KV attention as triton/attend.py's kernel (plan_row, the
 // online softmax in the log2 domain, the softmax denominator summed from the bf16-rounded
 // weights, a single-chunk row written directly, a split row's partials and log-sum-exp for
 // Merge), with the K/V pipeline Triton would not build: every page id of the chunk staged in
 // shared memory first, then STAGES pages' K and V in flight at once by cp.async (zero-filled
 // past seq_len), so a program computes one page while the next ones load. Why: Triton's
-// pipeliner keeps one K/V tile per program and nothing in flight while it computes
-// (benchmarks/NOTES.md, sessions 29-32); FlashInfer's decode kernel, which pipelines, is
-// 4-11% faster at equal row lengths.
+// pipeliner keeps one K/V tile per program and nothing in flight while it computes;
+// FlashInfer's decode kernel, which pipelines, is 4-11% faster at equal row lengths
+// (docs/design/attend.md).
 //
 // A program (row = (request, KV head), chunk) runs 4 warps; warp w takes tokens
 // [16 w, 16 w + 16) of each 64-token page, for the G query heads padded to the 16 rows of
@@ -25,21 +25,21 @@ constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
 constexpr int STAGED_IDS = 256;  // page ids staged per segment of a chunk
 
-// ATTEND_TIMELINE = 1 (attend_cuda.TIMELINE, a probe for benchmarks/attend_timeline.py, never
-// the engine's build): each program writes when it started, when its first page landed and
+// ATTEND_TIMELINE = 1 (the "attend" probe of moira.benchmarking.timeline, never the engine's
+// build): each program writes when it started, when its first page landed and
 // when it ended (the global timer, ns, and its SM's clock), its SM and its page count
 #ifndef ATTEND_TIMELINE
 #define ATTEND_TIMELINE 0
 #endif
-constexpr int TIMELINE_FIELDS = 8;  // attend_cuda.TIMELINE_FIELDS
+constexpr int TIMELINE_FIELDS = 8;  // moira.benchmarking.timeline.FIELDS
 
-// Dynamic shared memory of a program (mirrored by attend_cuda.shared_bytes): the stages' K
-// and V tiles, the staged page ids (int64) and token counts (int32)
+// Dynamic shared memory of a program (mirrored by cuda/attend.py's shared_bytes): the
+// stages' K and V tiles, the staged page ids (int64) and token counts (int32)
 __host__ __device__ constexpr int shared_bytes(int d, int stages) {
   return stages * 2 * PAGE * d * 2 + STAGED_IDS * (8 + 4);
 }
 
-// mirrored field by field by attend_cuda.Params (ctypes); strides in elements
+// mirrored field by field by cuda/attend.py's Params (ctypes); strides in elements
 struct Params {
   const bf16* query;
   const bf16* key_cache;
@@ -129,7 +129,7 @@ __device__ __forceinline__ u32 pack_bf16(float low, float high, float& rounded_s
 // Element offset of 16-byte chunk `chunk` of row `row` in a K or V tile. The XOR swizzle
 // keeps every 32-byte global sector in one aligned 32-byte shared granule (rows padded by 16
 // bytes split every odd row's sectors: 1.5x the L2 sectors and 2.6x the shared wavefronts
-// of the copies, session 33's profile) and puts the 8 rows an ldmatrix phase reads in 8
+// of the copies, in Nsight Compute) and puts the 8 rows an ldmatrix phase reads in 8
 // different bank groups.
 template <int D>
 __device__ __forceinline__ int swizzled(int row, int chunk) {
@@ -161,7 +161,7 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
     }
   };
 #endif
-  // plan_row (attend.py): Eq. (4) with the short-row floor
+  // plan_row (triton/attend.py): Eq. (4) with the short-row floor
   const int count = p.page_counts[b * p.stride_cb + head * p.stride_ch];
   int floor_pages = p.chunk_floor;
   if (count <= p.short_pages) floor_pages = max(2, cdiv(count * p.step_rows, p.step_programs));
@@ -204,12 +204,12 @@ __device__ __forceinline__ void attend_program(const Params& p, unsigned char* s
 
   // Each warp copies only the 16 tokens of each page it computes, so no other warp waits for
   // its copies and the page loop needs the warp's own barrier, not the program's (a barrier
-  // per page held 14% of the stall samples in session 33's profile; the program's 128 threads
-  // copying whole pages timed within about 1% of this in session 34, ahead at CV 0, behind on
-  // spreads, and were removed). A lane copies the same (token, 16-byte column) pieces of every
+  // per page held 14% of the stall samples in Nsight Compute; the program's 128 threads
+  // copying whole pages timed within about 1% of this, ahead at CV 0, behind on spreads, and
+  // were removed). A lane copies the same (token, 16-byte column) pieces of every
   // page: its addresses are a per-lane base plus constants, so a page costs a few adds per
   // piece. (A loop from threadIdx.x with a run-time trip count recomputed two 64-bit products
-  // and selects per piece: 2.5x Triton's instructions in session 33's profile.)
+  // and selects per piece: 2.5x Triton's instructions.)
   constexpr int PIECES_PER_TOKEN = D / 8;
   constexpr int TOKENS_PER_PASS = 32 / PIECES_PER_TOKEN;  // 2 at D = 128, 4 at D = 64
   constexpr int PASSES = 16 / TOKENS_PER_PASS;

@@ -1,11 +1,11 @@
-"""Attend in CUDA C++ (``KernelOptions(attend="cuda")``): ``attend_cuda.cu``'s kernel, built
-by NVRTC on first use and launched through the CUDA driver API (``cuda_build``).
+"""Attend in CUDA C++ (``KernelOptions(attend="cuda")``): ``attend.cu``'s kernel, built by
+NVRTC on first use and launched through the CUDA driver API (``build``).
 
 The kernel is Attend's Triton kernel with a deeper K/V pipeline (the .cu file says why); the
 same plan, partials and outputs, so Merge and the rest of the step are unchanged. It runs by
-default where it can (``attend.IMPLEMENTATION = "auto"``: ``check_inputs``, ``usable``); it
-covers the default Attend only (``PAGE_IDS_AHEAD``, ``FA3_TILE_ORDER``, ``EVEN_CHUNKS``,
-float32 weight sums and the balanced schedule are the Triton kernel's).
+default where it can (``KernelOptions(attend="auto")``: ``check_inputs``, ``usable``); it
+covers the default Attend only (tunings ``attend.page_ids_ahead``, ``attend.fa3_tile_order``,
+``attend.even_chunks``, float32 weight sums and the balanced schedule are the Triton kernel's).
 """
 
 import ctypes
@@ -25,7 +25,7 @@ HEAD_DIMS = (64, 128)
 MAX_GROUP = 16  # query heads per KV head: the 16 rows of mma.m16n8k16
 
 class Params(ctypes.Structure):
-    """``Params`` of attend_cuda.cu, field by field (the kernel's one argument)."""
+    """``Params`` of attend.cu, field by field (the kernel's one argument)."""
 
     _fields_ = ([(name, ctypes.c_void_p) for name in (
         "query", "key_cache", "value_cache", "block_table", "seq_lens", "page_lists",
@@ -52,10 +52,10 @@ def kernel(device_index, head_dim, stages, timeline=False):
     ``timeline``: the ATTEND_TIMELINE build (``moira.benchmarking.timeline``)."""
     limit = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
     if shared_bytes(head_dim, stages) > limit:
-        raise ValueError(f"attend.CUDA_STAGES = {stages} needs "
+        raise ValueError(f"tuning 'attend.cuda_stages' = {stages} needs "
                          f"{shared_bytes(head_dim, stages)} bytes of shared memory per "
                          f"program at head_dim {head_dim}; this GPU allows {limit}: "
-                         f"lower CUDA_STAGES")
+                         f"lower 'attend.cuda_stages'")
     return build.function(device_index, SOURCE, f"moira_attend_d{head_dim}_s{stages}",
                                "attend", shared_bytes(head_dim, stages),
                                options=("-DATTEND_TIMELINE=1",) if timeline else ())
@@ -73,7 +73,7 @@ def check_inputs(query, key_cache, value_cache, head_dim, group, stages):
         raise ValueError(f"KernelOptions(attend='cuda') takes at most {MAX_GROUP} query "
                          f"heads per KV head, got {group}: use 'triton'")
     if stages not in (2, 3, 4):
-        raise ValueError(f"attend.CUDA_STAGES must be 2, 3 or 4, got {stages}")
+        raise ValueError(f"tuning 'attend.cuda_stages' must be 2, 3 or 4, got {stages}")
     for name, tensor in (("query", query), ("key_cache", key_cache),
                          ("value_cache", value_cache)):
         if tensor.dtype != torch.bfloat16:
@@ -94,7 +94,7 @@ def check_inputs(query, key_cache, value_cache, head_dim, group, stages):
 @functools.lru_cache(maxsize=None)
 def usable(index, head_dim, stages):
     """Whether device ``index`` can build and run this kernel at ``head_dim`` and ``stages``
-    (``attend.IMPLEMENTATION = "auto"``): sm_80+, the stages' shared memory, libnvrtc."""
+    (``KernelOptions(attend="auto")``): sm_80+, the stages' shared memory, libnvrtc."""
     properties = torch.cuda.get_device_properties(index)
     return shared_bytes(head_dim, stages) <= properties.shared_memory_per_block_optin \
         and build.can_run(index, "Attend")
@@ -103,8 +103,8 @@ def usable(index, head_dim, stages):
 def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts, *,
            qk_scale_log2, chunk_floor, chunks_per_row, out, partial_out, partial_lse,
            step_rows, step_programs, short_pages, stages, build_only=False):
-    """Launch ``attend_cuda.cu``'s kernel on the current stream: the arguments of
-    ``attend.attend`` (the scale already in log2 units, the short-row bound computed), inputs
+    """Launch ``attend.cu``'s kernel on the current stream: the arguments of
+    ``triton.attend.attend`` (the scale already in log2 units, the short-row bound computed), inputs
     that ``check_inputs`` passed."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]

@@ -1,8 +1,8 @@
 """CUDA C++ kernels built at run time: NVRTC compiles a ``.cu`` file of this folder for the
 GPU's architecture (cached on disk), and the CUDA driver API (ctypes) loads and launches it.
 So a CUDA kernel needs no compiled extension, no CUDA toolkit and no package beyond torch, whose
-CUDA builds install ``libnvrtc`` (the ``nvidia-cuda-nvrtc`` wheel). Used by ``attend_cuda``,
-``estimate_cuda`` and ``select_cuda``.
+CUDA builds install ``libnvrtc`` (the ``nvidia-cuda-nvrtc`` wheel). Used by this folder's
+``attend``, ``estimate``, ``select`` and ``estimate_select``.
 
 The binaries (cubins) are cached under ``$MOIRA_CACHE_DIR`` (default ``~/.cache/moira``), keyed
 by the source, the headers it may include (``*.cuh``), the options, the architecture and
@@ -88,7 +88,7 @@ def compile_cubin(source, arch, options=(), name="moira.cu"):
     """``(cubin, log)``: CUDA C++ ``source`` (bytes) compiled by NVRTC for ``sm_<arch>`` (e.g.
     "90") with more NVRTC ``options`` (e.g. ``--ptxas-options=-v``, whose report is the
     log); a RuntimeError with the log if it does not compile. ``name``: the file named in
-    NVRTC's messages. This folder is on the include path (``moira_cuda.cuh``)."""
+    NVRTC's messages. This folder is on the include path (``common.cuh``)."""
     nvrtc, program = _nvrtc(), ctypes.c_void_p()
     failed = nvrtc.nvrtcCreateProgram(ctypes.byref(program), source, name.encode(), 0,
                                       None, None)
@@ -126,7 +126,7 @@ def source_path(file_name):
 
 
 def build(file_name, arch, options=()):
-    """The cubin of this folder's ``file_name`` (e.g. "attend_cuda.cu") for ``sm_<arch>``
+    """The cubin of this folder's ``file_name`` (e.g. "attend.cu") for ``sm_<arch>``
     (e.g. "90") with NVRTC ``options`` (e.g. ``("-DSELECT_P=8",)``): cached, else built."""
     with open(source_path(file_name), "rb") as f:
         source = f.read()

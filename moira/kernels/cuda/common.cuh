@@ -1,7 +1,7 @@
-// What this folder's CUDA kernels share (attend_cuda.cu, estimate_cuda.cu, select_cuda.cu
-// include it inside their anonymous namespace; cuda_build.py puts this folder on NVRTC's
-// include path). No system header: NVRTC builds with torch's own libnvrtc, whose built-in
-// headers lack cuda_bf16.h, so a bf16 is handled as its 16 bits and converted by PTX.
+// What this folder's CUDA kernels share (attend.cu, estimate.cu, select.cu include it inside
+// their anonymous namespace; build.py puts this folder on NVRTC's include path). No system
+// header: NVRTC builds with torch's own libnvrtc, whose built-in headers lack cuda_bf16.h,
+// so a bf16 is handled as its 16 bits and converted by PTX.
 #pragma once
 
 typedef unsigned short bf16;  // a bfloat16's bits

@@ -1,7 +1,7 @@
-// Estimate in CUDA C++ (estimate.IMPLEMENTATION = "cuda"; built and launched by
-// estimate_cuda.py through cuda_build.py).
+// Estimate in CUDA C++ (KernelOptions(estimate="cuda"); built and launched by
+// cuda/estimate.py through cuda/build.py).
 //
-// The same step as estimate.py's Triton kernel and the same grid, (rows, 2 + J): program 1 of
+// The same step as triton/estimate.py's kernel and the same grid, (rows, 2 + J): program 1 of
 // a row writes this step's token into the cache and summarizes the current page when the
 // token filled it; programs 0 and 1 compute the sink's and the current page's log-masses
 // exactly from their keys; the J others share the row's tiles of middle pages and apply mvar
@@ -11,12 +11,12 @@
 // flight at once, and the next tile's block-table entries load while this tile computes. A
 // lane's partial sums (LOADS pages x G heads, at most 32) are summed over the page's lanes by
 // a reduce-scatter of shuffles, which leaves each lane one (page, head) total to store. Why:
-// the Triton kernel is latency-bound (NOTES, sessions 25-26, 34: 28% occupancy, DRAM at 33%
-// of peak at 131k x 4, each program a chain of dependent loads), 2x its bytes' time.
+// the Triton kernel is latency-bound (in Nsight Compute: 28% occupancy, DRAM at 33% of peak
+// at 131k x 4, each program a chain of dependent loads), 2x its bytes' time
+// (docs/design/estimate.md).
 
-// Session 44 timed four changes of session 43 (benchmarks/RESULTS.md) and kept two: an
-// exact-page program issues its page's id, its keys and the group's queries together, one
-// barrier after (it had waited on each query load, then the table, then the keys), and an
+// An exact-page program issues its page's id, its keys and the group's queries together, one
+// barrier after (not a wait on each query load, then the table, then the keys), and an
 // mvar program whose share of the row holds no middle page returns before loading its query
 // (vLLM's table is as wide as the longest admitted context: at 8k most programs are idle).
 // Together: 16.8 -> 15.0 us at 8k x 32 in a 2,048-page table, 0.1-0.3 us less in the rows'
@@ -30,7 +30,7 @@ constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
 constexpr float LOG_PAGE = 4.1588830833596715f;  // log(64): mvar's log |P|
 
-// mirrored field by field by estimate_cuda.Params (ctypes); strides in elements, the head
+// mirrored field by field by cuda/estimate.py's Params (ctypes); strides in elements, the head
 // dim's stride 1
 struct Params {
   const bf16* query;
@@ -50,7 +50,7 @@ struct Params {
   i64 stride_knb, stride_knh, stride_vnb, stride_vnh;
   i64 stride_vp, stride_vt, stride_vh;
   int num_kv_heads, max_pages, group, dense_below_pages, mvar_programs, num_slots;
-  int first_program;  // 0; 2 launches the mvar programs alone (estimate_cuda.estimate's parts)
+  int first_program;  // 0; 2 launches the mvar programs alone (cuda/estimate.py's parts)
   float scale;
 };
 
@@ -86,7 +86,7 @@ __device__ void write_new_token(const Params& p, int b, int head) {
 }
 
 // The mean and population variance of a full page's keys, per channel (two passes, as
-// summarize.py: no cancellation), rounded to bf16.
+// triton/summarize.py: no cancellation), rounded to bf16.
 template <int D>
 __device__ void summarize_page(const Params& p, i64 physical, int head) {
   const int d = threadIdx.x;
@@ -107,7 +107,7 @@ __device__ void summarize_page(const Params& p, i64 physical, int head) {
 
 // A barrier of a program's THREADS threads: the whole block in this file's kernels (SLOTS
 // = 1), or the 128 threads of one of SLOTS groups that each act as a program
-// (estimate_select_cuda.cu), by a named barrier per group (0 is __syncthreads')
+// (estimate_select.cu), by a named barrier per group (0 is __syncthreads')
 template <int SLOTS>
 __device__ __forceinline__ void program_barrier() {
   if constexpr (SLOTS == 1) {
@@ -388,9 +388,10 @@ __device__ void estimate_program(const Params& p) {
 
 }  // namespace
 
-#ifndef MOIRA_DEVICE_ONLY  // estimate_select_cuda.cu takes the functions, not the kernels
+#ifndef MOIRA_DEVICE_ONLY  // estimate_select.cu takes the functions, not the kernels
 // blocks per SM that ptxas is to fit (its register budget, 65,536 / (THREADS x this); 0: its
-// own choice): estimate_cuda.py passes MIN_BLOCKS_PER_SM; at most 4 at G = 8 (5 spill)
+// own choice): cuda/estimate.py passes tuning "estimate.cuda_min_blocks_per_sm"; at most 4 at
+// G = 8 (5 spill)
 #ifndef ESTIMATE_MIN_BLOCKS
 #define ESTIMATE_MIN_BLOCKS 0
 #endif

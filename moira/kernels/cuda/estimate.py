@@ -1,5 +1,5 @@
-"""Estimate in CUDA C++ (``KernelOptions(estimate="cuda")``): ``estimate_cuda.cu``'s kernel,
-built by NVRTC on first use and launched through the CUDA driver API (``cuda_build``).
+"""Estimate in CUDA C++ (``KernelOptions(estimate="cuda")``): ``estimate.cu``'s kernel, built
+by NVRTC on first use and launched through the CUDA driver API (``build``).
 
 The same step as the Triton kernel (the token's cache write, the filled page's summary, the
 exact sink and current pages, mvar on the middle pages; the same grid layout and log-masses),
@@ -28,7 +28,7 @@ MAX_GROUP = 8
 
 
 class Params(ctypes.Structure):
-    """``Params`` of estimate_cuda.cu, field by field (the kernel's one argument)."""
+    """``Params`` of estimate.cu, field by field (the kernel's one argument)."""
 
     _fields_ = ([(name, ctypes.c_void_p) for name in (
         "query", "key_cache", "summaries", "block_table", "seq_lens", "log_masses",
@@ -147,11 +147,11 @@ def params(query, key_cache, summaries, block_table, seq_lens, scale, log_masses
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses, *,
              options, dense_below_pages=0, new_kv=None, build_only=False, parts="all"):
-    """Launch ``estimate_cuda.cu``'s kernel on the current stream: ``estimate.estimate``'s
+    """Launch ``estimate.cu``'s kernel on the current stream: ``triton.estimate.estimate``'s
     arguments and outputs, inputs that ``check_inputs`` passed. ``parts`` launches only the
     exact programs ("exact": the sink's, and the current page's with the token's write) or only
     the mvar programs ("mvar"), each leaving the others' log-masses unwritten: a measurement of
-    what each part costs (``tune_kernels.py --kinds estparts``), not a step."""
+    what each part costs (``benchmarks/tune.py --kinds estparts``), not a step."""
     if parts not in ("all", "exact", "mvar"):
         raise ValueError(f"parts must be 'all', 'exact' or 'mvar', got {parts!r}")
     batch, num_heads, head_dim = query.shape

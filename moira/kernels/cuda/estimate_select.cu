@@ -1,23 +1,23 @@
 // Estimate and Select in one launch, one program per (request, KV head) row
-// (estimate_select_cuda.py; decode.py uses it for steps of many rows).
+// (cuda/estimate_select.py; decode.py uses it for steps of many rows).
 //
 // The step's two first kernels, run by one 256-thread program per row: the token's cache write
 // and the filled page's summary; then two groups of 4 warps, each acting as one of
-// estimate_cuda.cu's programs: group 0 computes the sink's log-mass exactly and group 1 the
+// estimate.cu's programs: group 0 computes the sink's log-mass exactly and group 1 the
 // current page's (exact_page, on a named barrier per group), then each streams half of the
 // row's middle-page tiles through the mvar loop (mvar_pages); the log-masses go to shared
 // memory instead of global memory, and after one barrier Select's row program (select_row,
 // any mode) runs on them with the same 256 threads. The log-masses are the CUDA Estimate's bit
-// for bit; Select's sums are the CUDA Select's in the same order where select_cuda.shape also
-// gives its row program 256 threads of P pages (tables of 1,025-2,048 pages) and in another
-// order elsewhere (narrower tables, and "auto"'s wider ones up to 4,096 pages), where a
-// near-tie could part the lists (none did in the tests or in tune_kernels' checks, sessions
-// 56-57). Why: the CUDA Estimate's grid
-// of short programs reads its summaries at 1.9-2.4 TB/s, a chain of dependent loads repeated
-// over ~4 waves, and Select then pays its own launch and reloads the log-masses (NOTES,
-// session 56). Here a step of 256 rows is one wave of two programs per SM, each with 32 KB of
-// summaries in flight. A step of few rows would stream every row's summaries through one SM
-// each, so decode.py keeps the two kernels there.
+// for bit; Select's sums are the CUDA Select's in the same order where cuda/select.py's shape
+// also gives its row program 256 threads of P pages (tables of 1,025-2,048 pages) and in
+// another order elsewhere (narrower tables, and "auto"'s wider ones up to 4,096 pages), where
+// a near-tie could part the lists (none did in the tests or in the tuning sweeps' checks).
+// Why: the CUDA Estimate's grid of short programs reads its summaries at 1.9-2.4 TB/s, a
+// chain of dependent loads repeated over ~4 waves, and Select then pays its own launch and
+// reloads the log-masses (docs/design/select.md, "The fused Estimate + Select"). Here a step
+// of 256 rows is one wave of two programs per SM, each with 32 KB of summaries in flight. A
+// step of few rows would stream every row's summaries through one SM each, so decode.py
+// keeps the two kernels there.
 
 #include "common.cuh"  // once, here: the two files' own includes then find it included
 
@@ -35,7 +35,7 @@ namespace {
 constexpr int GROUPS = 2;  // groups of est::THREADS threads
 constexpr int THREADS = GROUPS * est::THREADS;
 
-// mirrored field by field by estimate_select_cuda.Params (ctypes). The two kernels' own
+// mirrored field by field by cuda/estimate_select.py's Params (ctypes). The two kernels' own
 // parameters (their log_masses and its strides unused: the log-masses stay in shared memory)
 struct Params {
   est::Params estimate;
@@ -44,14 +44,14 @@ struct Params {
   unsigned long long* timeline;  // [rows][TIMELINE_FIELDS] (FUSED_TIMELINE builds only)
 };
 
-// FUSED_TIMELINE = 1 (estimate_select_cuda.TIMELINE, a probe for tune_kernels.py --kinds
-// fusedparts, never the engine's build): each program writes the global timer (ns) at its
+// FUSED_TIMELINE = 1 (the "estimate_select" probe of moira.benchmarking.timeline, never the
+// engine's build): each program writes the global timer (ns) at its
 // start, after the token's write, after group 0's exact page and its mvar tiles, after group
 // 1's, after the barrier before Select, and at its end
 #ifndef FUSED_TIMELINE
 #define FUSED_TIMELINE 0
 #endif
-constexpr int TIMELINE_FIELDS = 8;  // estimate_select_cuda.TIMELINE_FIELDS
+constexpr int TIMELINE_FIELDS = 8;  // moira.benchmarking.timeline.FIELDS
 
 __device__ __forceinline__ void mark(const Params& p, int field) {
 #if FUSED_TIMELINE
@@ -108,8 +108,8 @@ __device__ void estimate_select_row(const Params& p) {
 }  // namespace
 
 // One build per (D, G rounded up to a power of two, Select's pages per thread, K_B):
-// estimate_select_cuda.py compiles this file with -DFUSED_D, -DSELECT_GROUP, -DSELECT_P,
-// -DSELECT_WAYS (select_cuda.cu, included above, sets the last three's defaults)
+// cuda/estimate_select.py compiles this file with -DFUSED_D, -DSELECT_GROUP, -DSELECT_P,
+// -DSELECT_WAYS (select.cu, included above, sets the last three's defaults)
 #ifndef FUSED_D
 #define FUSED_D 128
 #endif

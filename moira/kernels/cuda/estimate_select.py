@@ -28,7 +28,7 @@ THREADS = 256  # the .cu file's THREADS: two of the CUDA Estimate's programs
 MAX_SHARED = 96 * 1024  # the log-masses' shared memory per program: two programs per SM
 
 class Params(ctypes.Structure):
-    """``Params`` of estimate_select_cuda.cu: the two kernels' own, and the shared log-masses'
+    """``Params`` of estimate_select.cu: the two kernels' own, and the shared log-masses'
     row width."""
 
     _fields_ = [("estimate", estimate_cuda.Params), ("select", select_cuda.Params),

@@ -1,7 +1,7 @@
-// Select in CUDA C++ (select.IMPLEMENTATION = "cuda"; built and launched by select_cuda.py
-// through cuda_build.py).
+// Select in CUDA C++ (KernelOptions(select="cuda"); built and launched by cuda/select.py
+// through cuda/build.py).
 //
-// The same rule and outputs as select.py's Triton kernel (its docstring is the
+// The same rule and outputs as triton/select.py's kernel (its docstring is the
 // specification): per (request, KV head) row, the group-mean softmax share of every page,
 // then K_B-way bisection on the threshold (coverage: the kept middle mass reaches gamma minus
 // the forced pages' share; fixed count: exactly top_k - 2 middle pages, ties in page order),
@@ -9,8 +9,8 @@
 // differs is its width: a program runs up to 512 threads, P pages each (thread t holds pages
 // [t P, t P + P)), and each pass's K_B sums are reduced across the block with one barrier,
 // where the Triton kernel's 4 warps hold 16 pages per thread and its ~2,800 straight-line
-// instructions wait on instruction fetches (NOTES, sessions 27 and 34: 9.2 us at 131k x 4 on
-// 32 SMs).
+// instructions wait on instruction fetches (in Nsight Compute: 9.2 us at 131k x 4 on 32 SMs;
+// docs/design/select.md).
 
 namespace {
 
@@ -19,7 +19,7 @@ namespace {
 constexpr int MAX_GROUP = 8;
 constexpr int MAX_WARPS = 16;  // 512 threads
 
-// mirrored field by field by select_cuda.Params (ctypes)
+// mirrored field by field by cuda/select.py's Params (ctypes)
 struct Params {
   const float* log_masses;
   const int* seq_lens;
@@ -50,8 +50,8 @@ struct Max {  // of floats
 // from shared memory at once: lane l takes the entries l, l + 32, ... (value l % N of
 // several warps), shuffles add the lanes that share a value, and each value is broadcast
 // from the lane that holds it. No loop over the warps: a runtime loop there was unrolled into
-// ~600 instructions per reduction (session 37). `buffer` ([MAX_WARPS][N]) must not be read by
-// a reduction still in progress: callers alternate two buffers.
+// ~600 instructions per reduction. `buffer` ([MAX_WARPS][N]) must not be read by a
+// reduction still in progress: callers alternate two buffers.
 template <typename Op, typename T, int N>
 __device__ __forceinline__ void block_reduce(T (&values)[N], T* buffer) {
   static_assert(N <= 32 && 32 % N == 0, "N divides a warp");
@@ -274,8 +274,8 @@ __device__ void select_row(const Params& p) {
   // lane tiers, as the Triton kernel's: a row that fits in half the pages per thread runs
   // that build, whose per-thread work (loads, exponentials, passes) and code are half this
   // one's; the program's width is the table's, so without them a short row in a wide table
-  // cost as much as a full one (session 38: +3.9 to +7.5 us per layer with 8k-64k rows in
-  // a 2,048-page table)
+  // cost as much as a full one (measured +3.9 to +7.5 us per layer with 8k-64k rows in a
+  // 2,048-page table)
   if constexpr (P > 1) {
     if (n <= int(blockDim.x) * (P / 2)) {
       select_row<P / 2, WAYS, GP>(p);
@@ -287,8 +287,8 @@ __device__ void select_row(const Params& p) {
 
   // group-mean share of every page: each head's softmax, then their mean. A thread loads its
   // pages of every head at once, at addresses clamped into the row and to a real head (so no
-  // load waits behind a branch: loads in per-head branches ran one after another, session
-  // 37), and keeps its own maximum and sum; the block combines them.
+  // load waits behind a branch: loads in per-head branches ran one after another), and keeps
+  // its own maximum and sum; the block combines them.
   float peak[GP], total[GP];
 #pragma unroll
   for (int g = 0; g < GP; ++g) {
@@ -442,10 +442,10 @@ __device__ void select_row(const Params& p) {
 
 }  // namespace
 
-// One build per (pages per thread, K_B, G rounded up to a power of two): select_cuda.py
+// One build per (pages per thread, K_B, G rounded up to a power of two): cuda/select.py
 // compiles this file with -DSELECT_P=<P> -DSELECT_WAYS=<K_B> -DSELECT_GROUP=<G> for the
 // launches it makes (every (P, K_B) pair in one file took NVRTC a minute); so does
-// estimate_select_cuda.py for its file, which includes this one
+// cuda/estimate_select.py for its file, which includes this one
 #ifndef SELECT_P
 #define SELECT_P 8
 #endif
@@ -456,7 +456,7 @@ __device__ void select_row(const Params& p) {
 #define SELECT_GROUP 4
 #endif
 
-#ifndef MOIRA_DEVICE_ONLY  // estimate_select_cuda.cu takes select_row, not the kernel
+#ifndef MOIRA_DEVICE_ONLY  // estimate_select.cu takes select_row, not the kernel
 #define MOIRA_SELECT(P, WAYS, GP)                                                  \
   extern "C" __global__ void __launch_bounds__(32 * MAX_WARPS, 1)                  \
       moira_select_p##P##_w##WAYS##_g##GP(const Params p) {                        \

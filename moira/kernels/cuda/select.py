@@ -1,6 +1,6 @@
-"""Select in CUDA C++ (``KernelOptions(select="cuda")``): ``select_cuda.cu``'s kernel, built
-by NVRTC on first use (one build per pages-per-thread and K_B) and launched through the CUDA
-driver API (``cuda_build``).
+"""Select in CUDA C++ (``KernelOptions(select="cuda")``): ``select.cu``'s kernel, built by
+NVRTC on first use (one build per pages-per-thread and K_B) and launched through the CUDA
+driver API (``build``).
 
 The same rule and outputs as the Triton kernel, one program per row, on up to 512 threads of
 P pages each with one barrier per bisection pass (the .cu file says why); a row that fits in
@@ -8,8 +8,8 @@ fewer pages per thread runs with P halved until it does not (lane tiers, as Trit
 takes up to 8 query heads per KV head, tables of up to ``max_table_pages(G, K_B)`` pages and
 K_B in ``WAYS`` (``check_inputs``). K_B = 64 (``MoiraConfig.bisection_ways``) takes each
 pass's sums from a histogram of the row's shares instead of comparing every page with every
-threshold (the .cu file's ``bisect_binned``): 4 passes instead of 12. At 131k x 4 alone
-(session 40) that is faster in fixed-count mode (10.8 against 12.8 us) and slower in
+threshold (the .cu file's ``bisect_binned``): 4 passes instead of 12. Measured at 131k x 4
+alone on the H200, that is faster in fixed-count mode (10.8 against 12.8 us) and slower in
 coverage mode (20.7 against 11.9): coverage's 64-bit fixed-point sums go through
 shared-memory atomics that sm_90 runs as compare-and-swap loops (ATOMS.CAST.SPIN.64), and
 near-equal shares all fall in one bin.
@@ -31,7 +31,7 @@ WAYS = (2, 4, 8, 16, 64)  # 64: the binned passes
 
 
 class Params(ctypes.Structure):
-    """``Params`` of select_cuda.cu, field by field (the kernel's one argument)."""
+    """``Params`` of select.cu, field by field (the kernel's one argument)."""
 
     _fields_ = ([(name, ctypes.c_void_p) for name in (
         "log_masses", "seq_lens", "row_values", "page_lists", "page_counts")]
@@ -124,7 +124,7 @@ def params(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
 def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_pages, gamma,
            top_k, ways, row_values, fractions, row_gammas, dense_below_pages=0,
            build_only=False):
-    """Launch ``select_cuda.cu``'s kernel on the current stream: ``select.select``'s
+    """Launch ``select.cu``'s kernel on the current stream: ``triton.select.select``'s
     arguments, ``row_values`` already expanded to ``page_counts``' shape (or None), inputs that
     ``check_inputs`` passed."""
     rows, group = log_masses.shape[0], log_masses.shape[1]

@@ -15,8 +15,8 @@ partial output and log-sum-exp for Merge.
 With ``step_programs`` T > 0 (``MoiraConfig.step_programs``), C of a row in a step planned
 for ``rows`` rows is min(C, max(2, ceil(n * rows / T))): in a step of few rows a short row is
 cut finer, so the step still has about T programs (timed on the H200 at batches 1-4,
-benchmarks/NOTES.md, sessions 14-15; default 256); steps of T rows or more get Eq. (4)'s
-chunk counts.
+docs/design/work-split.md; default 256); steps of T rows or more get Eq. (4)'s chunk
+counts.
 
 Bytes: 2 * 64 * D cache elements per listed page, plus q, and the partials of split rows.
 """
@@ -36,7 +36,7 @@ def plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per
     """(list length n, pages per chunk c, chunks m) of a row: Eq. (4) with the short-row floor
     (``step_programs`` over ``step_rows``, the planned step's rows; rows of at most
     ``short_pages`` pages, ``short_row_pages``: -1 when off), its chunks made equal with
-    ``EVEN`` (``EVEN_CHUNKS``), shared with Merge (``reference.work_split``)."""
+    ``EVEN`` (tuning ``attend.even_chunks``), shared with Merge (``reference.work_split``)."""
     count = tl.load(page_counts + b * stride_cb + head * stride_ch)
     floor = chunk_floor
     if count <= short_pages:  # only where the floor binds: n * rows <= (C - 1) * T, so
@@ -66,7 +66,7 @@ def tile_pages(row_pages, row_table, seq_len, i, last, tile_page, offset, max_pa
     # an entry outside the block table's [0, max_pages) reads nothing (a caller's bad list
     # must not read another request's page)
     if PAGES_PER_TILE == 1:  # one page: its list entry and physical id are scalars
-        listed = i < last  # PAGE_IDS_AHEAD looks one tile past a chunk: not past the list
+        listed = i < last  # attend.page_ids_ahead looks a tile past a chunk: not past the list
         logical = tl.load(row_pages + i, mask=listed, other=-1)
         in_table = (logical >= 0) & (logical < max_pages)
         valid = in_table & (logical * PAGE + offset < seq_len)  # and the current page's tail
@@ -110,7 +110,7 @@ def attend_tile(q, key_cache, value_cache, page, valid, head,
         rescale = tl.exp2(running_max - shift)
         weights = tl.exp2(logits - shift[:, None])
     probs = weights.to(values.dtype)
-    if SUM_ROUNDED:  # the same rounded weights that multiply V (SUM_ROUNDED_WEIGHTS)
+    if SUM_ROUNDED:  # the same rounded weights that multiply V (attend.sum_rounded_weights)
         running_sum = running_sum * rescale + tl.sum(probs.to(tl.float32), axis=1)
     else:
         running_sum = running_sum * rescale + tl.sum(weights, axis=1)
@@ -131,7 +131,7 @@ def attend_segment(query, key_cache, value_cache, block_table, seq_lens, page_li
                    PAGES_AHEAD: tl.constexpr = False):
     """Attention of the G query heads of row (b, head) over its listed pages ``[first, last)``:
     ``(output [GROUP_PAD, D] float32, lse [GROUP_PAD])``; zeros and lse = -inf without keys.
-    Tiles run first to last, or with ``FA3_ORDER`` last to first (``FA3_TILE_ORDER``)."""
+    Tiles run first to last, or with ``FA3_ORDER`` last to first (``attend.fa3_tile_order``)."""
     groups = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(query + b.to(tl.int64) * stride_qb + (head * GROUP + groups)[:, None] * stride_qh

@@ -16,8 +16,8 @@ def merged(partial_out, partial_lse, first_slot, num_chunks, g, GROUP: tl.conste
     A row of at most ``SPLITS_PER_LOAD`` chunks loads its LSEs and its partials at once: one
     memory round trip, where the general form waits for the LSEs, then loads them again with
     the partials behind a mask made from them (three). Merge is a chain of dependent loads of
-    a few KB per program, so the round trips are its time: 0.5-1.3 us less per layer in Attend
-    + Merge at 8k x 32 to 128k x 4 (session 44, NOTES)."""
+    a few KB per program, so the round trips are its time: measured 0.5-1.3 us less per layer
+    in Attend + Merge at 8k x 32 to 128k x 4 on the H200 (docs/design/merge.md)."""
     if num_chunks <= SPLITS_PER_LOAD:
         result = _merged_in_one_load(partial_out, partial_lse, first_slot, num_chunks, g,
                                      GROUP, HEAD_DIM, SPLITS_PER_LOAD)
@@ -53,8 +53,8 @@ def _merged_in_loads(partial_out, partial_lse, first_slot, num_chunks, g, GROUP:
                      HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
                      SPLITS_PER_LOAD: tl.constexpr):
     splits = tl.arange(0, SPLITS_PAD)
-    # .cg (L2, not L1): chosen when Attend could fold the merge in (other SMs wrote these in
-    # the same kernel; removed since), kept so that Merge's loads stay as they were timed
+    # .cg (L2, not L1): chosen for a merge folded into Attend (other SMs writing these in the
+    # same kernel; that fold lost, docs/design/merge.md), kept so Merge's loads stay as timed
     lse = tl.load(partial_lse + (first_slot + splits) * GROUP + g, mask=splits < num_chunks,
                   other=float("-inf"), cache_modifier=".cg")
     peak = tl.max(lse, axis=0)

@@ -11,9 +11,9 @@ between them, each reading the row's length from GPU memory (as Attend does), an
 the middle pages. J depends on the batch shape alone (``programs_per_row``): enough programs to
 fill the GPU, not one per tile of the block table's width. In an engine the block table is as
 wide as the longest context it admits, so a grid sized by the width launched, at 8k x 32 in a
-130k-token engine (2,037 pages), 66 programs per row of which 7 had work (session 7's step
-profile: Estimate 29 us per layer in the engine against 13-16 in a bench whose table was as
-wide as its rows).
+130k-token engine (2,037 pages), 66 programs per row of which 7 had work (measured in vLLM's
+step: Estimate 29 us per layer in the engine against 13-16 in a bench whose table was as wide
+as its rows; docs/design/estimate.md).
 
 Program 1 also summarizes the current page when this step's token has just filled it (the
 row's length a multiple of 64): the page is a middle page from the next step on, and a decode
@@ -81,8 +81,9 @@ def _summary_tile(summaries, physical, middle, head, stride_sp, stride_sh, strid
 def _query_head(query_row, q_next, g: tl.constexpr, dims, scale, stride_qh, stride_qd,
                 GROUP: tl.constexpr, AHEAD: tl.constexpr):
     """(head ``g``'s query scaled, float32; the raw query to pass for head g + 1). With
-    ``AHEAD`` (``QUERY_HEAD_AHEAD``) ``q_next`` holds head g's raw query, loaded during head g - 1
-    (head 0's before the loop), and head g + 1's is loaded now; otherwise head g's loads now."""
+    ``AHEAD`` (``estimate.query_head_ahead``) ``q_next`` holds head g's raw query, loaded during
+    head g - 1 (head 0's before the loop), and head g + 1's is loaded now; otherwise head g's
+    loads now."""
     if AHEAD:
         q_g = q_next.to(tl.float32) * scale
         if g + 1 < GROUP:

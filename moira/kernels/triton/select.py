@@ -46,12 +46,13 @@ def num_warps(block, eight_warps_from=2048):
     parameter must not depend on the rows' lengths, which only the GPU knows). Select is a
     chain of dependent row-wide reductions, so a narrow table is fastest in one warp (no block
     barriers: shuffles only) and a wide one needs more warps to hold and reduce its shares.
-    Timed on the H200 with tables as wide as the rows (``tune_kernels.py --kinds select``):
-    128 lanes (8k x 32) 1 / 2 / 4 / 8 warps 4.0 / 4.4 / 5.1 / 6.2 us (session 9); 256 (16k x
-    32) 4.8 / 6.2 / 7.3 / 8.5; 512 (32k x 16) 7.7 / 7.1 / 6.2 / 8.2; 2,048 (131k x 4) 28.1 /
-    12.6 / 9.1 / 9.4; 4 warps beat 8 up to 2,048 lanes alone (session 8), not in a step
-    (``EIGHT_WARPS_FROM``). In vLLM the table is as wide as ``max_model_len`` allows, so one
-    warp serves engines of up to 16k tokens."""
+    Timed on the H200 with tables as wide as the rows (``benchmarks/tune.py --kinds select``):
+    128 lanes (8k x 32) 1 / 2 / 4 / 8 warps 4.0 / 4.4 / 5.1 / 6.2 us; 256 (16k x 32) 4.8 / 6.2
+    / 7.3 / 8.5; 512 (32k x 16) 7.7 / 7.1 / 6.2 / 8.2; 2,048 (131k x 4) 28.1 / 12.6 / 9.1 /
+    9.4. 4 warps beat 8 at 2,048 lanes alone, not in a step, where Attend's K/V stream evicts
+    Select's code from the L2 (tuning ``select.eight_warps_from``; docs/design/select.md). In
+    vLLM the table is as wide as ``max_model_len`` allows, so one warp serves engines of up to
+    16k tokens."""
     if block <= 256:
         return 1
     if block < eight_warps_from:
