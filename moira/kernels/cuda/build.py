@@ -271,8 +271,8 @@ def can_run(index, what):
     if torch.cuda.get_device_properties(index).major < 8:
         return False
     if nvrtc_library() is None:
-        warnings.warn(f"Moira's CUDA {what} needs libnvrtc (pip install nvidia-cuda-nvrtc; "
-                      f"torch's CUDA builds bring it) and none was found: {what} runs its "
-                      f"Triton kernel", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"no libnvrtc was found (pip install nvidia-cuda-nvrtc; torch's CUDA "
+                      f"builds bring it): Moira's CUDA {what} cannot be built, and 'auto' runs "
+                      f"Triton's instead", RuntimeWarning, stacklevel=3)
         return False
     return True
