@@ -1,8 +1,9 @@
-"""Attend in CUDA C++ (``attend.IMPLEMENTATION = "cuda"``, attend_cuda.cu) against the
-reference: GPU only, except the struct mirror and the build (they need libnvrtc) and the
-refusals. (List entries outside the block table: test_attend.py's test, with this
-implementation as a case.)"""
+"""Attend in CUDA C++ (``KernelOptions(attend="cuda")``, moira/kernels/cuda/attend.cu) against
+the reference: GPU only, except the struct mirror and the build (they need libnvrtc), the
+refusals and the resolution on a made-up GPU. (List entries outside the block table:
+test_attend.py's test, with this kernel as a case.)"""
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -12,22 +13,32 @@ from helpers import (DEVICE, SMALL_SPLIT, check_struct_mirror, make_cache, make_
 from test_attend import check_attend, mixed_rows, poison_unread_slots, random_lists
 
 import moira
-from moira import MoiraConfig
-from moira.kernels import attend as attend_module
-from moira.kernels import attend_cuda, cuda_build
+from moira import KernelOptions, MoiraConfig
+from moira.benchmarking import timeline as probes
+from moira.kernels import backends
+from moira.kernels.cuda import attend as attend_cuda
+from moira.kernels.cuda import build as cuda_build
 
 cuda = pytest.mark.cuda
+ON_GPU = DEVICE == "cuda" and cuda_build.nvrtc_library() is not None
+
+
+def on_cuda(config=SMALL_SPLIT, stages=None):
+    """``config`` with Attend on the CUDA kernel (``attend.cuda_stages`` = ``stages`` if
+    given)."""
+    tuning = {} if stages is None else {"attend.cuda_stages": stages}
+    return config.replace(kernels=KernelOptions(attend="cuda", tuning=tuning))
 
 
 @pytest.fixture
-def cuda_attend(monkeypatch):
-    monkeypatch.setattr(attend_module, "IMPLEMENTATION", "cuda")
-    return monkeypatch
+def warn_anew(monkeypatch):
+    """``backends`` warns once per process of each fallback: here, as if none had happened."""
+    monkeypatch.setattr(backends, "_warned", set())
 
 
 @needs_nvrtc
 def test_params_mirror_the_kernels_struct():
-    """``attend_cuda.Params`` (ctypes) mirrors the kernel's ``Params`` (size, field names in
+    """``attend.Params`` (ctypes) mirrors the kernel's ``Params`` (size, field names in
     order, types, the number of fields) and ``shared_bytes`` the kernel's layout: a field
     added, removed, retyped or reordered on one side only would pass the kernel garbage, and a
     launch with less shared memory than its layout would write past it."""
@@ -42,51 +53,61 @@ def test_params_mirror_the_kernels_struct():
         more_checks=shared)
 
 
-def test_refusals_name_the_fix(cuda_attend):
-    """What the CUDA Attend cannot run is a ValueError before any launch: another option of
-    the Triton kernel, the balanced schedule, an unknown implementation, and (on the CPU)
-    tensors not on a GPU."""
+def test_refusals_name_the_fix():
+    """What the CUDA Attend cannot run is a ValueError before any launch: a tuning constant
+    of the Triton kernel, stages it has no build for, one of its own constants without it,
+    an unknown backend, the balanced schedule and (on the CPU) tensors not on a GPU."""
+    with pytest.raises(ValueError, match="'attend.page_ids_ahead' is read only by the triton "
+                                         "kernel, and attend='cuda'"):
+        KernelOptions(attend="cuda", tuning={"attend.page_ids_ahead": True})
+    with pytest.raises(ValueError, match=r"'attend.cuda_stages' must be one of \(2, 3, 4\)"):
+        KernelOptions(attend="cuda", tuning={"attend.cuda_stages": 5})
+    with pytest.raises(ValueError, match="'attend.cuda_stages' is read only by the cuda "
+                                         "kernel, and attend='auto'"):
+        KernelOptions(tuning={"attend.cuda_stages": 3})
+    with pytest.raises(ValueError, match=r"KernelOptions.attend must be one of \('auto', "
+                                         r"'triton', 'cuda'\)"):
+        KernelOptions(attend="cutlass")
     query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows()
     args = (query, keys, values, table, seq_lens, page_lists, page_counts)
-    cuda_attend.setattr(attend_module, "PAGE_IDS_AHEAD", True)
-    with pytest.raises(ValueError, match="PAGE_IDS_AHEAD"):
-        moira.attend(*args, config=SMALL_SPLIT)
-    cuda_attend.setattr(attend_module, "PAGE_IDS_AHEAD", False)
-    with pytest.raises(ValueError, match="schedule='rows'"):
-        moira.attend(*args, config=SMALL_SPLIT.replace(schedule="balanced"))
+    reason = "schedule='balanced'" if ON_GPU else ""
+    with pytest.raises(ValueError, match=rf"KernelOptions\(attend='cuda'\) cannot run here: "
+                                         rf"{reason}"):
+        moira.attend(*args, config=on_cuda(SMALL_SPLIT.replace(schedule="balanced")))
     if DEVICE == "cpu":
-        with pytest.raises(ValueError, match="CUDA tensors"):
-            moira.attend(*args, config=SMALL_SPLIT)
-    cuda_attend.setattr(attend_module, "IMPLEMENTATION", "cutlass")
-    with pytest.raises(ValueError, match="'auto', 'triton' or 'cuda'"):
-        moira.attend(*args, config=SMALL_SPLIT)
+        with pytest.raises(ValueError, match=r"KernelOptions\(attend='cuda'\) cannot run "
+                                             r"here: the tensors are on cpu"):
+            moira.attend(*args, config=on_cuda())
 
 
-def test_auto_runs_the_cuda_attend_where_it_can(monkeypatch):
-    """"auto" (the default) resolves to the CUDA Attend on a GPU for bfloat16 at D = 64 / 128
-    with the Triton kernel's options at their defaults, and to the Triton kernel for the CPU,
-    float16, D = 96 or one of its options; "cuda" with such an option is refused."""
-    assert attend_module.IMPLEMENTATION == "auto"
-    on_gpu = DEVICE == "cuda" and cuda_build.nvrtc_library() is not None
+def test_auto_runs_the_cuda_attend_where_it_can(warn_anew):
+    """"auto" (the default) resolves to the CUDA Attend on a GPU at D = 64 / 128 and to the
+    Triton kernel on the CPU; per call, float16 runs the Triton kernel (warned) where the
+    workspace resolved the CUDA one; a Triton tuning constant needs attend="triton"."""
+    assert KernelOptions().attend == "auto"
     for head_dim in (64, 128):
-        query, keys, values, *_ = mixed_rows(head_dim=head_dim)
-        assert attend_module.implementation(query, keys, values) == ("cuda" if on_gpu
-                                                                     else "triton")
-    assert attend_module.implementation(query.half(), keys.half(), values.half()) == "triton"
-    wide_keys, wide_values = make_cache(8, 2, 96)
-    assert attend_module.implementation(make_query(2, 8, 96), wide_keys, wide_values) \
+        query, keys, values, table, *_ = mixed_rows(head_dim=head_dim)
+        workspace = moira.DecodeWorkspace.for_step(query, keys, table, SMALL_SPLIT)
+        assert workspace.backends["attend"] == ("cuda" if ON_GPU else "triton")
+        assert backends.attend(workspace, query, keys, values) == workspace.backends["attend"]
+    warned = pytest.warns(RuntimeWarning, match="attend='auto' runs the Triton kernel.*"
+                                                "bfloat16") if ON_GPU \
+        else contextlib.nullcontext()
+    with warned:
+        assert backends.attend(workspace, query.half(), keys.half(), values.half()) == "triton"
+    even = SMALL_SPLIT.replace(kernels=KernelOptions(attend="triton",
+                                                     tuning={"attend.even_chunks": True}))
+    assert moira.DecodeWorkspace.for_step(query, keys, table, even).backends["attend"] \
         == "triton"
-    monkeypatch.setattr(attend_module, "EVEN_CHUNKS", True)
-    assert attend_module.implementation(query, keys, values) == "triton"
-    monkeypatch.setattr(attend_module, "IMPLEMENTATION", "cuda")
-    with pytest.raises(ValueError, match="EVEN_CHUNKS"):
-        attend_module.implementation(query, keys, values)
+    with pytest.raises(ValueError, match="'attend.even_chunks' is read only by the triton"):
+        KernelOptions(tuning={"attend.even_chunks": True})
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """``attend_cuda.usable`` asked about a made-up GPU (its caches emptied around)."""
-    properties = SimpleNamespace(major=9, shared_memory_per_block_optin=100 * 1024)
+    """``attend_cuda.usable`` and the workspace's resolution asked about a made-up GPU (their
+    caches emptied around)."""
+    properties = SimpleNamespace(major=9, minor=0, shared_memory_per_block_optin=100 * 1024)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties)
     clear_device_caches()
     yield properties
@@ -114,19 +135,52 @@ def test_auto_needs_sm80_the_shared_memory_and_nvrtc(monkeypatch, fake_gpu):
         assert not attend_cuda.usable(0, 64, 2)
 
 
+def test_a_workspace_resolves_attend_for_its_device_and_shapes(monkeypatch, fake_gpu):
+    """``DecodeWorkspace.backends`` (``backends.resolve``) on a made-up sm_90 GPU with 100 KB
+    of shared memory: the CUDA Attend under "auto" and "cuda" where it can run, and where it
+    cannot (stages past the shared memory, the balanced schedule, a head dim or group it has
+    no build for) the Triton kernel under "auto" and a ValueError naming why under "cuda"."""
+    monkeypatch.setattr(cuda_build, "nvrtc_library", lambda: "libnvrtc.so.13")
+    device = torch.device("cuda", 0)
+
+    def attend_on(options, head_dim=128, group=4, schedule="rows"):
+        return backends.resolve(options, device, head_dim, group, schedule)["attend"]
+
+    assert attend_on(KernelOptions()) == "cuda" == attend_on(KernelOptions(attend="cuda"))
+    assert attend_on(KernelOptions(attend="triton")) == "triton"
+    with pytest.raises(ValueError, match="attend.cuda_stages=4 needs more shared memory"):
+        attend_on(KernelOptions(attend="cuda", tuning={"attend.cuda_stages": 4}))
+    assert attend_on(KernelOptions(attend="cuda", tuning={"attend.cuda_stages": 4}),
+                     head_dim=64) == "cuda"  # 67 KB at D = 64
+    for shape, reason in (({"schedule": "balanced"}, "the 'rows' schedule"),
+                          ({"head_dim": 96}, "head_dim 96"),
+                          ({"group": 17}, "at most 16")):
+        assert attend_on(KernelOptions(), **shape) == "triton"
+        with pytest.raises(ValueError, match=rf"KernelOptions\(attend='cuda'\) cannot run "
+                                             rf"here: .*{reason}"):
+            attend_on(KernelOptions(attend="cuda"), **shape)
+
+
 @cuda
-def test_unsupported_inputs_are_refused(cuda_attend):
+def test_unsupported_inputs_are_refused(warn_anew):
+    """Per call, under attend="cuda": float16 and a cache whose strides break the 16-byte
+    copies are the kernel's ValueErrors (a head dim without a kernel is refused for every
+    backend); under "auto" the same calls run the Triton kernel, warned."""
     query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows()
     args = (table, seq_lens, page_lists, page_counts)
-    with pytest.raises(ValueError, match="bfloat16"):
-        moira.attend(query.half(), keys.half(), values.half(), *args, config=SMALL_SPLIT)
+    with pytest.raises(ValueError, match=r"KernelOptions\(attend='cuda'\) reads bfloat16"):
+        moira.attend(query.half(), keys.half(), values.half(), *args, config=on_cuda())
+    # a head dim of 65 elements between tokens: rows aligned to 2 bytes only
+    odd_keys = torch.cat([keys, keys[..., :1]], dim=-1)[..., :keys.shape[-1]]
+    with pytest.raises(ValueError, match="aligned to 16 bytes"):
+        moira.attend(query, odd_keys, values, *args, config=on_cuda())
+    with pytest.warns(RuntimeWarning, match="attend='auto' runs the Triton kernel"):
+        check_attend(query, odd_keys, values, *args, SMALL_SPLIT)
+    check_attend(query.half(), keys.half(), values.half(), *args, SMALL_SPLIT)
     wide_query = make_query(query.shape[0], query.shape[1], 96)
     wide_keys, wide_values = make_cache(120, 2, 96)
-    with pytest.raises(ValueError, match="head_dim"):
-        moira.attend(wide_query, wide_keys, wide_values, *args, config=SMALL_SPLIT)
-    cuda_attend.setattr(attend_module, "CUDA_STAGES", 5)
-    with pytest.raises(ValueError, match="CUDA_STAGES"):
-        moira.attend(query, keys, values, *args, config=SMALL_SPLIT)
+    with pytest.raises(ValueError, match="head_dim 96"):
+        moira.attend(wide_query, wide_keys, wide_values, *args, config=on_cuda())
 
 
 @cuda
@@ -134,21 +188,21 @@ def test_unsupported_inputs_are_refused(cuda_attend):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "packed", "hnd"])
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_cuda_attend_matches_reference(cuda_attend, group, head_dim, layout, stages):
+def test_cuda_attend_matches_reference(group, head_dim, layout, stages):
     """Rows of one token, a partial second page, uneven chunks, full and empty rows, shuffled
     lists; split (Merge) and whole rows; NaN in every slot no row may read."""
-    cuda_attend.setattr(attend_module, "CUDA_STAGES", stages)
     query, _, _, table, seq_lens, page_lists, page_counts = mixed_rows(group=group,
                                                                        head_dim=head_dim)
     keys, values = make_cache(120, 2, head_dim, layout=layout)
     poison_unread_slots(keys, values, table, seq_lens)
     for config in (SMALL_SPLIT, MoiraConfig()):
-        check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
+        check_attend(query, keys, values, table, seq_lens, page_lists, page_counts,
+                     on_cuda(config, stages))
 
 
 @cuda
 @pytest.mark.parametrize("chunk_pages", [1000, 300])
-def test_chunks_longer_than_the_staged_ids(cuda_attend, chunk_pages):
+def test_chunks_longer_than_the_staged_ids(chunk_pages):
     """A chunk of more pages than the kernel stages at once (256): 625 pages in one chunk
     (three segments), or in chunks of 300 / 300 / 25 (a segment boundary inside a chunk)."""
     keys, values = make_cache(700, 1, 64)
@@ -159,30 +213,30 @@ def test_chunks_longer_than_the_staged_ids(cuda_attend, chunk_pages):
     page_counts[0, 0] = 625
     config = MoiraConfig(chunk_pages=chunk_pages, floor_rows=1, min_chunks_per_row=3,
                          min_programs=1, step_programs=0)
-    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts, config)
+    check_attend(query, keys, values, table, seq_lens, page_lists, page_counts,
+                 on_cuda(config))
 
 
 @cuda
-def test_close_to_the_triton_kernel(monkeypatch):
-    """The two implementations on the same inputs: equal within bf16 rounding of outputs that
-    sum the same rounded weights in another order."""
+def test_close_to_the_triton_kernel():
+    """The two kernels on the same inputs: equal within bf16 rounding of outputs that sum the
+    same rounded weights in another order."""
     query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows(group=4,
                                                                                head_dim=128)
     args = (query, keys, values, table, seq_lens, page_lists, page_counts)
-    monkeypatch.setattr(attend_module, "IMPLEMENTATION", "triton")
-    triton_out = moira.attend(*args, config=SMALL_SPLIT)
-    monkeypatch.setattr(attend_module, "IMPLEMENTATION", "cuda")
-    cuda_out = moira.attend(*args, config=SMALL_SPLIT)
+    triton_config = SMALL_SPLIT.replace(kernels=KernelOptions(attend="triton"))
+    triton_out = moira.attend(*args, config=triton_config)
+    cuda_out = moira.attend(*args, config=on_cuda())
     torch.testing.assert_close(cuda_out.float(), triton_out.float(), rtol=0, atol=2e-2)
 
 
 @cuda
-def test_output_of_any_strides(cuda_attend):
+def test_output_of_any_strides():
     """``out`` a strided view (every other element of a wider buffer): each row written where
     its strides say, whole rows (direct writes) and split ones (Merge), nothing else touched."""
     query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows()
     args = (query, keys, values, table, seq_lens, page_lists, page_counts)
-    for config in (SMALL_SPLIT, MoiraConfig()):
+    for config in (on_cuda(), on_cuda(MoiraConfig())):
         wide = torch.full((*query.shape[:2], 2 * query.shape[2]), float("nan"),
                           dtype=query.dtype, device=DEVICE)
         moira.attend(*args, config=config, out=wide[..., ::2])
@@ -192,19 +246,20 @@ def test_output_of_any_strides(cuda_attend):
 
 
 @cuda
-def test_timeline_probe_records_every_program(cuda_attend):
-    """``attend_cuda.TIMELINE`` (the probe's build): the same output as the default build, and
-    every program of the grid writes its record (poisoned to -1 first): ordered times, a real
-    SM, and page counts summing to the listed pages; a buffer of the wrong dtype is refused."""
+def test_timeline_probe_records_every_program():
+    """``timeline.recording("attend", ...)`` (the probe's build): the same output as the
+    default build, and every program of the grid writes its record (poisoned to -1 first):
+    ordered times, a real SM, and page counts summing to the listed pages; a buffer of the
+    wrong dtype is refused."""
     query, keys, values, table, seq_lens, page_lists, page_counts = mixed_rows(group=4,
                                                                                head_dim=128)
     args = (query, keys, values, table, seq_lens, page_lists, page_counts)
-    expected = moira.attend(*args, config=SMALL_SPLIT)
+    expected = moira.attend(*args, config=on_cuda())
     rows = page_counts.numel()
-    timeline = torch.full((rows * 64, attend_cuda.TIMELINE_FIELDS), -1, dtype=torch.int64,
-                          device=DEVICE)
-    cuda_attend.setattr(attend_cuda, "TIMELINE", timeline)
-    torch.testing.assert_close(moira.attend(*args, config=SMALL_SPLIT), expected, rtol=0, atol=0)
+    timeline = torch.full((rows * 64, probes.FIELDS), -1, dtype=torch.int64, device=DEVICE)
+    with probes.recording("attend", timeline):
+        torch.testing.assert_close(moira.attend(*args, config=on_cuda()), expected, rtol=0,
+                                   atol=0)
     written = timeline[timeline[:, 0] != -1].cpu()
     programs = len(written)
     assert programs >= rows and programs % rows == 0  # rows x chunks_per_row, row fastest
@@ -216,6 +271,6 @@ def test_timeline_probe_records_every_program(cuda_attend):
     assert (first[~working] == 0).all()
     assert ((sm >= 0) & (sm < torch.cuda.get_device_properties(0).multi_processor_count)).all()
     assert int(pages.sum()) == int(page_counts.sum())
-    cuda_attend.setattr(attend_cuda, "TIMELINE", timeline.int())
-    with pytest.raises(ValueError, match="TIMELINE"):
-        moira.attend(*args, config=SMALL_SPLIT)
+    with probes.recording("attend", timeline.int()), \
+            pytest.raises(ValueError, match="attend timeline must be a contiguous int64"):
+        moira.attend(*args, config=on_cuda())

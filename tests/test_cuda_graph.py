@@ -5,10 +5,8 @@ import pytest
 import torch
 
 import moira
+from moira import KernelOptions
 from moira.config import PAGE_SIZE
-from moira.kernels import attend as attend_module
-from moira.kernels import estimate as estimate_module
-from moira.kernels import select as select_module
 from moira.synthetic import synthetic_context
 
 pytestmark = pytest.mark.cuda
@@ -21,17 +19,20 @@ pytestmark = pytest.mark.cuda
                                                     (0.98, 12, "rows, programmatic launch"),
                                                     (0.95, None,
                                                      "rows, programmatic launch, short rows"),
+                                                    (0.95, None,
+                                                     "rows, programmatic launch, Triton Attend"),
                                                     (0.95, None, "rows, CUDA Attend"),
                                                     (0.95, None, "rows, CUDA Estimate"),
                                                     (0.95, None, "rows, CUDA Select"),
                                                     (0.98, 12, "rows, CUDA Select")])
-def test_graph_replay_matches_eager(monkeypatch, gamma, top_k, schedule):
-    if "CUDA Attend" in schedule:  # attend.IMPLEMENTATION: launched by the driver API
-        monkeypatch.setattr(attend_module, "IMPLEMENTATION", "cuda")
-    if "CUDA Estimate" in schedule:
-        monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "cuda")
-    if "CUDA Select" in schedule:
-        monkeypatch.setattr(select_module, "IMPLEMENTATION", "cuda")
+def test_graph_replay_matches_eager(gamma, top_k, schedule):
+    # "CUDA <Stage>" / "Triton <Stage>": that stage's CUDA kernel (launched through the driver
+    # API) or Triton kernel, the others' as KernelOptions' defaults resolve them on this GPU
+    # (Attend's CUDA kernel for the "rows" schedule: "Triton Attend" chains all four kernels
+    # under programmatic launch)
+    kernels = KernelOptions(**{stage: backend.lower() for backend in ("CUDA", "Triton")
+                               for stage in ("estimate", "select", "attend")
+                               if f"{backend} {stage.capitalize()}" in schedule})
     batch, num_kv_heads, group, head_dim, width = 4, 8, 4, 128, 96
     ctx = synthetic_context(width * PAGE_SIZE, batch=batch, num_kv_heads=num_kv_heads,
                             group=group, head_dim=head_dim, device="cuda", seed=1)
@@ -51,7 +52,8 @@ def test_graph_replay_matches_eager(monkeypatch, gamma, top_k, schedule):
                                       config=moira.MoiraConfig(
                                           schedule=schedule.split(",")[0], programs=264,
                                           programmatic_launch="programmatic" in schedule,
-                                          dense_below_pages=48 if "short" in schedule else 0))
+                                          dense_below_pages=48 if "short" in schedule else 0,
+                                          kernels=kernels))
     # with programmatic launch, the same step launched plainly is the reference too: a kernel
     # reading before the previous one's writes land would differ from it
     plain = moira.DecodeWorkspace(batch, width, num_kv_heads * group, num_kv_heads, head_dim,

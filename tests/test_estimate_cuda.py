@@ -1,7 +1,10 @@
-"""Estimate in CUDA C++ (``estimate.IMPLEMENTATION = "cuda"``, estimate_cuda.cu) against the
-reference: GPU only, except the struct mirror (it needs libnvrtc) and the refusals on the CPU."""
+"""Estimate in CUDA C++ (``KernelOptions(estimate="cuda")``, moira/kernels/cuda/estimate.cu)
+against the reference: GPU only, except the struct mirror (it needs libnvrtc), the grid's
+shape, the refusals and the choice by table width."""
 
+import contextlib
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,18 +12,15 @@ from helpers import (DEVICE, check_struct_mirror, make_cache, make_query, make_t
                      needs_nvrtc, poisoned)
 from test_estimate import SEQ_LENS
 
+import moira
+from moira import KernelOptions, MoiraConfig
 from moira import reference as ref
-from moira.kernels import cuda_build, estimate_cuda
-from moira.kernels import estimate as estimate_module
-from moira.kernels.estimate import estimate
+from moira.kernels import backends
+from moira.kernels.cuda import build as cuda_build
+from moira.kernels.cuda import estimate as estimate_cuda
 
 cuda = pytest.mark.cuda
-
-
-@pytest.fixture
-def cuda_estimate(monkeypatch):
-    monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "cuda")
-    return monkeypatch
+ON_GPU = DEVICE == "cuda" and cuda_build.nvrtc_library() is not None
 
 
 def estimate_inputs(lengths, group, head_dim, num_kv_heads=2, num_pages=300,
@@ -33,6 +33,26 @@ def estimate_inputs(lengths, group, head_dim, num_kv_heads=2, num_pages=300,
     summaries = ref.summarize(keys.cpu(), table.cpu(), seq_lens.cpu())
     summaries = (summaries * (1 + torch.rand_like(summaries))).to(torch.bfloat16).to(DEVICE)
     return query, keys, values, summaries, table, seq_lens
+
+
+def workspace_for(query, keys, table, **options):
+    """A workspace for this step's shapes whose kernels are ``KernelOptions(**options)``."""
+    config = MoiraConfig(kernels=KernelOptions(**options))
+    return moira.DecodeWorkspace.for_step(query, keys, table, config)
+
+
+def estimate(query, keys, summaries, table, seq_lens, scale, log_masses, *, tuning=None,
+             dense_below_pages=0, new_kv=None, parts="all"):
+    """Estimate under ``KernelOptions(estimate="cuda", tuning=tuning)`` as a step runs it: the
+    workspace resolves the stage (a ValueError where the CUDA kernel cannot run), the call's
+    inputs are checked (the kernel's ValueError), then the CUDA launcher."""
+    workspace = workspace_for(query, keys, table, estimate="cuda", tuning=tuning or {})
+    assert backends.estimate(workspace, query, keys, summaries, table, seq_lens, new_kv,
+                             log_masses) == "cuda"
+    return estimate_cuda.estimate(query, keys, summaries, table, seq_lens, scale, log_masses,
+                                  options=workspace.config.kernels,
+                                  dense_below_pages=dense_below_pages, new_kv=new_kv,
+                                  parts=parts)
 
 
 def check_log_masses(log_masses, query, keys, summaries, table, seq_lens, scale,
@@ -54,7 +74,7 @@ def check_log_masses(log_masses, query, keys, summaries, table, seq_lens, scale,
 
 @needs_nvrtc
 def test_params_mirror_the_kernels_struct():
-    """``estimate_cuda.Params`` (ctypes) mirrors the kernel's ``Params`` field by field."""
+    """``estimate.Params`` (ctypes) mirrors the kernel's ``Params`` field by field."""
     check_struct_mirror(
         estimate_cuda.SOURCE, estimate_cuda.Params,
         retyped=(b"int num_kv_heads, max_pages, group, dense_below_pages",
@@ -67,40 +87,56 @@ def test_mvar_tile_is_the_kernels():
     """Pages per mvar pass (the grid's J follows it): 4 warps x loads x pages per load."""
     assert estimate_cuda.tile_pages(128, 4) == 32 and estimate_cuda.tile_pages(128, 7) == 16
     assert estimate_cuda.tile_pages(64, 1) == 64 and estimate_cuda.tile_pages(64, 8) == 32
-    # about TARGET_PROGRAMS over the batch, at most one per tile of the table
-    assert estimate_cuda.programs_per_row(32, 2048, 128, 4) == math.ceil(660 / 32)
-    assert estimate_cuda.programs_per_row(256, 128, 128, 4) == 3
-    assert estimate_cuda.programs_per_row(1, 10, 128, 4) == 1
-    # however many rows, a row as long as the table gets programs of at most 8 tiles each
-    assert estimate_cuda.programs_per_row(800, 2048, 128, 4) == 64 // 8
+    # about estimate.cuda_target_programs (660) over the batch, at most one per tile of the
+    # table
+    options = KernelOptions()
+    assert options.value("estimate.cuda_target_programs") == 660
+    assert estimate_cuda.programs_per_row(32, 2048, 128, 4, options) == math.ceil(660 / 32)
+    assert estimate_cuda.programs_per_row(256, 128, 128, 4, options) == 3
+    assert estimate_cuda.programs_per_row(1, 10, 128, 4, options) == 1
+    # however many rows, a row as long as the table gets programs of at most
+    # estimate.cuda_max_tiles_per_program (8) tiles each
+    assert estimate_cuda.programs_per_row(800, 2048, 128, 4, options) == 64 // 8
+    fewer = KernelOptions(estimate="cuda", tuning={"estimate.cuda_target_programs": 32,
+                                                   "estimate.cuda_max_tiles_per_program": 16})
+    assert estimate_cuda.programs_per_row(32, 2048, 128, 4, fewer) == 64 // 16
 
 
 def test_refusals_name_the_fix(monkeypatch):
-    """An unknown implementation; "cuda" on CPU tensors (on the CPU); "auto" takes Triton's
-    kernel where the CUDA one cannot run."""
+    """An unknown backend; "cuda" where it cannot run (on the CPU: at the workspace);
+    "auto" takes Triton's kernel where the CUDA one cannot run the call (warned)."""
     query, keys, _, summaries, table, seq_lens = estimate_inputs([65], 4, 64)
     log_masses = poisoned(2, 4, table.shape[1], dtype=torch.float32)
-    args = (query, keys, summaries, table, seq_lens, 0.125, log_masses)
-    monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "cutlass")
-    with pytest.raises(ValueError, match="'auto', 'triton' or 'cuda'"):
-        estimate(*args)
-    monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "auto")
-    monkeypatch.setattr(estimate_module, "CUDA_FROM_PAGES", table.shape[1])
-    picked = estimate_module.implementation(query, keys, summaries, table, seq_lens, None,
-                                            log_masses)
-    assert picked == ("cuda" if DEVICE == "cuda" and cuda_build.nvrtc_library() else "triton")
-    assert estimate_module.implementation(query, keys, summaries.float(), table, seq_lens,
-                                          None, log_masses) == "triton"
-    assert estimate_module.implementation(query, keys, summaries, table, seq_lens, None,
-                                          log_masses[..., ::2]) == "triton"
+    with pytest.raises(ValueError, match=r"KernelOptions.estimate must be one of \('auto', "
+                                         r"'triton', 'cuda'\)"):
+        KernelOptions(estimate="cutlass")
+    with pytest.raises(ValueError, match="'estimate.cuda_target_programs' is read only by the "
+                                         "cuda kernel"):
+        KernelOptions(tuning={"estimate.cuda_target_programs": 100})
+    monkeypatch.setattr(backends, "_warned", set())  # warned once per process otherwise
+    workspace = workspace_for(query, keys, table,
+                              tuning={"estimate.cuda_from_pages": table.shape[1]})
+    assert workspace.backends["estimate"] == ("cuda" if ON_GPU else "triton")
+
+    def picked(summaries=summaries, log_masses=log_masses):
+        return backends.estimate(workspace, query, keys, summaries, table, seq_lens, None,
+                                 log_masses)
+
+    assert picked() == workspace.backends["estimate"]
+    warned = pytest.warns(RuntimeWarning, match="estimate='auto' runs the Triton kernel.*"
+                                                "bfloat16, got summaries") if ON_GPU \
+        else contextlib.nullcontext()
+    with warned:
+        assert picked(summaries=summaries.float()) == "triton"
+    assert picked(log_masses=log_masses[..., ::2]) == "triton"
     if DEVICE == "cpu":
-        monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "cuda")
-        with pytest.raises(ValueError, match="CUDA tensors"):
-            estimate(*args)
+        with pytest.raises(ValueError, match=r"KernelOptions\(estimate='cuda'\) cannot run "
+                                             r"here: the tensors are on cpu"):
+            workspace_for(query, keys, table, estimate="cuda")
 
 
 @cuda
-def test_unsupported_inputs_are_refused(cuda_estimate):
+def test_unsupported_inputs_are_refused():
     query, keys, _, summaries, table, seq_lens = estimate_inputs([65, 300], 4, 64)
     log_masses = poisoned(4, 4, table.shape[1], dtype=torch.float32)
     rest = (table, seq_lens, 0.125, log_masses)
@@ -120,7 +156,7 @@ def test_unsupported_inputs_are_refused(cuda_estimate):
 @pytest.mark.parametrize("group", [1, 4, 7, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("lengths", list(SEQ_LENS))
-def test_cuda_estimate_matches_reference(cuda_estimate, group, head_dim, lengths):
+def test_cuda_estimate_matches_reference(group, head_dim, lengths):
     """One token, one full page, a partial second page, rows over several tiles; NaN where
     nothing may be written."""
     query, keys, _, summaries, table, seq_lens = estimate_inputs(SEQ_LENS[lengths], group,
@@ -134,34 +170,33 @@ def test_cuda_estimate_matches_reference(cuda_estimate, group, head_dim, lengths
 @cuda
 @pytest.mark.parametrize("target_programs", [1, 8, 24, 660])
 @pytest.mark.parametrize("group, head_dim", [(4, 128), (8, 64), (1, 64)])
-def test_programs_share_a_rows_tiles_in_a_wide_table(cuda_estimate, target_programs, group,
-                                                     head_dim):
+def test_programs_share_a_rows_tiles_in_a_wide_table(target_programs, group, head_dim):
     """As in an engine: the table far wider than the rows, each row's mvar programs (1 to
     several) looping over their share of the row's own tiles, some with none."""
-    cuda_estimate.setattr(estimate_cuda, "TARGET_PROGRAMS", target_programs)
     lengths = [64 * 70 + 5, 3, 64 * 100, 64 * 33, 64 * 2 + 1]
     query, keys, _, summaries, table, seq_lens = estimate_inputs(
         lengths, group, head_dim, num_pages=2100, extra_columns=300)
     log_masses = poisoned(len(lengths) * 2, group, table.shape[1], dtype=torch.float32)
     scale = 1 / math.sqrt(head_dim)
-    estimate(query, keys, summaries, table, seq_lens, scale, log_masses)
+    estimate(query, keys, summaries, table, seq_lens, scale, log_masses,
+             tuning={"estimate.cuda_target_programs": target_programs})
     check_log_masses(log_masses, query, keys, summaries, table, seq_lens, scale)
 
 
 @cuda
 @pytest.mark.parametrize("part", ["exact", "mvar"])
 def test_parts_write_only_their_pages(part):
-    """``estimate_cuda.estimate(parts=...)`` (the timing probe of tune_kernels.py): "exact"
-    writes each row's sink and current page as the whole kernel does and no middle page,
-    "mvar" the middle pages and neither of those."""
+    """``estimate(parts=...)`` of the CUDA launcher (the timing probe of tune_kernels.py):
+    "exact" writes each row's sink and current page as the whole kernel does and no middle
+    page, "mvar" the middle pages and neither of those."""
     lengths = [64 * 70 + 5, 3, 64 * 100, 64 * 2 + 1]
     query, keys, _, summaries, table, seq_lens = estimate_inputs(lengths, 4, 128,
                                                                   num_pages=500)
     scale = 1 / math.sqrt(128)
     whole, partial = (poisoned(len(lengths) * 2, 4, table.shape[1], dtype=torch.float32)
                       for _ in range(2))
-    estimate_cuda.estimate(query, keys, summaries, table, seq_lens, scale, whole)
-    estimate_cuda.estimate(query, keys, summaries, table, seq_lens, scale, partial, parts=part)
+    estimate(query, keys, summaries, table, seq_lens, scale, whole)
+    estimate(query, keys, summaries, table, seq_lens, scale, partial, parts=part)
     for b, length in enumerate(seq_lens.tolist()):
         last = ref.num_pages(length, table.shape[1]) - 1
         exact_pages = torch.zeros(table.shape[1], dtype=torch.bool)
@@ -177,13 +212,14 @@ def test_parts_write_only_their_pages(part):
 def test_parts_must_be_named():
     """A misspelt part is refused before anything runs (on the CPU too)."""
     with pytest.raises(ValueError, match="parts must be"):
-        estimate_cuda.estimate(*[None] * 7, parts="sink")
+        estimate_cuda.estimate(*[None] * 7, options=KernelOptions(estimate="cuda"),
+                               parts="sink")
 
 
 @cuda
 @pytest.mark.parametrize("group, head_dim, layout", [(1, 64, "contiguous"), (4, 128, "packed"),
                                                      (7, 128, "hnd"), (8, 64, "contiguous")])
-def test_new_tokens_written_and_filled_pages_summarized(cuda_estimate, group, head_dim, layout):
+def test_new_tokens_written_and_filled_pages_summarized(group, head_dim, layout):
     """With ``new_kv`` the launch writes each row's token (a padded row's slot -1 writes
     nothing), summarizes a page the token filled (new key included), and estimates from the
     written cache; rows of at most ``dense_below_pages`` pages are written and summarized but
@@ -219,15 +255,19 @@ def test_new_tokens_written_and_filled_pages_summarized(cuda_estimate, group, he
 
 
 def test_auto_takes_the_cuda_kernel_from_a_table_width(monkeypatch):
-    """"auto": the CUDA kernel for tables of at least CUDA_FROM_PAGES pages (where it was
-    timed faster), Triton's for narrower ones, on a device where both can run."""
+    """"auto": the CUDA kernel for tables of at least ``estimate.cuda_from_pages`` pages
+    (where it was timed faster), Triton's for narrower ones, on a device where both can run
+    (a workspace that resolved the CUDA kernel, inputs it takes); "cuda" at any width."""
     query, keys, _, summaries, table, seq_lens = estimate_inputs([65], 4, 64)
     log_masses = poisoned(2, 4, table.shape[1], dtype=torch.float32)
-    monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "auto")
     monkeypatch.setattr(estimate_cuda, "check_inputs", lambda *args: None)
-    monkeypatch.setattr(cuda_build, "can_run", lambda *args: True)
-    monkeypatch.setattr(cuda_build, "device_index", lambda device: 0)
-    for threshold, picked in ((table.shape[1], "cuda"), (table.shape[1] + 1, "triton")):
-        monkeypatch.setattr(estimate_module, "CUDA_FROM_PAGES", threshold)
-        assert estimate_module.implementation(query, keys, summaries, table, seq_lens, None,
-                                              log_masses) == picked
+    assert KernelOptions().estimate == "auto"
+    for choice, threshold, picked in (("auto", table.shape[1], "cuda"),
+                                      ("auto", table.shape[1] + 1, "triton"),
+                                      ("cuda", table.shape[1] + 1, "cuda")):
+        options = KernelOptions(estimate=choice,
+                                tuning={"estimate.cuda_from_pages": threshold})
+        workspace = SimpleNamespace(backends={"estimate": "cuda"},
+                                    config=MoiraConfig(kernels=options))
+        assert backends.estimate(workspace, query, keys, summaries, table, seq_lens, None,
+                                 log_masses) == picked

@@ -1,8 +1,9 @@
-"""Estimate and Select in one launch (estimate_select_cuda.cu): on a GPU the fused kernel's
-lists, counts, cache writes, summaries and outputs equal the two kernels' bit for bit (the
-same arithmetic; Select's sums in another order outside tables of 1,025-2,048 pages, which
-these seeded inputs do not tie on), in every mode and on edge rows, eagerly and in a CUDA graph; on
-the CPU, the struct mirror (given libnvrtc) and when the step takes it."""
+"""Estimate and Select in one launch (``KernelOptions.fused``,
+moira/kernels/cuda/estimate_select.cu): on a GPU the fused kernel's lists, counts, cache
+writes, summaries and outputs equal the two kernels' bit for bit (the same arithmetic;
+Select's sums in another order outside tables of 1,025-2,048 pages, which these seeded inputs
+do not tie on), in every mode and on edge rows, eagerly and in a CUDA graph; on the CPU, the
+struct mirror (given libnvrtc) and when the step takes it."""
 
 import ctypes
 
@@ -11,17 +12,18 @@ import torch
 from helpers import DEVICE, make_cache, make_query, make_table, needs_nvrtc, poisoned
 
 import moira
+from moira import KernelOptions, MoiraConfig
 from moira import reference as ref
-from moira.kernels import cuda_build, estimate_select_cuda
-from moira.kernels import estimate as estimate_module
-from moira.kernels import select as select_module
+from moira.benchmarking import timeline as probes
+from moira.kernels.cuda import build as cuda_build
+from moira.kernels.cuda import estimate_select as estimate_select_cuda
 
 cuda = pytest.mark.cuda
 
 
 @needs_nvrtc
 def test_params_mirror_the_kernels_struct():
-    """``estimate_select_cuda.Params`` (ctypes) is the kernel's: the two kernels' own structs
+    """``estimate_select.Params`` (ctypes) is the kernel's: the two kernels' own structs
     (each mirror-tested in its own test file), the shared row width and the probe's pointer,
     in that order and size; a kernel whose fields were swapped fails the same checks."""
     with open(cuda_build.source_path(estimate_select_cuda.SOURCE), "rb") as f:
@@ -47,60 +49,72 @@ def test_params_mirror_the_kernels_struct():
 
 
 def test_applies_follows_the_setting_rows_and_table(monkeypatch):
-    """"auto" from MIN_ROWS rows in tables of MIN_TABLE_PAGES, "on" at any, "off" never;
-    never past Select's per-thread limit on 256 threads, the shared-memory budget or with
-    programmatic launch; an unknown setting is refused by name."""
+    """fused="auto" from ``fused.min_rows`` rows in tables of ``fused.min_table_pages``, "on"
+    at any, "off" never; never past Select's per-thread limit on 256 threads, the
+    shared-memory budget or with programmatic launch; an unknown setting is refused by
+    name."""
     applies = estimate_select_cuda.applies
-    rows = estimate_select_cuda.MIN_ROWS
-    assert applies(rows, 2048, 4, 4, False) and not applies(rows - 1, 2048, 4, 4, False)
-    assert estimate_select_cuda.MIN_TABLE_PAGES == 2048 and not applies(rows, 2047, 4, 4, False)
-    monkeypatch.setattr(estimate_select_cuda, "MIN_TABLE_PAGES", 1)
-    assert not applies(rows, 2048, 4, 4, True)  # programmatic launch: the two kernels
-    assert not applies(rows, 4097, 4, 4, False)  # past 16 pages per thread
-    assert applies(rows, 2048, 8, 4, False) and not applies(rows, 2049, 8, 4, False)
-    assert not applies(rows, 2048, 8, 64, False)  # K_B 64's limit at G = 8: 4 per thread
+    automatic = KernelOptions()
+    assert automatic.fused == "auto"
+    rows = automatic.value("fused.min_rows")
+    assert applies(rows, 2048, 4, 4, False, automatic)
+    assert not applies(rows - 1, 2048, 4, 4, False, automatic)
+    assert automatic.value("fused.min_table_pages") == 2048
+    assert not applies(rows, 2047, 4, 4, False, automatic)
+    options = KernelOptions(tuning={"fused.min_table_pages": 1})
+    assert not applies(rows, 2048, 4, 4, True, options)  # programmatic launch: two kernels
+    assert not applies(rows, 4097, 4, 4, False, options)  # past 16 pages per thread
+    assert applies(rows, 2048, 8, 4, False, options)
+    assert not applies(rows, 2049, 8, 4, False, options)
+    assert not applies(rows, 2048, 8, 64, False, options)  # K_B 64's limit at G = 8: 4 per thread
+    fewer = KernelOptions(tuning={"fused.min_rows": 3, "fused.min_table_pages": 1})
+    assert applies(3, 9, 4, 4, False, fewer) and not applies(2, 9, 4, 4, False, fewer)
     monkeypatch.setattr(estimate_select_cuda, "MAX_SHARED", 16 * 1024)
-    assert not applies(rows, 2048, 4, 4, False) and applies(rows, 1024, 4, 4, False)
-    monkeypatch.setattr(estimate_select_cuda, "FUSED", "on")
-    assert applies(1, 1024, 4, 4, False)
-    monkeypatch.setattr(estimate_select_cuda, "FUSED", "off")
-    assert not applies(rows, 1024, 4, 4, False)
-    monkeypatch.setattr(estimate_select_cuda, "FUSED", "yes")
-    with pytest.raises(ValueError, match="estimate_select_cuda.FUSED must be"):
-        applies(rows, 1024, 4, 4, False)
+    assert not applies(rows, 2048, 4, 4, False, options)
+    assert applies(rows, 1024, 4, 4, False, options)
+    assert applies(1, 1024, 4, 4, False, KernelOptions(fused="on"))
+    assert not applies(1, 1024, 4, 4, True, KernelOptions(fused="on"))
+    assert not applies(rows, 1024, 4, 4, False, KernelOptions(fused="off"))
+    with pytest.raises(ValueError, match=r"KernelOptions.fused must be one of \('auto', 'on', "
+                                         r"'off'\), got 'yes'"):
+        KernelOptions(fused="yes")
     assert estimate_select_cuda.pages_per_thread(2033) == 8
     assert estimate_select_cuda.pages_per_thread(100) == 1
 
 
 def test_the_step_launches_it_where_the_cuda_estimate_runs(monkeypatch):
     """A step takes the fused launch exactly when ``applies`` holds, the Estimate resolves to
-    CUDA and the CUDA Select could take the inputs (whichever Select ``select.IMPLEMENTATION``
-    names: the fused kernel replaces it): not under the interpreter, nor where "auto" picks
-    Triton's Estimate (a table narrower than its CUDA_FROM_PAGES)."""
+    CUDA and the CUDA Select could take the inputs (whichever Select ``KernelOptions.select``
+    names: the fused kernel replaces it): not under the interpreter (the workspace resolves
+    fused="off" there), nor where "auto" picks Triton's Estimate (a table narrower than
+    ``estimate.cuda_from_pages``)."""
     calls = []
     real = estimate_select_cuda.estimate_select
     monkeypatch.setattr(estimate_select_cuda, "estimate_select",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(estimate_select_cuda, "FUSED", "on")
     num_kv_heads, group, head_dim = 2, 4, 64
     keys, values = make_cache(24, num_kv_heads, head_dim)
     table, seq_lens = make_table([64 * 5 + 3, 64 * 2], 24)
     query = make_query(2, num_kv_heads * group, head_dim)
     summaries = moira.summarize(keys, table, seq_lens)
 
-    def step():
-        moira.sparse_decode(query, keys, values, summaries, table, seq_lens, gamma=0.9)
+    def step(**options):
+        config = MoiraConfig(kernels=KernelOptions(**options))
+        workspace = moira.DecodeWorkspace.for_step(query, keys, table, config)
+        moira.sparse_decode(query, keys, values, summaries, table, seq_lens, gamma=0.9,
+                            workspace=workspace)
+        return workspace.backends
 
-    step()  # "auto": Triton's Estimate in a 7-page table
+    resolved = step(fused="on")  # "auto": Triton's Estimate in a 7-page table
     assert calls == []
     if DEVICE == "cuda" and cuda_build.nvrtc_library() is not None:
-        monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "cuda")
-        monkeypatch.setattr(select_module, "IMPLEMENTATION", "triton")
-        step()
+        assert resolved["estimate"] == "cuda" and resolved["fused"] == "on"
+        step(estimate="cuda", select="triton", fused="on")
         assert calls == [1]
-        monkeypatch.setattr(estimate_select_cuda, "FUSED", "off")
-        step()
+        step(estimate="cuda", select="triton", fused="off")
         assert calls == [1]
+    else:
+        assert resolved["estimate"] == "triton" and resolved["fused"] == "off"
 
 
 LENGTHS = [1, 64, 65, 128, 64 * 9, 64 * 9 + 1, 0, 64 * 40 + 17, 64 * 3 + 63]
@@ -123,13 +137,12 @@ def step_inputs(group, head_dim, lengths=LENGTHS, num_kv_heads=2, extra_columns=
     return query, keys, values, summaries, table, seq_lens
 
 
-def run_step(monkeypatch, fused, inputs, new_tokens=True, graph=False, **options):
+def run_step(monkeypatch, fused, inputs, new_tokens=True, graph=False, **call):
     """The step's (keys, values, summaries, out, lists, counts) with the fused launch "on" or
     "off" (then the two CUDA kernels: "auto" would pick Triton's in these narrow tables),
-    from copies of ``inputs`` (each run writes its caches), its outputs poisoned."""
-    monkeypatch.setattr(estimate_select_cuda, "FUSED", "on" if fused else "off")
-    monkeypatch.setattr(estimate_module, "IMPLEMENTATION", "cuda")
-    monkeypatch.setattr(select_module, "IMPLEMENTATION", "cuda")
+    from copies of ``inputs`` (each run writes its caches), its outputs poisoned; ``call``:
+    more keywords of ``sparse_decode``."""
+    kernels = KernelOptions(estimate="cuda", select="cuda", fused="on" if fused else "off")
     calls = []
     real = estimate_select_cuda.estimate_select
     monkeypatch.setattr(estimate_select_cuda, "estimate_select",
@@ -148,7 +161,8 @@ def run_step(monkeypatch, fused, inputs, new_tokens=True, graph=False, **options
                              device=DEVICE)
         new_kv = dict(new_keys=new_keys, new_values=new_values, slot_mapping=slots)
     workspace = moira.DecodeWorkspace(batch, table.shape[1], query.shape[1], num_kv_heads,
-                                      head_dim, device=DEVICE)
+                                      head_dim, device=DEVICE,
+                                      config=MoiraConfig(kernels=kernels))
     workspace.page_lists.fill_(-7)
     workspace.page_counts.fill_(-7)
     out = poisoned(*query.shape)
@@ -156,7 +170,7 @@ def run_step(monkeypatch, fused, inputs, new_tokens=True, graph=False, **options
     def step():
         return moira.sparse_decode(query, keys, values, summaries, table, seq_lens,
                                    workspace=workspace, out=out, return_pages=True, **new_kv,
-                                   **options)
+                                   **call)
 
     if graph:  # built eagerly (on copies), then captured and replayed on the real inputs
         saved = [t.clone() for t in (keys, values, summaries)]
@@ -222,9 +236,9 @@ def test_fused_equals_the_two_kernels_with_values_per_row(monkeypatch, per):
     shape = (2,) if per == "kv_head" else (len(LENGTHS), 2)
     fractions = torch.rand(shape, device=DEVICE) * 0.6 + 0.05
     gammas = torch.rand(shape, device=DEVICE) * 0.2 + 0.79
-    for options in (dict(keep_fractions=fractions), dict(gamma=gammas)):
-        assert_same_step(run_step(monkeypatch, True, inputs, **options),
-                         run_step(monkeypatch, False, inputs, **options))
+    for call in ({"keep_fractions": fractions}, {"gamma": gammas}):
+        assert_same_step(run_step(monkeypatch, True, inputs, **call),
+                         run_step(monkeypatch, False, inputs, **call))
 
 
 @cuda
@@ -250,15 +264,13 @@ def test_many_rows_in_a_cuda_graph(monkeypatch):
 
 @cuda
 def test_timeline_probe_records_every_program(monkeypatch):
-    """The probe's build (estimate_select_cuda.TIMELINE) computes the same step and every
-    program writes its marks in order."""
+    """The probe's build (``timeline.recording("estimate_select", ...)``) computes the same
+    step and every program writes its marks in order."""
     inputs = step_inputs(4, 128)
     rows = len(LENGTHS) * 2
-    timeline = torch.full((rows, estimate_select_cuda.TIMELINE_FIELDS), -1, dtype=torch.int64,
-                          device=DEVICE)
-    monkeypatch.setattr(estimate_select_cuda, "TIMELINE", timeline)
-    probed = run_step(monkeypatch, True, inputs, gamma=0.9)
-    monkeypatch.setattr(estimate_select_cuda, "TIMELINE", None)
+    timeline = torch.full((rows, probes.FIELDS), -1, dtype=torch.int64, device=DEVICE)
+    with probes.recording("estimate_select", timeline):
+        probed = run_step(monkeypatch, True, inputs, gamma=0.9)
     assert_same_step(probed, run_step(monkeypatch, False, inputs, gamma=0.9))
     t = timeline.cpu()
     assert (t[:, [0, 1, 6, 7]] > 0).all()

@@ -1,32 +1,73 @@
-"""Select in CUDA C++ (``select.IMPLEMENTATION = "cuda"``, select_cuda.cu): test_select.py's
-cases against the reference with this kernel (GPU only), the struct mirror (CPU, given
-libnvrtc) and the refusals."""
+"""Select in CUDA C++ (``KernelOptions(select="cuda")``, moira/kernels/cuda/select.cu):
+test_select.py's cases against the reference with this kernel (GPU only), the struct mirror
+(CPU, given libnvrtc), the program's shape, the refusals and the choice by table width."""
+
+import contextlib
+from types import SimpleNamespace
 
 import pytest
 import test_select
 import torch
 from helpers import DEVICE, check_struct_mirror, needs_nvrtc
 
-from moira.config import MoiraConfig
-from moira.kernels import cuda_build, select_cuda
-from moira.kernels import select as select_module
+import moira
+from moira import KernelOptions, MoiraConfig
+from moira.config import MAX_PAGES_PER_SEQ
+from moira.kernels import backends
+from moira.kernels.cuda import build as cuda_build
+from moira.kernels.cuda import select as select_cuda
+from moira.kernels.triton import select as select_triton
 
 cuda = pytest.mark.cuda
+ON_GPU = DEVICE == "cuda" and cuda_build.nvrtc_library() is not None
+
+
+def select_on_cuda(config):
+    """test_select.py's ``run_select`` with the CUDA kernel, as a step under ``config`` (whose
+    ``kernels`` set select="cuda") runs it: the workspace resolves the stage, the call's inputs
+    are checked (the kernel's ValueError) and the launcher runs with K_B from
+    ``config.bisection_ways``."""
+    def run_select(log_masses, seq_lens, *, gamma=0.98, top_k=None, max_pages=None,
+                   keep_fractions=None, gammas=None, dense_below_pages=0):
+        batch, num_kv_heads, group, width = log_masses.shape
+        max_pages = max_pages or width
+        page_lists = torch.full((batch, num_kv_heads, width), -7, dtype=torch.int32,
+                                device=DEVICE)
+        page_counts = torch.full((batch, num_kv_heads), -7, dtype=torch.int32, device=DEVICE)
+        log_masses = log_masses.to(DEVICE).view(batch * num_kv_heads, group, width)
+        seq_lens = seq_lens.to(DEVICE)
+        row_values, fractions, row_gammas = select_triton.row_values_of(
+            None if keep_fractions is None else keep_fractions.to(DEVICE),
+            None if gammas is None else gammas.to(DEVICE), page_counts)
+        ways = config.bisection_ways_for(max_pages)
+        workspace = moira.DecodeWorkspace(batch, width, num_kv_heads * group, num_kv_heads, 64,
+                                          device=DEVICE, config=config)
+        assert backends.select(workspace, log_masses, seq_lens, page_lists, page_counts,
+                               max_pages, ways, row_values) == "cuda"
+        select_cuda.select(log_masses, seq_lens, page_lists, page_counts,
+                           num_kv_heads=num_kv_heads, max_pages=max_pages, gamma=gamma,
+                           top_k=top_k, ways=ways, row_values=row_values, fractions=fractions,
+                           row_gammas=row_gammas, dense_below_pages=dense_below_pages)
+        return page_lists.cpu(), page_counts.cpu()
+
+    return run_select
 
 
 @pytest.fixture(params=["compared", "binned"])
 def cuda_select(request, monkeypatch):
-    """The CUDA kernel with the configured K_B (each pass compares every page with every
-    threshold) and with K_B = 64 (each pass's sums from a histogram)."""
-    monkeypatch.setattr(select_module, "IMPLEMENTATION", "cuda")
+    """test_select.py's cases on the CUDA kernel with the default K_B schedule (each pass
+    compares every page with every threshold) and with K_B = 64 at every width (each pass's
+    sums from a histogram)."""
+    config = MoiraConfig(kernels=KernelOptions(select="cuda"))
     if request.param == "binned":
-        monkeypatch.setattr(MoiraConfig, "bisection_ways_for", lambda self, max_pages: 64)
+        config = config.replace(bisection_ways=((MAX_PAGES_PER_SEQ, 64),))
+    monkeypatch.setattr(test_select, "run_select", select_on_cuda(config))
     return request.param
 
 
 @needs_nvrtc
 def test_params_mirror_the_kernels_struct():
-    """``select_cuda.Params`` (ctypes) mirrors the kernel's ``Params`` field by field."""
+    """``select.Params`` (ctypes) mirrors the kernel's ``Params`` field by field."""
     check_struct_mirror(
         select_cuda.SOURCE, select_cuda.Params,
         retyped=(b"int num_kv_heads, max_pages, group, top_k",
@@ -46,34 +87,53 @@ def test_program_shape_follows_the_table():
 
 
 def test_refusals_name_the_fix(monkeypatch):
+    """An unknown backend; "auto" takes Triton's kernel for tables narrower than
+    ``select.cuda_from_pages`` and for calls the CUDA one cannot run (K_B, a table too wide
+    for the group and K_B; warned); "cuda" raises where it cannot run (on the CPU: at the
+    workspace)."""
     log_masses, seq_lens = test_select.random_log_masses([65, 64 * 9], 2, 4, 1.0)
     log_masses = log_masses.to(DEVICE).view(4, 4, -1)
     seq_lens = seq_lens.to(DEVICE)
     lists = torch.zeros(2, 2, log_masses.shape[-1], dtype=torch.int32, device=DEVICE)
     counts = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
-    args = (log_masses, seq_lens, lists, counts)
-    kwargs = dict(num_kv_heads=2, max_pages=log_masses.shape[-1], gamma=0.9, top_k=None,
-                  ways=4)
-    monkeypatch.setattr(select_module, "IMPLEMENTATION", "bisect")
-    with pytest.raises(ValueError, match="'auto', 'triton' or 'cuda'"):
-        select_module.select(*args, **kwargs)
-    monkeypatch.setattr(select_module, "IMPLEMENTATION", "auto")
-    monkeypatch.setattr(select_module, "CUDA_FROM_PAGES", 9)
-    on_gpu = DEVICE == "cuda" and cuda_build.nvrtc_library() is not None
-    assert select_module.implementation(*args, 9, 4, None) == ("cuda" if on_gpu else "triton")
-    assert select_module.implementation(*args, 8, 4, None) == "triton"  # narrower than 9
-    assert select_module.implementation(*args, 9, 32, None) == "triton"  # K_B 32
-    assert select_module.implementation(*args, 16384, 4, None) == "triton"  # too wide
-    assert select_module.implementation(*args, 8192, 64, None) == "triton"  # for K_B 64
+    with pytest.raises(ValueError, match=r"KernelOptions.select must be one of \('auto', "
+                                         r"'triton', 'cuda'\)"):
+        KernelOptions(select="bisect")
+    with pytest.raises(ValueError, match="'select.softmax_tile' is read only by the triton"):
+        KernelOptions(select="cuda", tuning={"select.softmax_tile": 0})
+
+    def workspace_for(**options):
+        return moira.DecodeWorkspace(2, log_masses.shape[-1], 8, 2, 64, device=DEVICE,
+                                     config=MoiraConfig(kernels=KernelOptions(**options)))
+
+    assert workspace_for().backends["select"] == "triton"  # the default: Triton's Select
+    monkeypatch.setattr(backends, "_warned", set())  # warned once per process otherwise
+    workspace = workspace_for(select="auto", tuning={"select.cuda_from_pages": 9})
+    assert workspace.backends["select"] == ("cuda" if ON_GPU else "triton")
+
+    def picked(max_pages, ways, masses=log_masses):
+        return backends.select(workspace, masses, seq_lens, lists, counts, max_pages, ways,
+                               None)
+
+    assert picked(9, 4) == workspace.backends["select"]
+    warned = pytest.warns(RuntimeWarning, match="select='auto' runs the Triton kernel.*K_B") \
+        if ON_GPU else contextlib.nullcontext()
+    with warned:
+        assert picked(9, 32) == "triton"  # K_B 32
+    assert picked(8, 4) == "triton"  # narrower than 9
+    assert picked(16384, 4) == "triton"  # too wide
+    assert picked(8192, 64) == "triton"  # for K_B 64
     eight_heads = torch.zeros(2, 8, 16, device=DEVICE)  # 16 pages of 8 heads per thread spill
-    assert select_module.implementation(eight_heads, *args[1:], 8192, 4, None) == "triton"
-    monkeypatch.setattr(select_module, "IMPLEMENTATION", "cuda")
+    assert picked(8192, 4, eight_heads) == "triton"
     if DEVICE == "cpu":
-        with pytest.raises(ValueError, match="CUDA tensors"):
-            select_module.select(*args, **kwargs)
+        with pytest.raises(ValueError, match=r"KernelOptions\(select='cuda'\) cannot run "
+                                             r"here: the tensors are on cpu"):
+            workspace_for(select="cuda")
     else:
-        with pytest.raises(ValueError, match="K_B"):
-            select_module.select(*args, **dict(kwargs, ways=32))
+        workspace = workspace_for(select="cuda")
+        with pytest.raises(ValueError, match=r"KernelOptions\(select='cuda'\) is built for "
+                                             r"K_B"):
+            picked(9, 32)
 
 
 @cuda
@@ -120,7 +180,7 @@ def test_coverage_with_a_target_per_row(cuda_select, per_request):
 
 
 @cuda
-@pytest.mark.parametrize("mode", [dict(gamma=0.5), dict(top_k=3)])
+@pytest.mark.parametrize("mode", [{"gamma": 0.5}, {"top_k": 3}])
 def test_short_rows_keep_every_page(cuda_select, mode):
     test_select.test_short_rows_keep_every_page(mode)
 
@@ -136,16 +196,17 @@ def test_long_rows(cuda_select, pages):
 
 
 def test_auto_takes_the_cuda_kernel_from_a_table_width(monkeypatch):
-    """"auto": the CUDA kernel for tables of at least CUDA_FROM_PAGES pages (where it was
-    timed faster in a decode step), Triton's for narrower ones, on a device where both run."""
+    """"auto": the CUDA kernel for tables of at least ``select.cuda_from_pages`` pages (where
+    it was timed faster in a decode step), Triton's for narrower ones, on a device where both
+    run (a workspace that resolved the CUDA kernel, inputs it takes); "cuda" at any width."""
     log_masses = torch.zeros(4, 4, 64, device=DEVICE)
     args = (log_masses, torch.ones(2, dtype=torch.int32, device=DEVICE),
             torch.zeros(2, 2, 64, dtype=torch.int32, device=DEVICE),
             torch.zeros(2, 2, dtype=torch.int32, device=DEVICE))
-    monkeypatch.setattr(select_module, "IMPLEMENTATION", "auto")
     monkeypatch.setattr(select_cuda, "check_inputs", lambda *args: None)
-    monkeypatch.setattr(cuda_build, "can_run", lambda *args: True)
-    monkeypatch.setattr(cuda_build, "device_index", lambda device: 0)
-    monkeypatch.setattr(select_module, "CUDA_FROM_PAGES", 64)
-    assert select_module.implementation(*args, 64, 4, None) == "cuda"
-    assert select_module.implementation(*args, 63, 4, None) == "triton"
+    for choice, max_pages, picked in (("auto", 64, "cuda"), ("auto", 63, "triton"),
+                                      ("cuda", 63, "cuda")):
+        options = KernelOptions(select=choice, tuning={"select.cuda_from_pages": 64})
+        workspace = SimpleNamespace(backends={"select": "cuda"},
+                                    config=MoiraConfig(kernels=options))
+        assert backends.select(workspace, *args, max_pages, 4, None) == picked
