@@ -4,9 +4,12 @@ Triton's wheel carries NVIDIA's ptxas, so a CPU machine can build the GPU binari
 would run: a kernel that only ever ran in the interpreter is checked to compile, and a change's
 register cost (occupancy) is seen before device time is spent. Llama-3.1-8B geometry (G = 4,
 D = 128, bf16 cache, 64-token pages) first, then edge geometries (G = 1, 7, 8; D = 64; Select
-on 64 to 16,384 lanes), with the launch settings of the package.
+on 64 to 16,384 lanes), with the package's default tuning (``moira/kernels/tuning.py``), then
+the tuning candidates the sweeps time (``tune.py``, ``kernels.py suite``'s Attend arms), then
+the CUDA kernels built by NVRTC. ``.ci/run`` requires no CUDA kernel to spill under the GPU
+host's NVRTC (``build_cuda``).
 
-    python benchmarks/compile_check.py        # must run without TRITON_INTERPRET
+    python3 benchmarks/compile_check.py        # must run without TRITON_INTERPRET
 
 Prints one line per kernel: registers per thread, spilled bytes (local memory), shared memory.
 Exits non-zero if a kernel fails to compile or spills.
@@ -23,9 +26,17 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moira.kernels import (attend, attend_cuda, cuda_build, estimate,  # noqa: E402
-                           estimate_cuda, estimate_select_cuda, imposed, merge, select,
-                           select_cuda, summarize)
+from moira.benchmarking import imposed  # noqa: E402
+from moira.config import KernelOptions  # noqa: E402
+from moira.kernels.cuda import attend as attend_cuda  # noqa: E402
+from moira.kernels.cuda import build as cuda_build  # noqa: E402
+from moira.kernels.cuda import estimate as estimate_cuda  # noqa: E402
+from moira.kernels.cuda import estimate_select as estimate_select_cuda  # noqa: E402
+from moira.kernels.cuda import select as select_cuda  # noqa: E402
+from moira.kernels.triton import attend, estimate, merge, select, summarize  # noqa: E402
+
+# the package's defaults (moira/kernels/tuning.py), as every kernel is built by default
+DEFAULTS = KernelOptions()
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -106,34 +117,40 @@ def kernels(group, head_dim, block, pdl=False):
     with the launch settings the package uses; ``block``: Select's lanes (the table's pages,
     rounded up to a power of two); ``pdl``: the decode-step kernels built for programmatic
     dependent launch (``moira/kernels/launch.py``), and summarize left out."""
-    lanes = min(block, 32 * select.num_warps(block))
+    warps = select.num_warps(block, DEFAULTS.value("select.eight_warps_from"))
+    lanes = min(block, 32 * warps)
     group_pad = triton.next_power_of_2(group)
     tag = f"G={group} D={head_dim}" + (" PDL" if pdl else "")
     decode_step = [
         (f"estimate {tag}", estimate._estimate_kernel,
          dict(GROUP=group, GROUP_DOT=group_pad,
-              HEAD_DIM=head_dim, PAGE=PAGE, BLOCK_P=estimate.PAGES_PER_PROGRAM,
-              EXACT=estimate.EXACT_PAGES, WRITE_KV=False,
-              QUERY_AHEAD=estimate.QUERY_HEAD_AHEAD, PDL=pdl),
-         estimate.NUM_WARPS, 3, estimate.max_registers(group)),
+              HEAD_DIM=head_dim, PAGE=PAGE, BLOCK_P=DEFAULTS.value("estimate.pages_per_program"),
+              EXACT=DEFAULTS.value("estimate.exact_pages"), WRITE_KV=False,
+              QUERY_AHEAD=DEFAULTS.value("estimate.query_head_ahead"), PDL=pdl),
+         DEFAULTS.value("estimate.num_warps"), 3, estimate.max_registers(group, DEFAULTS)),
         *[(f"select {mode} {tag} lanes={block}", select._select_kernel,
            dict(GROUP=group, BLOCK=block, BLOCK_2=max(lanes, block // 2),
                 BLOCK_4=max(lanes, block // 4), BLOCK_8=max(lanes, block // 8), WAYS=4,
                 PASSES=12, FIXED_COUNT=fixed, FRACTIONS=fractions, ROW_GAMMAS=gammas,
-                PAGE=PAGE, GROUP_PAD=group_pad, SOFTMAX_TILE=select.SOFTMAX_TILE, PDL=pdl),
-           select.num_warps(block), 3, None)
+                PAGE=PAGE, GROUP_PAD=group_pad,
+                SOFTMAX_TILE=DEFAULTS.value("select.softmax_tile"), PDL=pdl),
+           warps, 3, None)
           for mode, fixed, fractions, gammas in (("coverage", False, False, False),
                                                  ("fractions", True, True, False),
                                                  ("row gammas", False, False, True))],
         (f"attend {tag}", attend._attend_kernel,
          dict(GROUP=group, GROUP_PAD=max(16, group_pad), HEAD_DIM=head_dim, PAGE=PAGE,
-              PAGES_PER_TILE=attend.PAGES_PER_ITER, SUM_ROUNDED=attend.SUM_ROUNDED_WEIGHTS,
-              FA3_ORDER=attend.FA3_TILE_ORDER, EVEN_CHUNKS=attend.EVEN_CHUNKS,
-              PAGES_AHEAD=attend.PAGE_IDS_AHEAD, PDL=pdl),
-         attend.NUM_WARPS, attend.NUM_STAGES, attend.MAX_REGISTERS),
+              PAGES_PER_TILE=DEFAULTS.value("attend.pages_per_iter"),
+              SUM_ROUNDED=DEFAULTS.value("attend.sum_rounded_weights"),
+              FA3_ORDER=DEFAULTS.value("attend.fa3_tile_order"),
+              EVEN_CHUNKS=DEFAULTS.value("attend.even_chunks"),
+              PAGES_AHEAD=DEFAULTS.value("attend.page_ids_ahead"), PDL=pdl),
+         DEFAULTS.value("attend.num_warps"), DEFAULTS.value("attend.num_stages"),
+         DEFAULTS.value("attend.max_registers")),
         (f"merge {tag}", merge._merge_kernel,
          dict(GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=32, SPLITS_PER_LOAD=32,
-              HAS_STATS=True, PAGE=PAGE, EVEN_CHUNKS=attend.EVEN_CHUNKS, PDL=pdl), 4, 3, None),
+              HAS_STATS=True, PAGE=PAGE, EVEN_CHUNKS=DEFAULTS.value("attend.even_chunks"),
+              PDL=pdl), 4, 3, None),
     ]
     if pdl:
         return decode_step
@@ -154,9 +171,9 @@ def main():
                for name, kernel, constexprs, warps, stages, maxnreg
                in kernels(group, head_dim, block, pdl)
                if build(name, kernel, constexprs, warps, stages, maxnreg)]
-    # the options in tune_kernels.py's sweeps: Estimate's exact pages in one tile (at G = 4
-    # and 8) and each head's query in its turn, and
-    # Attend with FA3's loop order and normalizer (what vllm_checks.py --fa3-arithmetic runs)
+    # the options in tune.py's sweeps: Estimate's exact pages side by side (at G = 4 and 8)
+    # and each head's query in its turn, and Attend with FA3's loop order and normalizer
+    # (what vllm_checks.py --fa3-arithmetic runs)
     for group in (GROUP, 8):
         for name, kernel, constexprs, warps, stages, maxnreg in kernels(group, HEAD_DIM, 2048):
             if name.startswith("estimate") and build(
@@ -175,7 +192,7 @@ def main():
         if name.startswith("attend") and build(f"{name} FA3 order", kernel, dict(
                 constexprs, FA3_ORDER=True, SUM_ROUNDED=False), warps, stages, maxnreg):
             spilled.append(f"{name} FA3 order")
-        if name.startswith("attend"):  # bench_kernels.py's moira_ahead<P><S> arms
+        if name.startswith("attend"):  # kernels.py suite's moira_ahead<P><S> arms
             for per_tile, ahead_stages, ahead_warps in ((1, 3, 4), (1, 3, 8), (1, 4, 4),
                                                         (2, 3, 4)):
                 label = (f"{name} page ids ahead, {per_tile} pages per tile, {ahead_stages} "
@@ -184,11 +201,11 @@ def main():
                                              PAGES_PER_TILE=per_tile), ahead_warps,
                          ahead_stages, maxnreg):
                     spilled.append(label)
-        if name.startswith("attend"):  # tune_kernels.py's register ceilings, as Estimate's
+        if name.startswith("attend"):  # tune.py's register ceilings, as Estimate's
             for stages, registers in ((2, 128), (2, 96), (3, 128), (3, 96)):
                 build(f"{name} one page per tile, {stages} stages, max registers {registers}",
                       kernel, dict(constexprs, PAGES_PER_TILE=1), warps, stages, registers)
-        # the register ceilings of tune_kernels.py's sweep (estimate.MAX_REGISTERS): what
+        # the register ceilings of tune.py's sweep (estimate.max_registers): what
         # ptxas spills under each is reported, and not a failure (the sweep times the cost)
         if name.startswith("estimate"):
             for registers in (96, 80, 64):
@@ -201,15 +218,15 @@ def main():
 
 
 def build_cuda():
-    """The CUDA kernels (``attend_cuda.cu``, ``estimate_cuda.cu``, ``select_cuda.cu`` at every
-    pages-per-thread and K_B it launches, G = 1, 4 and 8: ``IMPLEMENTATION = "cuda"``; the
-    fused ``estimate_select_cuda.cu`` at D = 64 / 128, those G, K_B 4 / 64, P 1 / 8) built by
+    """The CUDA kernels (``moira/kernels/cuda``: ``attend.cu``, ``estimate.cu``, ``select.cu``
+    at every pages-per-thread and K_B it launches, G = 1, 4 and 8; the fused
+    ``estimate_select.cu`` at D = 64 / 128, those G, K_B 4 / 64, P 1 / 8) built by
     NVRTC for sm_90, with ptxas' report per kernel (registers, spilled bytes; Attend's shared
     memory of the launch); nothing where no libnvrtc is found. Returns the kernels that spill."""
     if cuda_build.nvrtc_library() is None:
         print("CUDA kernels                             skipped: no libnvrtc", flush=True)
         return []
-    fits = estimate_cuda.MIN_BLOCKS_PER_SM
+    fits = DEFAULTS.value("estimate.cuda_min_blocks_per_sm")
     builds = [(attend_cuda.SOURCE, (), ""),
               (attend_cuda.SOURCE, ("-DATTEND_TIMELINE=1",), ", timeline probe"),
               (estimate_cuda.SOURCE, estimate_cuda.build_options(fits), "")] + [

@@ -1,54 +1,34 @@
-"""One decode step in vLLM broken into kernels (issue 5, paper Table 4): dense FA3 or Moira at
-the paper's read fractions, Llama-3.1-8B geometry, random weights, FULL CUDA graphs.
+"""One decode step in vLLM broken into kernels (paper Table 4): dense FA3 or Moira at the
+paper's read fractions, Llama-3.1-8B geometry, random weights, FULL CUDA graphs.
 
-    PYTHONPATH=/tmp/site:. python3 benchmarks/vllm_step_profile.py --backend moira \
+    PYTHONPATH=. python3 benchmarks/vllm_step_profile.py --backend moira \
         [--shapes 8k32,32k16,130k4] [--steps 32] [--max-model-len 131072] \
-        [--out $OUT/step-moira.json]
+        [--kernels attend=cuda,...] [--out $OUT/step-moira.json]
 
 Per shape: the prompts fill the cache (one output token, prefix caching on), then a second run
 of ``--steps`` tokens is traced with the PyTorch profiler (CUPTI reports the kernels inside
 replayed CUDA graphs one by one). GPU time per decode step is summed by kernel class (Attend,
 Estimate, Select, Merge, Summarize, FA3, GEMM, other) and divided by the number of decode
-steps; beside it, the traced span and the GPU's idle time in it (waiting on the host), and
-the wall time, per step. Prompts are the shape's context rounded up to whole 64-token pages plus one token, so the
-traced run's prefix-cache hit covers every full page and its first step recomputes one token per
-request: every traced step has a decode's shape.
+steps; beside it, the traced span and the GPU's idle time in it (waiting on the host), the wall
+time per step, the waits before each of Moira's kernels and the per-call spread of the top
+kernels. Prompts are the shape's context rounded up to whole 64-token pages plus one token, so
+the traced run's prefix-cache hit covers every full page and its first step recomputes one
+token per request: every traced step has a decode's shape. ``report.py step`` tabulates the
+files.
 """
 
 import argparse
 import json
-import math
 import os
 import random
-import statistics
 import sys
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # kernels in this process
-os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from vllm_checks import model_dir  # noqa: E402
-from vllm_tpot import SHAPES, cached_prompts, imposed_mean, paper_knots  # noqa: E402
-
-# kernel class by a substring of the kernel's name, first match wins
-CLASSES = [("Attend", ("_attend_kernel", "_attend_balanced_kernel", "moira_attend_")),
-           ("Estimate", ("_estimate_kernel", "moira_estimate_")),
-           ("Select", ("_select_kernel", "moira_select_")),
-           ("Merge", ("_merge_kernel", "_merge_balanced_kernel")),
-           ("Summarize", ("_summarize",)),
-           ("FA3", ("flash_fwd", "FlashAttn", "flash::")),
-           # cuBLAS picks gemv kernels (and split-K reductions) for the small-M decode GEMMs
-           ("GEMM", ("gemm", "Gemm", "GEMM", "cutlass", "xmma", "nvjet", "sm90_", "gemv",
-                     "splitKreduce"))]
-
-
-def kernel_class(name):
-    for label, needles in CLASSES:
-        if any(needle in name for needle in needles):
-            return label
-    return "other"
+import common  # noqa: E402
+from common import ENGINE_SHAPES as SHAPES  # noqa: E402
+from common import call_stats, kernel_class  # noqa: E402
 
 
 def edges(kernels):
@@ -70,32 +50,24 @@ def edges(kernels):
     return gaps, chains
 
 
-def call_stats(durations_us):
-    """Calls, the 10th / 90th percentiles (nearest rank), median and largest duration (µs)."""
-    ordered = sorted(durations_us)
-
-    def at(q):  # the smallest value with at least q of the calls at or below it
-        return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)], 2)
-    return dict(calls=len(ordered), p10_us=at(0.1),
-                median_us=round(statistics.median(ordered), 2), p90_us=at(0.9),
-                max_us=round(ordered[-1], 2))
-
-
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", choices=["dense", "moira"], required=True)
     parser.add_argument("--shapes", default="8k32,32k16,130k4")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="the engine's max_model_len (default: the longest shape + the "
-                             "steps + 64; 131072 sizes the block table as serve_bench.sh's "
+                             "steps + 64; 131072 sizes the block table as vllm_serve.py's "
                              "server, 2,048 pages per row)")
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
-                                                      "step-profile.json"))
-    args = parser.parse_args()
+    common.add_kernel_options(parser)
+    parser.add_argument("--out", default=common.out_path("step-profile.json"))
+    args = parser.parse_args(argv)
+    options = common.kernel_options(parser, args)
+    if args.backend == "dense" and args.kernels:
+        parser.error("--kernels are Moira's: the dense engine runs FA3")
+    common.vllm_in_process()
 
     import torch
-    import triton
     import vllm
     from torch.profiler import ProfilerActivity, profile
     from vllm import LLM, SamplingParams
@@ -105,21 +77,24 @@ def main():
 
     plugin.register()
     shapes = [(name, *SHAPES[name]) for name in args.shapes.split(",")]
-    knots = paper_knots("llama-3.1-8b", 0.98)
+    knots = common.paper_knots("llama-3.1-8b", 0.98)
     extra = dict(attention_backend="FLASH_ATTN")
     if args.backend == "moira":
         extra = dict(attention_backend="CUSTOM", additional_config={
             "moira": {"imposed_fraction": knots, "stats_interval": 0}})
+        if common.options_mapping(options):
+            extra["additional_config"]["moira"]["kernels"] = common.options_mapping(options)
     # what the plugin runs with, MOIRA_* variables included (they change Attend's split)
     settings = (MoiraSettings.from_sources(extra["additional_config"], os.environ)
                 if args.backend == "moira" else None)
     longest = max(context for _, context, _ in shapes)
     max_model_len = max(args.max_model_len or 0, longest + args.steps + 64)
     max_num_seqs = max(b for _, _, b in shapes)
-    llm = LLM(model=model_dir("llama-3.1-8b", 0), load_format="dummy", skip_tokenizer_init=True,
+    llm = LLM(model=common.model_dir("llama-3.1-8b"), load_format="dummy",
+              skip_tokenizer_init=True,
               block_size=64, max_model_len=max_model_len, enable_prefix_caching=True,
               max_num_seqs=max_num_seqs,
-              # vLLM's warm-up request of this many tokens must fit max_model_len (vllm_tpot.py)
+              # vLLM's warm-up request of this many tokens must fit max_model_len
               max_num_batched_tokens=min(16384, max_model_len * max_num_seqs),
               gpu_memory_utilization=0.88, seed=0, **extra)
     rng = random.Random(0)
@@ -130,7 +105,7 @@ def main():
         # that token per request and its first step is decode-shaped too (130000 is not a
         # multiple of 64: 130001 tokens would recompute 17 per request, through FA3)
         prompt_tokens = -(-context // 64) * 64 + 1
-        prompts = cached_prompts(llm, rng, prompt_tokens, batch)
+        prompts = common.cached_prompts(llm, rng, prompt_tokens, batch)
         timed = SamplingParams(max_tokens=args.steps, ignore_eos=True, detokenize=False)
         llm.generate(prompts, timed, use_tqdm=False)  # warm: graphs and caches in place
         with profile(activities=[ProfilerActivity.CUDA]) as trace:
@@ -170,7 +145,7 @@ def main():
                    gpu_span_ms_per_step=span_us / decode_steps / 1e3,
                    gpu_idle_ms_per_step=idle_us / decode_steps / 1e3,
                    wall_ms_per_step=wall_s / decode_steps * 1e3,
-                   imposed_read_fraction=imposed_mean(knots, context)
+                   imposed_read_fraction=common.imposed_mean(knots, context)
                    if args.backend == "moira" else None,
                    gap_before_ms_per_step={label: sum(values) / decode_steps / 1e3
                                            for label, values in sorted(gaps.items())},
@@ -187,20 +162,18 @@ def main():
                                               "gpu_idle_ms_per_step", "wall_ms_per_step",
                                               "gap_before_ms_per_step", "moira_chain_us")}),
               flush=True)
-        with open(args.out, "w") as f:
-            json.dump(dict(backend=args.backend, max_model_len=max_model_len,
-                           gpu=torch.cuda.get_device_name(),
-                           versions=dict(torch=torch.__version__, vllm=vllm.__version__,
-                                         triton=triton.__version__),
-                           moira_settings=settings.describe() if settings else None,
-                           attend_split={key: getattr(settings.config, key) for key in
-                                         ("chunk_pages", *SPLIT_SETTINGS)} if settings else None,
-                           command="python3 " + " ".join(sys.argv),
-                           date=time.strftime("%Y-%m-%d %H:%M:%S"),
-                           note="GPU time per step by kernel class, averaged over the traced "
-                                "run's steps (one of which is the one-token prefill)",
-                           results=results), f, indent=1)
-
+        info = common.run_info("vllm")
+        common.write_json(args.out, dict(
+            backend=args.backend, max_model_len=max_model_len, gpu=torch.cuda.get_device_name(),
+            versions=dict(info["versions"], vllm=vllm.__version__),
+            moira_settings=settings.describe() if settings else None,
+            attend_split={key: getattr(settings.config, key) for key in
+                          ("chunk_pages", *SPLIT_SETTINGS)} if settings else None,
+            command=info["command"], date=info["date"], commit=info["commit"],
+            dirty=info["dirty"],
+            note="GPU time per step by kernel class, averaged over the traced run's steps (one "
+                 "of which is the one-token prefill)",
+            results=results))
 
 if __name__ == "__main__":
     main()

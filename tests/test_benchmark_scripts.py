@@ -1,5 +1,6 @@
 """The arithmetic inside the benchmark scripts that turns raw GPU output into reported numbers."""
 
+import argparse
 import importlib.util
 import json
 import math
@@ -31,7 +32,7 @@ def top(logprobs, k):
 
 @pytest.mark.parametrize("k", [5, 50, 1000])
 def test_coarse_kl_is_a_tight_lower_bound(k):
-    accuracy = load("accuracy_vllm")
+    accuracy = load("report")
     generator = torch.Generator().manual_seed(k)
     vocab = 1000
     p = torch.log_softmax(3 * torch.randn(vocab, generator=generator, dtype=torch.float64), -1)
@@ -50,7 +51,7 @@ def test_coarse_kl_is_a_tight_lower_bound(k):
 
 
 def test_coarse_kl_of_disjoint_lists_lumps_everything():
-    accuracy = load("accuracy_vllm")
+    accuracy = load("report")
     ids_p, ids_q = np.array([1, 2], np.int32), np.array([3, 4], np.int32)
     half = np.array([math.log(0.5)] * 2, np.float32)
     value, lumped = accuracy.coarse_kl(ids_p, half, ids_q, half)
@@ -63,7 +64,7 @@ def test_accuracy_arms_apply_the_rule_to_every_row():
     batches (its default ``dense_below_tokens``) are off in every Moira arm."""
     from moira.integrations.vllm.settings import MoiraSettings
 
-    accuracy = load("accuracy_vllm")
+    accuracy = load("accuracy")
     assert accuracy.arm_settings("dense") is None
     for arm, expected in (("0.98", {"gamma": 0.98}), ("top_k=193", {"top_k": 193})):
         settings = accuracy.arm_settings(arm)
@@ -81,7 +82,7 @@ def test_tpot_report_counts_a_default_moira_run_at_the_batch_shapes(tmp_path):
     table, never both columns there."""
     import json
 
-    report = load("tpot_report")
+    report = load("report")
 
     def run(backend, tpot, dense_below=None):
         return dict(backend=backend, model="llama-3.1-8b", gamma=0.98,
@@ -91,8 +92,8 @@ def test_tpot_report_counts_a_default_moira_run_at_the_batch_shapes(tmp_path):
 
     (tmp_path / "dense.json").write_text(json.dumps(run("dense", 20.0)))
     (tmp_path / "moira.json").write_text(json.dumps(run("moira", 10.0, 16384)))
-    runs = report.load([str(tmp_path)])
-    text, rows = report.table(runs)
+    runs = report.tpot_load([str(tmp_path)])
+    text, rows = report.tpot_table(runs)
     batch = next(row for row in rows if row["shape"] == "32k16")
     assert batch["g0.98"]["speedup"] == 2.0
     single = report.single_table(runs)
@@ -102,16 +103,16 @@ def test_tpot_report_counts_a_default_moira_run_at_the_batch_shapes(tmp_path):
     other.mkdir()
     for name, backend, tpot in (("dense.json", "dense", 30.0), ("moira.json", "moira", 12.0)):
         (other / name).write_text(json.dumps(dict(run(backend, tpot), model="qwen3-4b")))
-    text, rows = report.table(report.load([str(tmp_path), str(other)]))
+    text, rows = report.tpot_table(report.tpot_load([str(tmp_path), str(other)]))
     assert [(row["model"], row["g0.98"]["speedup"]) for row in rows if row["shape"] == "32k16"] \
         == [("llama-3.1-8b", 2.0), ("qwen3-4b", 2.5)]
     with pytest.raises(SystemExit, match="two runs"):
-        report.load([str(tmp_path), str(tmp_path)])
+        report.tpot_load([str(tmp_path), str(tmp_path)])
 
 
 def test_accuracy_merge_keeps_every_part_of_an_earlier_merge(tmp_path):
     import json
-    report = load("accuracy_report")
+    report = load("report")
     head = dict(model="m", context=64, documents=2, date="2026-11-30")
     kl_rows = [dict(gamma=0.98, kl=0.01 * doc, read_fraction=0.5, doc=doc) for doc in (1, 2)]
     ablation_rows = [dict(arm=arm, doc=doc, kl=0.1, read_fraction=0.3)
@@ -124,9 +125,10 @@ def test_accuracy_merge_keeps_every_part_of_an_earlier_merge(tmp_path):
                                    seconds=30.0)}
     for name, part in parts.items():
         (tmp_path / name).write_text(json.dumps(part))
-    first = report.merge([str(tmp_path / "kl.json"), str(tmp_path / "retrieval.json")],
-                         str(tmp_path / "merged.json"))
-    second = report.merge([first, str(tmp_path / "ablation.json")], str(tmp_path / "again.json"))
+    first = report.accuracy_merge([str(tmp_path / "kl.json"), str(tmp_path / "retrieval.json")],
+                                  str(tmp_path / "merged.json"))
+    second = report.accuracy_merge([first, str(tmp_path / "ablation.json")],
+                                   str(tmp_path / "again.json"))
     merged = json.loads(open(second).read())
     assert [p["file"] for p in merged["parts"]] == ["kl.json", "retrieval.json", "ablation.json"]
     assert merged["seconds"] == 60.0 and set(merged["rows"]) == {"kl", "retrieval", "ablation"}
@@ -135,7 +137,7 @@ def test_accuracy_merge_keeps_every_part_of_an_earlier_merge(tmp_path):
 
 
 def test_first_difference_gap_pairs_prompts_and_counts_agreement_as_full_length():
-    compare = load("vllm_compare")
+    compare = load("vllm_checks")
 
     def run(*sequences):
         return [dict(tokens=list(seq), logprobs=[0.0] * len(seq)) for seq in sequences]
@@ -192,14 +194,14 @@ def test_prompt_token_ids_are_random_ids_or_a_slice_of_the_text():
 
 
 def test_step_report_puts_each_backend_and_the_papers_rows_under_each_shape():
-    report = load("step_report")
+    report = load("report")
 
     def run(classes):
         return dict(results=[dict(shape="130k4", per_step_ms=classes,
                                   total_ms=sum(classes.values()), gpu_idle_ms_per_step=1.0,
                                   wall_ms_per_step=12.0)])
 
-    text = report.table([("", "dense", run(dict(FA3=15.0, GEMM=4.0))),
+    text = report.step_table([("", "dense", run(dict(FA3=15.0, GEMM=4.0))),
                          ("", "moira", run(dict(Attend=2.5, Estimate=0.5, GEMM=4.0)))])
     lines = text.splitlines()
     assert lines[2] == "| 130k4 | dense FA3 | – | – | – | – | 15.00 | 4.00 | – | **19.00** | " \
@@ -213,33 +215,32 @@ def test_step_report_puts_each_backend_and_the_papers_rows_under_each_shape():
     row["gap_before_ms_per_step"] = dict(Estimate=0.014, Select=0.023, Attend=0.015,
                                          Merge=0.010, other=1.7)
     assert report.moira_waits(row) == "0.062"
-    assert " | 0.062 | 1.00 | 12.00 |" in report.table([("", "moira", dict(results=[row]))])
+    assert " | 0.062 | 1.00 | 12.00 |" in report.step_table([("", "moira", dict(results=[row]))])
 
 
-def test_step_report_labels_each_folders_rows_by_its_session(tmp_path):
+def test_step_report_labels_each_folders_rows_by_its_name(tmp_path):
     import json
 
-    report = load("step_report")
-    for folder, backends in (("step-profile-s7", ("dense", "moira")), ("step-profile-s8",
-                                                                        ("moira",))):
+    report = load("report")
+    for folder, backends in (("before", ("dense", "moira")), ("after", ("moira",))):
         (tmp_path / folder).mkdir()
         for backend in backends:
-            attend = 3.0 if folder.endswith("s7") else 2.0
+            attend = 3.0 if folder == "before" else 2.0
             run = dict(results=[dict(shape="8k32", per_step_ms=dict(Attend=attend),
                                      total_ms=attend)])
             (tmp_path / folder / f"step-{backend}.json").write_text(json.dumps(run))
-    runs = report.load([str(tmp_path / "step-profile-s7"), str(tmp_path / "step-profile-s8")])
-    lines = report.table(runs).splitlines()
-    assert [line.split(" | ")[1] for line in lines[2:5]] == ["dense FA3 (s7)", "Moira (s7)",
-                                                            "Moira (s8)"]
+    runs = report.step_load([str(tmp_path / "before"), str(tmp_path / "after")])
+    lines = report.step_table(runs).splitlines()
+    assert [line.split(" | ")[1] for line in lines[2:5]] == ["dense FA3 (before)",
+                                                            "Moira (before)", "Moira (after)"]
     assert lines[4].split(" | ")[2] == "2.00"
-    assert report.load([str(tmp_path / "step-profile-s8")])[0][0] == ""
+    assert report.step_load([str(tmp_path / "after")])[0][0] == ""
 
 
 def test_step_report_plot_stacks_each_runs_classes_to_its_kernel_total(tmp_path, monkeypatch):
     import matplotlib.axes
 
-    report = load("step_report")
+    report = load("report")
 
     def run(classes):
         return dict(results=[dict(shape="8k2", per_step_ms=classes,
@@ -255,7 +256,7 @@ def test_step_report_plot_stacks_each_runs_classes_to_its_kernel_total(tmp_path,
         return original(self, y, widths, left=left, **kwargs)
 
     monkeypatch.setattr(matplotlib.axes.Axes, "barh", record)
-    report.plot(runs, str(tmp_path / "step.png"))
+    report.step_plot(runs, str(tmp_path / "step.png"))
     assert (tmp_path / "step.png").is_file()
     # dense first, as in the table; a class no run has (Select) draws nothing; each segment
     # starts where the run's previous classes end
@@ -280,10 +281,10 @@ def write_two_pairs(folder, gamma, shape, reads):
 def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
     import json
 
-    report = load("tpot_report")
+    report = load("report")
 
     def pairs_text():
-        return report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+        return report.pairs_table([report.tpot_load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
 
     write_two_pairs(tmp_path, gamma=0.98, shape="130k4", reads=0.15)
     text = pairs_text()
@@ -331,10 +332,10 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
     text = pairs_text()
     assert text.splitlines()[0].endswith(
         "in its JSON): speedup per pair | mean | Moira, J from Eq. 4 alone (max_chunks_per_row "
-        "4096: the split before session 20): speedup per pair | mean |")
+        "4096: no ceiling on J): speedup per pair | mean |")
     assert text.splitlines()[2].endswith(
         "| 2.08× / – | **2.08×** | 2.00× / – | **2.00×** |")
-    # session 30's arm hnd (VLLM_KV_CACHE_LAYOUT=HND) in the second pair: a column of its
+    # the arm hnd (VLLM_KV_CACHE_LAYOUT=HND) in the second pair: a column of its
     # own, apart from the default engine's
     run = dict(backend="moira", model="llama-3.1-8b", gamma=0.98, kv_cache_layout="HND",
                results=[dict(shape="130k4", tpot_ms=7.0, imposed_read_fraction=0.15)])
@@ -346,9 +347,9 @@ def test_tpot_pairs_table_gives_each_pairs_speedup_and_their_mean(tmp_path):
 
 
 def test_tpot_pairs_table_keeps_pairs_of_dense_and_moira_at_gamma_0_99_alone(tmp_path):
-    report = load("tpot_report")
+    report = load("report")
     write_two_pairs(tmp_path, gamma=0.99, shape="64k8", reads=0.22)
-    text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+    text = report.pairs_table([report.tpot_load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
     # no pair ran γ = 0.98: its columns are left out
     assert text.splitlines()[0] == ("| model | shape | dense FA3 (ms) | Moira γ=0.99 (ms) | "
                                     "speedup per pair | mean | paper (Table 7) |")
@@ -357,14 +358,14 @@ def test_tpot_pairs_table_keeps_pairs_of_dense_and_moira_at_gamma_0_99_alone(tmp
     # a pair of dense engines alone has no row
     for pair in (1, 2):
         (tmp_path / f"pair{pair}" / "m.json").unlink()
-    text = report.pairs_table([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
+    text = report.pairs_table([report.tpot_load([str(tmp_path / f"pair{i}")]) for i in (1, 2)])
     assert "64k8" not in text
 
 
 def test_tpot_report_gives_the_fused_cache_write_its_own_column(tmp_path):
     import json
 
-    report = load("tpot_report")
+    report = load("report")
     moira = dict(backend="moira", dense_below_tokens=20480)
 
     def single_table(runs):
@@ -372,13 +373,13 @@ def test_tpot_report_gives_the_fused_cache_write_its_own_column(tmp_path):
             run = dict(model="llama-3.1-8b", gamma=0.98, **extra,
                        results=[dict(shape="8k1", tpot_ms=tpot, imposed_read_fraction=1.0)])
             (tmp_path / f"{name}.json").write_text(json.dumps(run))
-        return report.single_pairs_table([report.load([str(tmp_path)])]).splitlines()
+        return report.single_pairs_table([report.tpot_load([str(tmp_path)])]).splitlines()
 
     lines = single_table((("d", dict(backend="dense"), 5.0), ("m", moira, 5.15),
                           ("f", dict(moira, fused_cache_write=True), 5.07)))
     assert lines[0].endswith("K/V written in Estimate's launch (ms) | vs dense per pair | mean |")
     assert lines[2].endswith("| 5.15 | +3.0% | **+3.0%** | 5.07 | +1.4% | **+1.4%** |")
-    # since session 23 the write in Estimate is the default: the runs record it, and the
+    # the write in Estimate is the default: the runs record it, and the
     # engine without it is the variant
     on = dict(plugin_defaults=dict(fused_cache_write=True))
     lines = single_table((("m", dict(moira, fused_cache_write=True, **on), 5.07),
@@ -390,7 +391,7 @@ def test_tpot_report_gives_the_fused_cache_write_its_own_column(tmp_path):
 def test_bench_cache_write_plots_every_arm_of_every_row(tmp_path, monkeypatch):
     import json
 
-    bench = load("bench_cache_write")
+    bench = load("kernels")
     rows = [dict(context=8192, batch=1, rows=mode, us=dict(estimate=1.0, fused=1.2, separate=5.0))
             for mode in ("select", "full_rows")]
     path = tmp_path / "cache-write.json"
@@ -400,7 +401,7 @@ def test_bench_cache_write_plots_every_arm_of_every_row(tmp_path, monkeypatch):
 
     monkeypatch.setattr(matplotlib.axes.Axes, "bar",
                         lambda self, x, heights, *a, **k: drawn.append(list(heights)))
-    bench.plot(str(path))
+    bench.cache_write_plot(str(path))
     assert drawn == [[1.0, 1.0], [1.2, 1.2], [5.0, 5.0]]
     assert (tmp_path / "cache-write.png").exists()
 
@@ -434,14 +435,14 @@ def test_every_kernel_compiles_for_the_h200_without_spilling():
 def test_serve_report_puts_dense_first_and_compares_each_arm_on_its_own_workload(tmp_path):
     import json
 
-    report = load("serve_report")
+    report = load("report")
     base = dict(set="A", concurrency=16, requests=32, completed=32, output_tokens=1024,
                 median_tpot_ms=20.0, median_ttft_s=7.0, wall_s=60.0, date="2026-11-30 07:40:00")
     for label, rate, requests in (("moira", 150.0, 32), ("dense", 100.0, 32),
                                   ("flashinfer", 110.0, 32), ("moira", 90.0, 16)):
         run = dict(base, label=label, output_tokens_per_s=rate, requests=requests)
         (tmp_path / f"serve-{label}-A-16-{requests}.json").write_text(json.dumps(run))
-    lines = report.table(report.load([str(tmp_path)])).splitlines()
+    lines = report.serve_table(report.serve_load([str(tmp_path)])).splitlines()
     assert [line.split(" | ")[3] for line in lines[2:]] == [
         "Moira",  # 16 prompts: no dense run of that workload, so no ratio
         "dense FA3", "dense FlashInfer", "Moira"]
@@ -451,7 +452,8 @@ def test_serve_report_puts_dense_first_and_compares_each_arm_on_its_own_workload
     run = dict(base, label="moira", output_tokens_per_s=120.0,
                moira_environment={"MOIRA_EXACT_PREFILL": "0"})
     (tmp_path / "serve-moira-A-16-off.json").write_text(json.dumps(run))
-    rows = [line.split(" | ") for line in report.table(report.load([str(tmp_path)])).splitlines()]
+    rows = [line.split(" | ") for line in
+            report.serve_table(report.serve_load([str(tmp_path)])).splitlines()]
     assert [(row[3], row[6]) for row in rows[3:]] == [
         ("dense FA3", "–"), ("dense FlashInfer", "**+10.0%**"), ("Moira", "**+50.0%**"),
         ("Moira (MOIRA_EXACT_PREFILL=0)", "**+20.0%**")]
@@ -460,7 +462,7 @@ def test_serve_report_puts_dense_first_and_compares_each_arm_on_its_own_workload
 def test_serve_report_splits_per_request_changes_at_the_full_read_bound(tmp_path):
     import json
 
-    report = load("serve_report")
+    report = load("report")
 
     def record(tokens, tpot):
         return dict(prompt_tokens=tokens, ok=True, tokens=1024, ttft_s=0.1, tpot_ms=tpot)
@@ -502,7 +504,7 @@ def test_serve_report_splits_per_request_changes_at_the_full_read_bound(tmp_path
 def test_tpot_report_gives_a_programmatic_launch_run_its_own_single_request_column(tmp_path):
     import json
 
-    report = load("tpot_report")
+    report = load("report")
 
     def run(backend, tpot, **moira):
         return dict(backend=backend, model="llama-3.1-8b", gamma=0.98,
@@ -513,7 +515,7 @@ def test_tpot_report_gives_a_programmatic_launch_run_its_own_single_request_colu
     (tmp_path / "moira.json").write_text(json.dumps(run("moira", 5.2, dense_below_tokens=20480)))
     (tmp_path / "moira-pdl.json").write_text(json.dumps(
         run("moira", 5.05, dense_below_tokens=20480, programmatic_launch=True)))
-    single = report.single_table(report.load([str(tmp_path)]))
+    single = report.single_table(report.tpot_load([str(tmp_path)]))
     assert "programmatic launch" in single.splitlines()[0]
     assert "| 2k1 | 5.00 | – | – | – | 5.20 (N = 20480) | +4.0% | 5.05 (N = 20480) | +1.0% |" \
         in single
@@ -522,7 +524,7 @@ def test_tpot_report_gives_a_programmatic_launch_run_its_own_single_request_colu
 def test_tpot_report_gives_a_run_with_attends_split_set_its_own_pairs_column(tmp_path):
     import json
 
-    report = load("tpot_report")
+    report = load("report")
 
     def run(backend, tpot, **moira):
         return dict(backend=backend, model="llama-3.1-8b", gamma=0.98,
@@ -537,7 +539,7 @@ def test_tpot_report_gives_a_run_with_attends_split_set_its_own_pairs_column(tmp
             run("moira", sparse, dense_below_tokens=20480, floor_rows=None)))
         (folder / "split.json").write_text(json.dumps(
             run("moira", split, dense_below_tokens=20480, floor_rows=96, min_programs=1)))
-        pairs.append(report.load([str(folder)]))
+        pairs.append(report.tpot_load([str(folder)]))
     table = report.single_pairs_table(pairs).splitlines()
     assert "Attend's split set" in table[0]
     assert table[2].endswith("| 5.10 / 5.20 | +2.0% / +4.0% | **+3.0%** | 4.95 / 5.05 | "
@@ -545,17 +547,17 @@ def test_tpot_report_gives_a_run_with_attends_split_set_its_own_pairs_column(tmp
     # with programmatic launch too: a column of its own, not dropped
     (folder / "both.json").write_text(json.dumps(
         run("moira", 4.9, dense_below_tokens=20480, floor_rows=96, programmatic_launch=True)))
-    table = report.single_pairs_table([report.load([str(folder)])]).splitlines()
+    table = report.single_pairs_table([report.tpot_load([str(folder)])]).splitlines()
     assert "Moira, pdl+split (ms)" in table[0]
     assert table[2].endswith("| 4.90 | -2.0% | **-2.0%** |")
 
 
 def test_tpot_report_pairs_the_short_shapes_and_the_short_row_floor(tmp_path):
-    """Session 14: batch-4 short shapes in the short-request table (not the batch-shape one),
+    """Batch-4 short shapes in the short-request table (not the batch-shape one),
     and runs with step_programs set a column per value (T=0: Eq. 4 alone)."""
     import json
 
-    report = load("tpot_report")
+    report = load("report")
 
     def run(backend, tpots, **moira):
         return dict(backend=backend, model="llama-3.1-8b", gamma=0.98, results=[
@@ -571,7 +573,7 @@ def test_tpot_report_pairs_the_short_shapes_and_the_short_row_floor(tmp_path):
         run("moira", (5.1, 5.6), dense_below_tokens=20480, step_programs=0)))
     (folder / "t256.json").write_text(json.dumps(
         run("moira", (5.0, 5.1), dense_below_tokens=20480, step_programs=256)))
-    runs = report.load([str(folder)])
+    runs = report.tpot_load([str(folder)])
     assert {kind for _, kind in runs} == {"dense", "fallback", 0.98, "T=0", "T=256"}
     table = report.single_pairs_table([runs]).splitlines()
     assert "Eq. 4 alone" in table[0] and "T = 256" in table[0]
@@ -580,37 +582,38 @@ def test_tpot_report_pairs_the_short_shapes_and_the_short_row_floor(tmp_path):
     assert table[3].startswith("| llama-3.1-8b | 2k4 | 5.00 | 5.20 | +4.0% |")
     assert table[3].endswith("| 5.60 | +12.0% | **+12.0%** | 5.10 | +2.0% | **+2.0%** |")
     assert "read in full (ms)" in table[0]  # the default run did not record its split
-    # runs that record the split they ran (attend_split, since session 14's review) name the
+    # runs that record the split they ran (attend_split) name the
     # default column's T
     (folder / "moira.json").write_text(json.dumps(run(
         "moira", (5.05, 5.2), dense_below_tokens=20480, attend_split=dict(step_programs=128))))
-    table = report.single_pairs_table([report.load([str(folder)])]).splitlines()
+    table = report.single_pairs_table([report.tpot_load([str(folder)])]).splitlines()
     assert "read in full (T = 128) (ms)" in table[0]
 
 
-def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
-    bench = load("bench_kernels")
-    monkeypatch.setattr("sys.argv", ["bench_kernels.py", "--arms", "moira,moira_t256"])
+def test_kernel_suite_arms_are_configurations_and_kernel_options(monkeypatch, capsys):
+    from moira import KernelOptions, MoiraConfig
+
+    bench = load("kernels")
     with pytest.raises(SystemExit):
-        bench.main()
+        bench.main(["suite", "--arms", "moira,moira_t256"])
     assert "unknown arms moira_t256" in capsys.readouterr().err
     # Moira under another chunk floor is an arm by its name
     assert bench.config_fields("moira_c12") == {"chunk_pages": 12}
     assert bench.config_fields("moira_eq4") == {"step_programs": 0}
     assert bench.config_fields("moira_c0") is None and bench.config_fields("moira") is None
-    # Attend's page ids a tile ahead: the default configuration under other module constants
+    # Attend's page ids a tile ahead: the default configuration under other kernel options
     assert bench.config_fields("moira_ahead13") == {}
-    triton = dict(IMPLEMENTATION="triton")  # the option is the Triton kernel's
-    assert bench.attend_settings("moira_ahead13") == triton | dict(
-        PAGE_IDS_AHEAD=True, PAGES_PER_ITER=1, NUM_STAGES=3)
-    assert bench.attend_settings("moira_ahead13w8") == triton | dict(
-        PAGE_IDS_AHEAD=True, PAGES_PER_ITER=1, NUM_STAGES=3, NUM_WARPS=8)
-    assert bench.attend_settings("moira_c12") == {} and bench.config_fields("moira_ahead3") is None
+    ahead13 = {"attend.page_ids_ahead": True, "attend.pages_per_iter": 1,
+               "attend.num_stages": 3}
+    assert bench.arm_kernels("moira_ahead13") == dict(attend="triton", tuning=ahead13)
+    assert bench.arm_kernels("moira_ahead13w8") == dict(
+        attend="triton", tuning=ahead13 | {"attend.num_warps": 8})
+    assert bench.arm_kernels("moira_c12") == {} and bench.config_fields("moira_ahead3") is None
     assert bench.config_fields("moira_ahead13w5") is None
-    # both: the floor in the workspace's configuration, the page ids in Attend's constants
+    assert bench.config_fields("moira_ahead19") is None  # stages beyond the tunable's range
+    # both: the floor in the workspace's configuration, the page ids in its kernel options
     assert bench.config_fields("moira_c32_ahead14") == {"chunk_pages": 32}
-    assert bench.attend_settings("moira_c32_ahead14") == triton | dict(
-        PAGE_IDS_AHEAD=True, PAGES_PER_ITER=1, NUM_STAGES=4)
+    assert bench.arm_kernels("moira_c32_ahead14")["tuning"]["attend.num_stages"] == 4
     assert bench.config_fields("moira_ahead13_c32") is None
     # on vLLM's packed K|V caches, alone or before the options
     assert bench.config_fields("moira_packed") == {} and bench.cache_layout("moira_packed") \
@@ -619,39 +622,45 @@ def test_bench_kernels_refuses_an_unknown_arm(monkeypatch, capsys):
     assert bench.cache_layout("moira_packed_hnd") == "packed_hnd"
     assert bench.config_fields("moira_packed_hnd_c32_ahead14") == {"chunk_pages": 32}
     assert bench.cache_layout("moira_packed_hnd_c32_ahead14") == "packed_hnd"
-    assert bench.attend_settings("moira_packed_hnd_c32_ahead14")["NUM_STAGES"] == 4
+    assert bench.arm_kernels("moira_packed_hnd_c32_ahead14")["tuning"]["attend.num_stages"] == 4
     assert bench.cache_layout("moira_c32") is None and bench.cache_layout("flashinfer") is None
     assert bench.config_fields("moira_hnd_packed") is None
     # the CUDA Attend, alone or after a layout and a floor; not with the lookahead
     assert bench.config_fields("moira_cuda3") == {}
-    assert bench.attend_settings("moira_cuda3") == dict(IMPLEMENTATION="cuda", CUDA_STAGES=3)
+    assert bench.arm_kernels("moira_cuda3") == dict(attend="cuda",
+                                                   tuning={"attend.cuda_stages": 3})
     assert bench.config_fields("moira_packed_hnd_c32_cuda4") == {"chunk_pages": 32}
-    assert bench.attend_settings("moira_packed_hnd_c32_cuda4")["CUDA_STAGES"] == 4
-    # the Triton Attend (the default until session 36), alone or after a layout and a floor
+    assert bench.arm_kernels("moira_packed_hnd_c32_cuda4")["tuning"] == {"attend.cuda_stages": 4}
+    # the Triton Attend, alone or after a layout and a floor
     assert bench.config_fields("moira_triton") == {}
-    assert bench.attend_settings("moira_triton") == triton
+    assert bench.arm_kernels("moira_triton") == dict(attend="triton")
     assert bench.config_fields("moira_packed_c32_triton") == {"chunk_pages": 32}
-    assert bench.attend_settings("moira_packed_c32_triton") == triton
+    assert bench.arm_kernels("moira_packed_c32_triton") == dict(attend="triton")
     for unknown in ("moira_cuda", "moira_cuda5", "moira_cuda3_ahead13", "moira_ahead13_cuda3",
                     "moira_cuda3w", "moira_cuda3w4", "moira_triton_cuda2", "moira_triton2"):
-        assert bench.config_fields(unknown) is None and bench.attend_settings(unknown) == {}
-    from moira.kernels import attend as attend_module
-    default = (attend_module.PAGE_IDS_AHEAD, attend_module.NUM_STAGES)
-    with pytest.raises(RuntimeError), bench.patched(attend_module,
-                                                    **bench.attend_settings("moira_ahead24")):
-        assert (attend_module.PAGE_IDS_AHEAD, attend_module.NUM_STAGES) == (True, 4)
-        raise RuntimeError  # a failed measurement still restores the module
-    assert (attend_module.PAGE_IDS_AHEAD, attend_module.NUM_STAGES) == default
-    monkeypatch.setattr("sys.argv", ["bench_kernels.py", "--arms", "moira,moira_c12,moira_cx"])
+        assert bench.config_fields(unknown) is None and bench.arm_kernels(unknown) == {}
+    # every arm's options are valid KernelOptions on top of the run's --kernels
+    common = load("common")
+    base = KernelOptions.parse("estimate=triton,estimate.num_warps=8")
+    for arm in ("moira_ahead24w8", "moira_cuda4", "moira_triton", "moira_c12"):
+        options = common.with_kernels(base, bench.arm_kernels(arm))
+        MoiraConfig(kernels=options, **bench.config_fields(arm))
+        assert options.value("estimate.num_warps") == 8
+    assert common.with_kernels(base, bench.arm_kernels("moira_ahead24")).value(
+        "attend.num_stages") == 4
+    assert KernelOptions().value("attend.num_stages") == 2  # nothing changed globally
     with pytest.raises(SystemExit):
-        bench.main()
+        bench.main(["suite", "--arms", "moira,moira_c12,moira_cx"])
     assert "unknown arms moira_cx;" in capsys.readouterr().err
     # shapes: the default four, 16k x 32 when named, nothing else
-    monkeypatch.setattr("sys.argv", ["bench_kernels.py", "--shapes", "8k32,16k32,16k16"])
     with pytest.raises(SystemExit):
-        bench.main()
+        bench.main(["suite", "--shapes", "8k32,16k32,16k16"])
     assert "unknown shapes 16k16;" in capsys.readouterr().err
     assert "16k32" not in bench.SHAPES and bench.EXTRA_SHAPES["16k32"] == (16384, 32)
+    # kernel options: the text form, checked before any GPU work
+    with pytest.raises(SystemExit):
+        bench.main(["suite", "--kernels", "attend=cuda,attend.num_warps=8"])
+    assert "read only by the triton kernel" in capsys.readouterr().err
 
 
 def test_compile_check_rejects_memory_access_before_the_programmatic_wait():
@@ -668,7 +677,7 @@ def test_compile_check_rejects_memory_access_before_the_programmatic_wait():
 def test_serve_slices_are_the_whole_runs_prompts_and_pool_into_one_row(tmp_path):
     import json
 
-    bench, report = load("serve_bench"), load("serve_report")
+    bench, report = load("vllm_serve"), load("report")
     assert bench.set_prompts("A", 2, 3) == bench.set_prompts("A", 0, 5)[2:]
 
     def slice_run(label, offset, tpots, wall):
@@ -688,25 +697,25 @@ def test_serve_slices_are_the_whole_runs_prompts_and_pool_into_one_row(tmp_path)
         (later / f"serve-{label}-A-16-o2.json").write_text(
             json.dumps(slice_run(label, 2, [t + 2 for t in tpots], wall)))
     folders = [str(tmp_path), str(later)]
-    runs = {run["label"]: run for run in report.load(folders)}
+    runs = {run["label"]: run for run in report.serve_load(folders)}
     moira = runs["moira"]
     assert (moira["requests"], moira["slices"], moira["wall_s"]) == (4, 2, 16.0)
     assert moira["output_tokens_per_s"] == 400 / 16.0
     assert moira["median_tpot_ms"] == 21.5  # of 20, 21, 22, 23
     # slices run on two days: the report's note names both
     assert report.days([moira]) == ["2026-11-30", "2026-12-01"]
-    line = next(line for line in report.table(list(runs.values())).splitlines()
+    line = next(line for line in report.serve_table(list(runs.values())).splitlines()
                 if "| Moira |" in line)
     assert "| 4 in 2 slices × 100 |" in line and "**+25.0%**" in line
     # a run overlapping the slices is another workload: no pooling, one row each
     (tmp_path / "serve-moira-A-16-again.json").write_text(
         json.dumps(slice_run("moira", 1, (20.0,), 4.0)))
-    assert sorted(run["requests"] for run in report.load(folders)
+    assert sorted(run["requests"] for run in report.serve_load(folders)
                   if run["label"] == "moira") == [1, 2, 2]
 
 
 def test_gaps_at_first_difference_read_the_reference_runs_top2_gap_where_prompts_part():
-    compare = load("vllm_compare")
+    compare = load("vllm_checks")
     reference = [dict(tokens=[1, 2, 3], logprobs=[0.0] * 3, top2_gap=[2.0, 0.1, 3.0]),
                  dict(tokens=[4, 5, 6], logprobs=[0.0] * 3, top2_gap=[0.5, 0.7, 0.2])]
     other = [dict(tokens=[1, 9, 3], logprobs=[0.0] * 3),  # parts at step 1
@@ -735,12 +744,21 @@ def test_engine_checks_never_ask_vllm_for_a_graph_mode_it_would_turn_into_eager(
     with pytest.raises(SystemExit) as exit_info:
         checks.main()
     assert exit_info.value.code == 2 and "needs torch.compile" in capsys.readouterr().err
-    # a kernel setting the engines do not know is a usage error too, naming the known ones
-    monkeypatch.setattr(sys, "argv", ["vllm_checks.py", "moira", "--kernel-setting",
-                                      "attend.IMPLEMENTATION=cudnn"])
+    # kernel options the engines cannot take are a usage error too, naming the known ones
     with pytest.raises(SystemExit) as exit_info:
-        checks.main()
-    assert exit_info.value.code == 2 and "attend.CUDA_STAGES" in capsys.readouterr().err
+        checks.main(["moira", "--kernels", "attend=cudnn"])
+    assert exit_info.value.code == 2 and "('auto', 'triton', 'cuda')" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        checks.main(["moira", "--kernels", "attend.cuda_stage=3"])
+    assert exit_info.value.code == 2 and "attend.cuda_stages" in capsys.readouterr().err
+    # FA3's arithmetic is the Triton Attend's: not with the CUDA one, never in a dense engine
+    with pytest.raises(SystemExit) as exit_info:
+        checks.main(["moira", "--kernels", "attend=cuda,attend.cuda_stages=3",
+                     "--fa3-normalizer"])
+    assert exit_info.value.code == 2 and "Triton Attend" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        checks.main(["dense", "--fa3-arithmetic"])
+    assert exit_info.value.code == 2 and "dense runs ignore them" in capsys.readouterr().err
 
 
 def test_top2_gap_is_the_best_minus_the_second_log_prob():
@@ -759,7 +777,7 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
                                                                             monkeypatch):
     import json
 
-    report = load("tpot_report")
+    report = load("report")
     for pair, (dense, sparse, pdl) in enumerate([(5.0, 5.2, 5.1), (4.0, 4.2, 4.12)], start=1):
         folder = tmp_path / f"pair{pair}"
         folder.mkdir()
@@ -771,7 +789,7 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
             run = dict(model="llama-3.1-8b", gamma=0.98, **extra,
                        results=[dict(shape="2k1", tpot_ms=tpot, imposed_read_fraction=0.4)])
             (folder / f"{name}.json").write_text(json.dumps(run))
-    text = report.single_pairs_table([report.load([str(tmp_path / f"pair{i}")])
+    text = report.single_pairs_table([report.tpot_load([str(tmp_path / f"pair{i}")])
                                       for i in (1, 2)])
     assert "every row selecting" not in text  # no such run: no column standing in for it
     assert "| llama-3.1-8b | 2k1 | 5.00 / 4.00 | 5.20 / 4.20 | +4.0% / +5.0% | **+4.5%** | " \
@@ -792,7 +810,7 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
 
     monkeypatch.setattr(matplotlib.axes.Axes, "bar", bar)
     monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
-    report.single_pairs_plot([report.load([str(tmp_path / f"pair{i}")]) for i in (1, 2)],
+    report.single_pairs_plot([report.tpot_load([str(tmp_path / f"pair{i}")]) for i in (1, 2)],
                              str(tmp_path / "pairs.png"))
     assert (tmp_path / "pairs.png").is_file()
     assert [height for height, _ in bars] == pytest.approx([4.5, 2.5])
@@ -802,7 +820,7 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
     run = dict(model="llama-3.1-8b", gamma=0.98, backend="moira", dense_below_tokens=0,
                results=[dict(shape="2k1", tpot_ms=6.0, imposed_read_fraction=0.4)])
     (tmp_path / "pair1" / "selecting.json").write_text(json.dumps(run))
-    text = report.single_pairs_table([report.load([str(tmp_path / "pair1")])])
+    text = report.single_pairs_table([report.tpot_load([str(tmp_path / "pair1")])])
     assert "| 2k1 | 5.00 | 6.00 | +20.0% | **+20.0%** | 5.20 | +4.0% |" in text
     # an engine with Estimate and Select in one launch (fused_select, removed since: its
     # result files still load): its own column, last
@@ -810,7 +828,7 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
                fused_select=True,
                results=[dict(shape="2k1", tpot_ms=5.05, imposed_read_fraction=0.4)])
     (tmp_path / "pair1" / "fsel.json").write_text(json.dumps(run))
-    text = report.single_pairs_table([report.load([str(tmp_path / "pair1")])])
+    text = report.single_pairs_table([report.tpot_load([str(tmp_path / "pair1")])])
     assert "Estimate + Select in one launch (ms) |" in text.splitlines()[0]
     assert text.splitlines()[2].endswith("| 5.05 | +1.0% | **+1.0%** |")
     # Merge in Attend's launch, alone and with Select in Estimate's: a column each, in that order
@@ -819,17 +837,17 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
         run = dict(model="llama-3.1-8b", gamma=0.98, backend="moira", dense_below_tokens=20480,
                    **flags, results=[dict(shape="2k1", tpot_ms=tpot, imposed_read_fraction=0.4)])
         (tmp_path / "pair1" / f"{name}.json").write_text(json.dumps(run))
-    text = report.single_pairs_table([report.load([str(tmp_path / "pair1")])])
+    text = report.single_pairs_table([report.tpot_load([str(tmp_path / "pair1")])])
     assert "Merge in Attend's launch (ms) |" in text.splitlines()[0]
     assert text.splitlines()[2].endswith(
         "| 5.05 | +1.0% | **+1.0%** | 5.10 | +2.0% | **+2.0%** | 5.01 | +0.2% | **+0.2%** |")
-    # Attend's grid set (session 19's arm launch, since removed; its files stay readable): its
+    # Attend's grid set (an arm since removed; its files stay readable): its
     # own column beside the plain Moira run
     run = dict(model="llama-3.1-8b", gamma=0.98, backend="moira", dense_below_tokens=20480,
                launched_programs=792,
                results=[dict(shape="2k1", tpot_ms=5.02, imposed_read_fraction=0.4)])
     (tmp_path / "pair1" / "launch.json").write_text(json.dumps(run))
-    text = report.single_pairs_table([report.load([str(tmp_path / "pair1")])])
+    text = report.single_pairs_table([report.tpot_load([str(tmp_path / "pair1")])])
     assert text.splitlines()[0].endswith("| Moira, P=792 (ms) | vs dense per pair | mean |")
     assert text.splitlines()[2].endswith("| 5.02 | +0.4% | **+0.4%** |")
 
@@ -837,17 +855,18 @@ def test_tpot_pairs_at_batch_1_compare_each_arm_to_its_own_pairs_dense_engine(tm
 def test_tpot_report_plots_pairs_at_the_batch_shapes(tmp_path, monkeypatch, capsys):
     """--pairs --plot at batch shapes: each arm's TPOT against its pair's dense engine, no 2%
     bar (batch 1's); the kernel-settings arm a bar of its own."""
-    report = load("tpot_report")
+    report = load("report")
     for name, tpot, settings in (("dense", 12.9, None), ("moira", 9.4, None),
                                  ("kern", 9.3, {"attend.IMPLEMENTATION": "cuda"})):
         run = dict(model="llama-3.1-8b", gamma=0.98, backend=name if name == "dense" else "moira",
                    kernel_settings=settings,
                    results=[dict(shape="8k32", tpot_ms=tpot, imposed_read_fraction=0.42)])
         (tmp_path / f"{name}.json").write_text(json.dumps(run))
-    _, cells, present = report.short_pair_cells([report.load([str(tmp_path)])], report.SHAPES)
+    _, cells, present = report.short_pair_cells([report.tpot_load([str(tmp_path)])],
+                                              report.TPOT_SHAPES)
     assert [arm for arm, _ in present] == [0.98, "kern"]
     assert cells[("llama-3.1-8b", "8k32", "kern")] == [(9.3, pytest.approx(9.3 / 12.9 - 1))]
-    monkeypatch.setattr(sys, "argv", ["tpot_report.py", "--pairs", str(tmp_path), "--plot",
+    monkeypatch.setattr(sys, "argv", ["report.py", "tpot", "--pairs", str(tmp_path), "--plot",
                                       str(tmp_path / "pairs.png")])
     report.main()
     assert "| 1.39× | **1.39×** |" in capsys.readouterr().out
@@ -855,7 +874,6 @@ def test_tpot_report_plots_pairs_at_the_batch_shapes(tmp_path, monkeypatch, caps
 
 
 def test_split_report_applies_the_batch_1_rule_to_the_mean_of_the_runs(tmp_path):
-    bench_single = load("bench_single")
 
     def run(path, times):  # times: {context: {(floor_rows, chunks): µs}}
         results = []
@@ -872,7 +890,7 @@ def test_split_report_applies_the_batch_1_rule_to_the_mean_of_the_runs(tmp_path)
                                       8192: {default: 21.9, floor2: 24.9, j16: 21.3}})
     second = run(tmp_path / "b.json", {2048: {default: 16.7, floor2: 14.7, j16: 16.1},
                                        8192: {default: 22.0, floor2: 25.0, j16: 21.5}})
-    table, chosen, verdict = bench_single.split_report([first, second])
+    table, chosen, verdict = load("report").split_report([first, second])
     # floor 2 is best at 2k but 3 µs off at 8k; J 16 is within 0.3 of the best at 8k (it is
     # the best) but 1.4 off at 2k: neither holds everywhere
     assert chosen is None and "not met" in verdict
@@ -881,7 +899,7 @@ def test_split_report_applies_the_batch_1_rule_to_the_mean_of_the_runs(tmp_path)
     assert verdict.endswith("faster at batch 1: (32, 16)")
     third = run(tmp_path / "c.json", {2048: {default: 16.6, floor2: 16.0, j16: 16.1},
                                       8192: {default: 21.9, floor2: 21.8, j16: 21.5}})
-    _, chosen, verdict = bench_single.split_report([third])
+    _, chosen, verdict = load("report").split_report([third])
     # both now hold (within 0.3 of the best everywhere, >= 0.5 faster than the default at
     # 2k); the faster over the contexts wins
     assert chosen == (32, 16)
@@ -892,31 +910,31 @@ def test_split_report_applies_the_batch_1_rule_to_the_mean_of_the_runs(tmp_path)
     rows["results"].append(dict(rows["results"][0], batch=2, us_per_layer={
         "split_32_None": 20.0, "split_96_None": 21.0, "split_32_16": 20.1}))
     (tmp_path / "d.json").write_text(json.dumps(rows))
-    table, chosen, verdict = bench_single.split_report([str(tmp_path / "d.json")])
+    table, chosen, verdict = load("report").split_report([str(tmp_path / "d.json")])
     assert table.splitlines()[0] == "| floor_rows, J[, T] | 2k | 2k×2 |"
     # floor 2 is 2 µs faster at batch 1 but 1 µs slower at batch 2: neither rule's; J 16 is
     # 1.4 off the best at 2k (not the first rule's) but never slower than the default
     assert chosen is None and verdict.endswith("faster at batch 1: (32, 16)")
-    # session 14's arms with the short-row floor T: their own rows, compared with Eq. 4's
+    # the arms with the short-row floor T: their own rows, compared with Eq. 4's
     # default (T = 0, as in files written before it)
     rows = json.loads((tmp_path / "d.json").read_text())
     for row in rows["results"]:
         row["us_per_layer"]["split_t128"] = row["us_per_layer"]["split_32_None"] - 1.0
         row["split_sweep"]["split_t128"] = [32, None, 128]
     (tmp_path / "d.json").write_text(json.dumps(rows))
-    table, chosen, verdict = bench_single.split_report([str(tmp_path / "d.json")])
+    table, chosen, verdict = load("report").split_report([str(tmp_path / "d.json")])
     assert "| 32, default, T = 128 | 15.60 (15.60) `split_t128` | **19.00" in table
     assert chosen is None and verdict.endswith("faster at batch 1: (32, None, 128), (32, 16)")
 
 
 def test_programs_report_means_runs_and_compares_each_n_t_with_the_default(tmp_path):
-    bench_single = load("bench_single")
+    bench_single = load("kernels")
     # the J each N_T gives at a 2,048-page table, as the sweep's comment states
     assert [bench_single.programs_config(p).chunks_per_row(8, 2048)
             for p in bench_single.PROGRAMS_SWEEP] == [342, 256, 128, 64, 32]
     assert [bench_single.programs_config(p).chunks_per_row(32, 2048)
             for p in bench_single.PROGRAMS_SWEEP] == [86, 64, 32, 32, 32]
-    # the default since session 20: N_T = 1024's J at batch 1, N_T = 4096's from 32 rows
+    # the default: N_T = 1024's J at batch 1, N_T = 4096's from 32 rows
     assert moira.MoiraConfig().chunks_per_row(8, 2048) == 128
     assert moira.MoiraConfig().chunks_per_row(32, 2048) == 86
 
@@ -931,14 +949,14 @@ def test_programs_report_means_runs_and_compares_each_n_t_with_the_default(tmp_p
     first = run(tmp_path / "a.json", {(8192, 1): {4096: 22.0, 512: 19.0},
                                       (131072, 4): {4096: 60.0, 512: 61.0}})
     second = run(tmp_path / "b.json", {(8192, 1): {4096: 22.2, 512: 19.4}})
-    # a launched-programs arm (session 19's files): the default N_T, its own column after the
+    # a launched-programs arm (older files): the default N_T, its own column after the
     # N_T ones
     rows = json.loads((tmp_path / "b.json").read_text())
     rows["results"][0]["us_per_layer"]["step_launch396"] = 20.0
     rows["results"][0]["programs_sweep"]["step_launch396"] = dict(
         min_programs=4096, launched=396, chunks_per_row=342, programs_per_row=50)
     (tmp_path / "b.json").write_text(json.dumps(rows))
-    lines = bench_single.programs_report([first, second]).splitlines()
+    lines = load("report").programs_report([first, second]).splitlines()
     assert lines[0] == "| shape | N_T = 4096 | N_T = 512 | launch 396 |"
     assert lines[2] == ("| 8k×1 | 22.10 (J 1) | **19.20 (J 8) -2.90** | 20.00 (J 342, P 50) "
                         "-2.10 |")
@@ -957,12 +975,12 @@ def dense_b8_folder(tmp_path):
 
 
 def test_serve_report_writes_the_section_it_is_given_and_leaves_the_others(tmp_path, monkeypatch):
-    report = load("serve_report")
+    report = load("report")
     folder = dense_b8_folder(tmp_path)
     readme = tmp_path / "README.md"
     readme.write_text("<!-- serve:begin -->\nset A\n<!-- serve:end -->\n"
                       "<!-- serve-b8:begin -->\n<!-- serve-b8:end -->\n")
-    monkeypatch.setattr(sys, "argv", ["serve_report.py", str(folder), "--readme", str(readme),
+    monkeypatch.setattr(sys, "argv", ["report.py", "serve", str(folder), "--readme", str(readme),
                                       "--section", "serve-b8"])
     report.main()
     text = readme.read_text()
@@ -971,10 +989,10 @@ def test_serve_report_writes_the_section_it_is_given_and_leaves_the_others(tmp_p
 
 
 def test_serve_report_run_inside_its_folder_plots_beside_the_folder(tmp_path, monkeypatch):
-    report = load("serve_report")
+    report = load("report")
     folder = dense_b8_folder(tmp_path)
     monkeypatch.chdir(folder)
-    monkeypatch.setattr(sys, "argv", ["serve_report.py", "."])
+    monkeypatch.setattr(sys, "argv", ["report.py", "serve", "."])
     report.main()
     assert (tmp_path / "serve-b8.png").is_file()
     assert not list(folder.glob(".*png"))
@@ -982,19 +1000,19 @@ def test_serve_report_run_inside_its_folder_plots_beside_the_folder(tmp_path, mo
 
 def test_serve_report_of_several_folders_names_its_plot_and_every_folder(tmp_path, monkeypatch,
                                                                         capsys):
-    report = load("serve_report")
+    report = load("report")
     first = dense_b8_folder(tmp_path)
     second = tmp_path / "serve-b8-later"
     second.mkdir()
     run = json.loads((first / "serve-dense-B-8.json").read_text())
     (second / "serve-dense-B-8-o2.json").write_text(json.dumps(dict(run, offset=2)))
-    monkeypatch.setattr(sys, "argv", ["serve_report.py", str(first), str(second)])
+    monkeypatch.setattr(sys, "argv", ["report.py", "serve", str(first), str(second)])
     with pytest.raises(SystemExit):
         report.main()
     assert "--plot" in capsys.readouterr().err
     readme = tmp_path / "README.md"
     readme.write_text("<!-- serve:begin -->\n<!-- serve:end -->\n")
-    monkeypatch.setattr(sys, "argv", ["serve_report.py", str(first), str(second), "--plot",
+    monkeypatch.setattr(sys, "argv", ["report.py", "serve", str(first), str(second), "--plot",
                                       str(tmp_path / "both.png"), "--readme", str(readme)])
     report.main()
     assert (tmp_path / "both.png").is_file() and not (tmp_path / "serve-b8.png").exists()
@@ -1007,15 +1025,15 @@ def test_serve_report_of_several_folders_names_its_plot_and_every_folder(tmp_pat
 @pytest.mark.parametrize("argv, message", [
     (["--width", "261,2048", "--programs-sweep"], "take one --width"),
     (["--width", "261,2048", "--split-sweep"], "take one --width"),
-    (["--width", "26l"], "expected pages per row"),
-    (["--width", "261,"], "expected pages per row"),
-    (["--width", "0"], "expected pages per row"),
+    (["--width", "26l"], "expected positive ints"),
+    (["--width", "261,"], "expected positive ints"),
+    (["--width", "0"], "expected positive ints"),
     (["--gemm-profile"], "add --gemm"),
     (["--gemm-probes"], "add --gemm"),
 ])
 def test_bench_single_refuses_bad_widths_before_it_starts(monkeypatch, capsys, argv, message):
-    bench_single = load("bench_single")
-    monkeypatch.setattr(sys, "argv", ["bench_single.py", *argv])
+    bench_single = load("kernels")
+    monkeypatch.setattr(sys, "argv", ["kernels.py", "single", *argv])
     with pytest.raises(SystemExit) as exit_info:
         bench_single.main()
     assert exit_info.value.code == 2
@@ -1024,7 +1042,7 @@ def test_bench_single_refuses_bad_widths_before_it_starts(monkeypatch, capsys, a
 
 @pytest.mark.cuda
 def test_bench_single_gemm_calls_counts_each_gemm_of_the_replayed_graph():
-    bench_single = load("bench_single")
+    bench_single = load("kernels")
     a = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16)
     weights = [torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     out = torch.empty(2, 1024, device="cuda", dtype=torch.bfloat16)
@@ -1040,15 +1058,15 @@ def test_bench_single_gemm_calls_counts_each_gemm_of_the_replayed_graph():
 
 
 def test_bench_single_times_each_shape_once_per_distinct_width():
-    bench_single = load("bench_single")
-    assert bench_single.page_widths("261,2048") == [261, 2048]
+    bench_single = load("kernels")
+    assert load("common").positive_ints("261,2048") == [261, 2048]
     # 8k rows (128 pages) fit both tables; 128k rows (2,048 pages) outgrow both: one 2,050
     assert bench_single.timed_shapes([8192, 131072], [1], [261, 2048]) == [
         (8192, 1, 261), (8192, 1, 2048), (131072, 1, 2050)]
 
 
 def test_bench_single_gemm_cost_is_what_the_gemm_adds_after_each_arm():
-    bench_single = load("bench_single")
+    bench_single = load("kernels")
     times = {"gemm_only": 56.0, "fa3_dense": 15.0, "fa3_dense+gemm": 71.2,
              "step_full_rows": 16.0, "step_full_rows+gemm": 74.5, "estimate": 2.0}
     # an arm timed without its +gemm twin (a failed run) has no cost
@@ -1059,7 +1077,7 @@ def test_bench_single_gemm_cost_is_what_the_gemm_adds_after_each_arm():
 def test_bench_single_plot_names_the_widths_when_a_run_has_several(tmp_path, monkeypatch):
     import matplotlib.axes
 
-    bench_single = load("bench_single")
+    bench_single = load("kernels")
     rows = [dict(context=8192, batch=1, width=width, read_fraction=0.42,
                  us_per_layer=dict(fa3_dense=15.0, estimate=4.8, select=6.4, attend_merge=11.0,
                                    step_full_rows=21.0 + width / 1000))
@@ -1079,25 +1097,25 @@ def test_bench_single_plot_names_the_widths_when_a_run_has_several(tmp_path, mon
         return original(self, ticks, names, **kwargs)
 
     monkeypatch.setattr(matplotlib.axes.Axes, "set_xticks", record)
-    bench_single.plot(str(path))
+    bench_single.single_plot(str(path))
     assert labels == ["8k, 261 pages\n(reads 0.42)", "8k, 2048 pages\n(reads 0.42)"]
     assert (tmp_path / "single.png").is_file()
     labels.clear()
     path.write_text(json.dumps(dict(gpu="H200", date="2026-12-01", results=single)))
-    bench_single.plot(str(path))
+    bench_single.single_plot(str(path))
     assert labels == ["8k\n(reads 0.42)", "128k\n(reads 0.42)"]
     # a run without vLLM has no FA3 arm: Moira's bars are still drawn
     for row in single:
         del row["us_per_layer"]["fa3_dense"]
     path.write_text(json.dumps(dict(gpu="H200", date="2026-12-01", results=single)))
     labels.clear()
-    bench_single.plot(str(path))
+    bench_single.single_plot(str(path))
     assert labels == ["8k\n(reads 0.42)", "128k\n(reads 0.42)"]
 
 
 def test_tune_kernels_refuses_an_unknown_kind(monkeypatch, capsys):
-    tune = load("tune_kernels")
-    monkeypatch.setattr(sys, "argv", ["tune_kernels.py", "--kinds", "attend,launched"])
+    tune = load("tune")
+    monkeypatch.setattr(sys, "argv", ["tune.py", "--kinds", "attend,launched"])
     with pytest.raises(SystemExit) as exit_info:
         tune.main()
     assert exit_info.value.code == 2
@@ -1113,7 +1131,7 @@ def test_step_profile_call_stats_give_the_spread_of_a_kernels_calls():
 
 
 def test_output_checks_record_agreement_difference_and_errors():
-    bench = load("bench_kernels")
+    bench = load("kernels")
     report = dict(checks=[])
     reference = torch.zeros(2, 4, 8)
     bench.record_check(report, "8k32", "all pages", "near", lambda: torch.full((8, 8), 2 ** -8),
@@ -1130,23 +1148,22 @@ def test_output_checks_record_agreement_difference_and_errors():
 
 
 def test_bytes_and_rates_of_the_kernel_bench():
-    bench = load("bench_kernels")
-    tune = load("tune_kernels")
+    bench = load("kernels")
+    tune = load("tune")
     # K and V of one 64-token page of one KV head, head_dim 128, bf16
     assert bench.PAGE_BYTES == tune.PAGE_KV_BYTES == 2 * 64 * 128 * 2 == 32768
     # Estimate at 8k x 32 (256 rows of 128 pages), bf16 summaries: summaries 16 MiB, the sink's
     # and the current page's keys 8 MiB, G = 4 float32 log-masses per page 0.5 MiB
-    assert bench.estimate_bytes(256, 128, 2) == 16777216 + 8388608 + 524288
-    assert bench.tbps(4.3e6, 1.0) == pytest.approx(4.3)  # 4.3 MB in 1 us
-    assert bench.tbps(25690112, 12.0) == pytest.approx(2.1408, rel=1e-4)
+    assert load("common").estimate_bytes(256, 128, 2) == 16777216 + 8388608 + 524288
+    assert load("common").tbps(4.3e6, 1.0) == pytest.approx(4.3)  # 4.3 MB in 1 us
+    assert load("common").tbps(25690112, 12.0) == pytest.approx(2.1408, rel=1e-4)
 
 
 def test_estimate_rotation_moves_the_exact_pages_and_copies_the_summaries():
-    bench = load("bench_kernels")
     summaries = torch.randn(12, 2, 2, 8)
     table = torch.arange(12, dtype=torch.int32).view(2, 6)
     wide = torch.cat([table, torch.zeros(2, 2, dtype=torch.int32)], dim=1)  # an engine's width
-    rotation = bench.estimate_rotation(summaries, wide, 6, bytes_per_call=40 << 20)
+    rotation = load("common").estimate_rotation(summaries, wide, 6, bytes_per_call=40 << 20)
     assert len(rotation) == 4  # ceil(128 MiB / 40 MiB): more than twice the L2 in all
     assert rotation[0][0] is summaries and torch.equal(rotation[0][1], wide)
     for i, (copy, rolled) in enumerate(rotation[1:], start=1):
@@ -1158,7 +1175,7 @@ def test_estimate_rotation_moves_the_exact_pages_and_copies_the_summaries():
 
 
 def test_serve_deadline_stops_sending_and_keeps_the_prompts_sent(monkeypatch):
-    serve = load("serve_bench")
+    serve = load("vllm_serve")
     clock = [0.0]
     monkeypatch.setattr(serve.time, "perf_counter", lambda: clock[0])
 
@@ -1182,13 +1199,12 @@ def test_serve_deadline_stops_sending_and_keeps_the_prompts_sent(monkeypatch):
 
 
 def test_tpot_is_the_time_after_the_first_token_per_later_token():
-    serve = load("serve_bench")
     # 257 tokens, the first at 1.0 s and the last at 2.28 s: 256 gaps of 5 ms
-    assert serve.tpot_ms(1.0, 2.28, 257) == pytest.approx(5.0)
+    assert load("common").tpot_ms(1.0, 2.28, 257) == pytest.approx(5.0)
 
 
 def test_kernel_report_compares_moiras_configured_arms_with_moira():
-    report = load("kernel_report")
+    report = load("report")
     rows = [dict(shape="8k32", spread="cv0.0", arm="moira", us=60.0),
             dict(shape="8k32", spread="cv0.0", arm="moira_c12", us=66.0),
             dict(shape="8k32", spread="cv1.0", arm="moira", us=70.0),
@@ -1214,7 +1230,7 @@ def test_kernel_report_compares_moiras_configured_arms_with_moira():
 
 
 def test_kernel_report_states_every_output_check():
-    report = load("kernel_report")
+    report = load("report")
     assert report.output_checks({}) == "Output checks: none in this run."
     checks = [dict(shape="8k32", spread="cv0.0", arm="fa3_varlen", max_abs_diff_to_moira=0.002,
                    agrees=True),
@@ -1228,103 +1244,98 @@ def test_kernel_report_states_every_output_check():
     assert "flashinfer 8k32 cv0.0 (0.5)" in line and "flex 131k4 cv1.0 (RuntimeError" in line
 
 
-def test_vllm_compare_reads_runs_of_several_folders(tmp_path, monkeypatch, capsys):
-    compare = load("vllm_compare")
+def test_vllm_compare_reads_runs_of_several_folders(tmp_path, capsys):
+    compare = load("vllm_checks")
 
     def write(folder, name, tokens):
         folder.mkdir(exist_ok=True)
         run = dict(full=[dict(tokens=tokens, logprobs=[-1.0] * len(tokens))])
         (folder / f"{name}.json").write_text(json.dumps(run))
 
-    earlier, later = tmp_path / "s23", tmp_path / "s24"
+    earlier, later = tmp_path / "earlier", tmp_path / "later"
     write(earlier, "fcw1", [1, 2, 3])
     write(later, "plain", [1, 2, 3])
     write(later, "verbose_host2", [1, 5, 3])
-    monkeypatch.setattr(sys, "argv", ["vllm_compare.py", str(later), str(earlier)])
-    compare.main()
+    compare.main(["compare", str(later), str(earlier)])
     table = capsys.readouterr().out
-    assert "| session 23's fcw1 vs the same command a session later (another host) | 1/1 | - |" \
-        in table
+    assert "| fcw1 vs the same command on another host and commit | 1/1 | - |" in table
     assert "| without vs with --jit-verbose, one host | 0/1 | 1 |" in table
     write(later, "fcw1", [1, 2, 3])  # the same name in both folders: refused, not overwritten
-    monkeypatch.setattr(sys, "argv", ["vllm_compare.py", str(later), str(earlier)])
     with pytest.raises(SystemExit, match="'fcw1' is in two of the folders"):
-        compare.main()
+        compare.main(["compare", str(later), str(earlier)])
 
 
-def test_tpot_pairs_table_gives_an_engine_with_kernel_settings_its_own_column(tmp_path):
+def test_tpot_pairs_table_gives_an_engine_with_kernel_options_its_own_column(tmp_path):
     import json
 
-    report = load("tpot_report")
+    report = load("report")
     write_two_pairs(tmp_path, gamma=0.98, shape="130k4", reads=0.15)
-    for pair, tpot in ((1, 8.0), (2, 6.0)):  # tpot_pairs.sh arm kern
-        run = dict(backend="moira", model="llama-3.1-8b", gamma=0.98,
-                   kernel_settings={"estimate.MAX_REGISTERS": 96},
+    # the kern arm: kernel options in its JSON (older files: kernel_settings)
+    for pair, tpot, given in ((1, 8.0, dict(kernels={"attend": "cuda"})),
+                              (2, 6.0, dict(kernel_settings={"estimate.MAX_REGISTERS": 96}))):
+        run = dict(backend="moira", model="llama-3.1-8b", gamma=0.98, **given,
                    results=[dict(shape="130k4", tpot_ms=tpot, imposed_read_fraction=0.15)])
         (tmp_path / f"pair{pair}" / "e.json").write_text(json.dumps(run))
-    lines = report.pairs_table([report.load([str(tmp_path / f"pair{i}")])
+    lines = report.pairs_table([report.tpot_load([str(tmp_path / f"pair{i}")])
                                 for i in (1, 2)]).splitlines()
-    assert "Moira, kernel tuning constants set" in lines[0]
+    assert "Moira, kernel options set" in lines[0]
     assert lines[2].endswith("| **2.50×** | 2.64× | 2.50× / 3.50× | **3.00×** |")
 
 
-def test_vllm_tpot_kernel_settings_are_checked(monkeypatch):
-    import argparse
+def test_vllm_engines_take_kernel_options_as_the_plugins_kernels_setting(capsys):
+    from moira import KernelOptions
+    from moira.integrations.vllm.settings import MoiraSettings
 
-    from moira.kernels import attend as attend_module
-
-    tpot = load("vllm_tpot")
-    # applied to the kernel modules (restored after the test by monkeypatch)
-    monkeypatch.setattr(attend_module, "PAGE_IDS_AHEAD", attend_module.PAGE_IDS_AHEAD)
-    monkeypatch.setattr(attend_module, "NUM_STAGES", attend_module.NUM_STAGES)
-    tpot.apply_kernel_settings({"attend.PAGE_IDS_AHEAD": True, "attend.NUM_STAGES": 3})
-    assert attend_module.PAGE_IDS_AHEAD is True and attend_module.NUM_STAGES == 3
+    common = load("common")
+    # what an engine is given: only what differs from the defaults, as the plugin reads it
+    options = KernelOptions.parse("attend=triton,attend.num_warps=8,select=cuda,fused=off")
+    mapping = common.options_mapping(options)
+    assert mapping == {"select": "cuda", "attend": "triton", "fused": "off",
+                       "tuning": {"attend.num_warps": 8}}
+    settings = MoiraSettings.from_sources({"moira": {"kernels": mapping}}, {})
+    assert settings.kernels == options
+    assert common.options_mapping(KernelOptions()) == {}
+    # repeated --kernels join; their text form is checked before any engine starts
     parser = argparse.ArgumentParser()
-    assert tpot.parse_kernel_settings(parser, ["estimate.QUERY_HEAD_AHEAD=0",
-                                               "estimate.IMPLEMENTATION=triton",
-                                               "attend.MAX_REGISTERS=96",
-                                               "attend.IMPLEMENTATION=triton"]) \
-        == {"estimate.QUERY_HEAD_AHEAD": False, "estimate.IMPLEMENTATION": "triton",
-            "attend.MAX_REGISTERS": 96, "attend.IMPLEMENTATION": "triton"}
-    # the Triton Attend's or Estimate's knobs without the kernel named: the default may run
-    # the CUDA one
-    with pytest.raises(SystemExit):
-        tpot.parse_kernel_settings(parser, ["attend.MAX_REGISTERS=96"])
-    with pytest.raises(SystemExit):
-        tpot.parse_kernel_settings(parser, ["estimate.QUERY_HEAD_AHEAD=0",
-                                            "attend.IMPLEMENTATION=triton"])
-    assert tpot.parse_kernel_settings(parser, ["attend.PAGE_IDS_AHEAD=1"]) \
-        == {"attend.PAGE_IDS_AHEAD": True}
-    assert tpot.parse_kernel_settings(parser, ["attend.IMPLEMENTATION=cuda",
-                                               "attend.CUDA_STAGES=4"]) \
-        == {"attend.IMPLEMENTATION": "cuda", "attend.CUDA_STAGES": 4}
-    assert tpot.parse_kernel_settings(parser, ["estimate.IMPLEMENTATION=cuda",
-                                               "estimate_cuda.TARGET_PROGRAMS=1320"]) \
-        == {"estimate.IMPLEMENTATION": "cuda", "estimate_cuda.TARGET_PROGRAMS": 1320}
-    # the Select's default is the Triton kernel: its knobs need no name (session 39's pair)
-    assert tpot.parse_kernel_settings(parser, ["select.EIGHT_WARPS_FROM=4096"]) \
-        == {"select.EIGHT_WARPS_FROM": 4096}
-    for bad in ("estimate.TILE_STAGES=2", "estimate.IMPLEMENTATION=fast",
-                "estimate.NEXT_TILE_AHEAD=1",
-                "select.SHARES_IN_CHUNKS_FROM=1024", "estimate.MAX_REGISTERS=many",
-                "MAX_REGISTERS=96",
-                "merge.NUM_WARPS=4", "attend.NUM_WARPS", "attend.IMPLEMENTATION=cutlass",
-                "attend.IMPLEMENTATION=1"):
+    common.add_kernel_options(parser)
+    args = parser.parse_args(["--kernels", "attend=triton", "--kernels", "attend.num_stages=3"])
+    assert common.kernel_options(parser, args) == KernelOptions(
+        attend="triton", tuning={"attend.num_stages": 3})
+    tpot = load("vllm_tpot")
+    for bad, message in (("attend.num_warps=8", "read only by the triton kernel"),
+                         ("estimate.next_tile_ahead=1", "unknown tuning"),
+                         ("select.shares_in_chunks_from=1024", "unknown tuning"),
+                         ("attend=cutlass", "must be one of"),
+                         ("estimate=triton,estimate.max_registers=many", "int in [24, 255]"),
+                         ("merge.num_warps=4", "unknown tuning")):
         with pytest.raises(SystemExit):
-            tpot.parse_kernel_settings(parser, [bad])
+            tpot.main(["--backend", "moira", "--kernels", bad])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tpot.main(["--backend", "dense", "--kernels", "attend=cuda"])
+    assert "dense engine runs FA3" in capsys.readouterr().err
+    # --pairs: every arm known, and the kern arm has options to run
+    with pytest.raises(SystemExit):
+        tpot.main(["--pairs", "1", "--arms", "dense,moira,fboth"])
+    assert "unknown ['fboth']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tpot.main(["--pairs", "1", "--arms", "dense,kern"])
+    assert "the kern arm runs the options of --kernels" in capsys.readouterr().err
+    assert set(tpot.PAIR_ARMS) >= {"dense", "moira", "g099", "pdl", "split", "eq4", "t128",
+                                   "jmin", "n1024", "jnocap", "nj16", "nofcw", "hnd", "kern"}
 
 
 def test_tune_report_compares_each_variant_with_the_mean_of_the_default_runs():
-    report = load("tune_report")
+    report = load("report")
     rows = [dict(kind="estimate", shape="8k x32", variant="default", us=10.0),
             dict(kind="estimate", shape="8k x32", variant="candidate", us=9.0),
             dict(kind="select", shape="8k x32", variant="candidate", us=99.0),
             dict(kind="estimate", shape="8k x32", variant="default again", us=12.0)]
-    by_variant = report.table(rows, "estimate")
+    by_variant = report.tune_table(rows, "estimate")
     assert list(by_variant) == ["default", "candidate", "default again"]
     bases = report.baselines(by_variant)
     assert bases == {"": {"8k x32": 11.0}}
-    assert "| candidate | 9.0 (-18%) |" in report.markdown(by_variant, bases)
+    assert "| candidate | 9.0 (-18%) |" in report.tune_markdown(by_variant, bases)
     with pytest.raises(SystemExit):
         report.baselines({"candidate": {"8k x32": 9.0}})
     # variants named by mode first (Select's): each mode against its own default
@@ -1333,7 +1344,7 @@ def test_tune_report_compares_each_variant_with_the_mean_of_the_default_runs():
               "coverage default again": {"8k x32": 6.0}}
     bases = report.baselines(select)
     assert bases == {"coverage": {"8k x32": 5.0}, "top22%": {"8k x32": 8.0}}
-    text = report.markdown(select, bases)
+    text = report.tune_markdown(select, bases)
     assert "| coverage warps=1 | 5.0 (+0%) |" in text
     assert "| top22% warps=1 | 6.0 (-25%) |" in text
     # a sweep that names its own baseline (the Triton kernel against the CUDA one)
@@ -1341,14 +1352,14 @@ def test_tune_report_compares_each_variant_with_the_mean_of_the_default_runs():
             "step, triton again": {"8k x32": 12.0}}
     bases = report.baselines(step, ["triton"])
     assert bases == {"step,": {"8k x32": 11.0}}
-    assert "| step, cuda select | 12.0 (+9%) |" in report.markdown(step, bases)
+    assert "| step, cuda select | 12.0 (+9%) |" in report.tune_markdown(step, bases)
     # a case after the baseline's word (a wider table): that case's variants against it
     cases = {"cuda base": {"8k x32": 10.0}, "cuda idle exit": {"8k x32": 9.0},
              "cuda base, table 2048 pages": {"8k x32": 20.0},
              "cuda idle exit, table 2048 pages": {"8k x32": 15.0}}
     bases = report.baselines(cases, ["base"])
     assert bases == {"cuda": {"8k x32": 10.0}, "cuda …, table 2048 pages": {"8k x32": 20.0}}
-    text = report.markdown(cases, bases)
+    text = report.tune_markdown(cases, bases)
     assert "| cuda idle exit | 9.0 (-10%) |" in text
     assert "| cuda idle exit, table 2048 pages | 15.0 (-25%) |" in text
 
@@ -1362,7 +1373,8 @@ def test_step_profile_classes_name_the_cuda_kernels_and_edges_sum_the_waits_befo
     layer = [("GEMM", 0.0, 10.0), ("Estimate", 12.0, 20.0), ("Select", 21.0, 30.0),
              ("Attend", 33.0, 80.0), ("Merge", 80.5, 84.0), ("GEMM", 90.0, 95.0)]
     gaps, chains = vllm_step_profile.edges(layer + [(k, a + 100, b + 100) for k, a, b in layer])
-    assert gaps["Estimate"] == [2.0, 2.0] and gaps["GEMM"] == [6.0, 5.0, 6.0] and gaps["Select"] == [1.0, 1.0]
+    assert gaps["Estimate"] == [2.0, 2.0] and gaps["GEMM"] == [6.0, 5.0, 6.0]
+    assert gaps["Select"] == [1.0, 1.0]
     assert gaps["Attend"] == [3.0, 3.0] and gaps["Merge"] == [0.5, 0.5]
     assert chains == [72.0, 72.0]
     # a kernel overlapping the one before waits for nothing
@@ -1371,7 +1383,7 @@ def test_step_profile_classes_name_the_cuda_kernels_and_edges_sum_the_waits_befo
 
 
 def test_summary_precision_forms_and_their_comparison():
-    study = load("summary_precision_study")
+    study = load("accuracy")
     generator = torch.Generator().manual_seed(3)
     summaries = torch.randn(6, 2, 2, 64, generator=generator) * 5
     summaries[:, :, 1] = summaries[:, :, 1].abs()  # variances are not negative
@@ -1408,7 +1420,7 @@ def test_attend_timeline_rate_conserves_the_bytes_and_finds_ramp_and_tail():
     (page 0 at its landing, the rest spread to the end), the span runs from the first start
     to the last end, a launch whose rate is flat in its middle has a ramp before it and a tail
     after it, and empty programs count as programs but not as working ones."""
-    timeline = load("attend_timeline")
+    timeline = load("kernels")
     page = timeline.PAGE_BYTES
     records = []
     for i in range(40):  # 40 programs of 30 pages, first page at 4 us, ends 60 .. 80 us
@@ -1427,7 +1439,7 @@ def test_attend_timeline_rate_conserves_the_bytes_and_finds_ramp_and_tail():
 
 
 def test_attend_timeline_variants_name_chunk_stages_ceiling_and_table_width():
-    timeline = load("attend_timeline")
+    timeline = load("kernels")
     assert timeline.variant_settings("grid24") == (24, 2, None, None)
     assert timeline.variant_settings("grid32s3j4w2048") == (32, 3, 4, 2048)
     for bad in ("persistent24", "grid24r", "grid0", "grid24s5"):

@@ -3,7 +3,7 @@
 # script's three: a transfer carries the tracked tree (~20 MB of results) plus one part and
 # holds 64 MiB, so parts of ~55 MB no longer fit. Run from the repository root:
 #
-#   bash benchmarks/device_bundle.sh
+#   bash tools/device_bundle.sh
 #
 # then, back to back on one warm host: carry .device/a `mkdir -p /tmp/stage && cp .device/a/*
 # /tmp/stage/`; carry .device/b, then .device/d: `cp .device/X/* /tmp/stage/`; carry .device/c:
