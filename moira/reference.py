@@ -281,10 +281,11 @@ def oracle_coverage(query, key_cache, block_table, seq_lens, gamma, scale=None):
 
 
 def imposed_fractions(seq_lens, log_tokens, tables):
-    """Read fractions imposed for timing runs (issue 5): for each request, the per-(layer, KV
-    head) table ``tables[k]`` (``[knots, layers, heads]``) interpolated linearly in log context
-    length between the knots ``log_tokens`` (increasing), clamped at the first and last knot.
-    Returns float32 ``[layers, batch, heads]``."""
+    """Read fractions imposed for timing runs (random weights say nothing about which pages a
+    trained model needs, so speed is measured at stated read fractions): for each request, the
+    per-(layer, KV head) table ``tables[k]`` (``[knots, layers, heads]``) interpolated linearly
+    in log context length between the knots ``log_tokens`` (increasing), clamped at the first
+    and last knot. Returns float32 ``[layers, batch, heads]``."""
     x = torch.log(seq_lens.float().clamp(min=1))
     knots = tables.shape[0]
     upper = torch.searchsorted(log_tokens, x).clamp(min=1).clamp(max=knots - 1)

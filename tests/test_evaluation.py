@@ -97,6 +97,9 @@ def test_evaluate_end_to_end(lm):
     assert table["1.0"]["retrieval_minus_dense"]["mean"] == 0.0
     assert abs(table["1.0"]["repeat_ppl"] - table["dense"]["repeat_ppl"]) < 1e-3
     assert len(result["rows"]["retrieval"]) == 2 * 2 * 3  # samples x kinds x (dense + gammas)
+    printed = experiments.format_table(table).splitlines()  # what `moira eval` prints
+    assert printed[0].split()[:3] == ["gamma", "token", "KL"] and "repeat ppl" in printed[0]
+    assert [line.split()[0] for line in printed[2:]] == ["dense", "0.5", "1.0"]
 
 
 def test_passkey_prompts():
@@ -150,6 +153,12 @@ def test_budget_analysis_and_ablation(lm):
     assert len(ablation) == 7 and all(0 < arm["read_fraction"] <= 1 for arm in ablation.values())
     error = result["table"]["estimator_error"]
     assert 0 < error["mean_exact_mass"] <= 1 + 1e-6 and len(error["worst_layer_heads"]) == 4
+    printed = experiments.format_table(result["table"]).splitlines()
+    header = next(i for i, line in enumerate(printed) if line.startswith("ablation arm"))
+    arms = printed[header + 2:][:7]
+    assert [line[:len(name)] for line, name in zip(arms, ablation)] == list(ablation)
+    assert any(line.startswith("exact mass inside the gamma=0.98 lists") for line in printed)
+    assert any(line.startswith("oracle coverage sets (") for line in printed)
 
 
 def test_library_selectors_feed_attend():

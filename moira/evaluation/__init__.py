@@ -1,4 +1,4 @@
-"""Accuracy of sparse decoding against dense on real models (issue: accuracy on real models).
+"""Accuracy of sparse decoding against dense on real models.
 
 ``hf``: Moira's float32 reference as a transformers attention function; ``tasks``: prompts
 built from long text; ``experiments``: token KL, pass-key retrieval, repeated-passage

@@ -1,16 +1,17 @@
 """Per-(layer, KV head) coverage targets from a calibration run (``moira calibrate``).
 
-The mvar estimate can state a head's coverage too high: on SmolLM2 at 4k the coverage rule's
-lists at gamma = 0.98 hold 0.953 of the exact attention mass on average, some heads ~0.80. A
-head's *tail ratio* is the mass its lists leave out, measured with exact attention along
-greedy decoding with Moira at gamma (as in serving), over the mass the rule meant to leave out:
+The mvar estimate can state a head's coverage too high: on a real model the coverage rule's
+lists at gamma = 0.98 can hold less than 0.98 of the exact attention mass, some heads much less
+(docs/design/estimate.md). A head's *tail ratio* is the mass its lists leave out, measured
+with exact attention along greedy decoding with Moira at gamma (as in serving), over the mass
+the rule meant to leave out:
 
     r = (1 - mean exact mass covered) / (1 - gamma)
 
 Asking that head for ``gamma' = 1 - (1 - gamma) / r`` leaves out about ``1 - gamma`` of the
-exact mass, if r holds across documents (``benchmarks/calibration_study.py`` measures whether
-it does). ``targets`` turns the ratios into targets for any gamma; ``moira.sparse_decode``
-takes them as its ``gamma`` (a tensor per KV head), the vLLM plugin as ``calibration``.
+exact mass, if r holds across documents (how well it does: docs/design/estimate.md). ``targets``
+turns the ratios into targets for any gamma; ``moira.sparse_decode`` takes them as its
+``gamma`` (a tensor per KV head), the vLLM plugin as ``calibration``.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def load(path: str, num_layers: int | None = None, num_kv_heads: int | None = No
             ratios = json.load(f)["tail_ratios"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"moira calibration {path!r}: not a `moira calibrate` result "
-                         f"({error})") from None
+                         f"({error}): calibrate the model (`moira calibrate`)") from None
     if (not isinstance(ratios, list) or not ratios
             or any(not isinstance(row, list) or len(row) != len(ratios[0]) for row in ratios)
             or any(isinstance(r, bool) or not isinstance(r, (int, float))

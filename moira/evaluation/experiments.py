@@ -140,6 +140,7 @@ def token_kl(lm, documents, gammas, new_tokens, progress=print, rows=None):
 
 
 RETRIEVAL_DEPTHS = [0.1, 0.3, 0.5, 0.7, 0.9]  # needle depths, swept over the haystacks
+PASSAGE_TOKENS = 96  # the repeated passage's length
 
 
 def text_parts(text_ids, seed=0):
@@ -155,7 +156,7 @@ def passkey_samples(haystack, index, encode, context):
             for kind in ("single", "multi")]
 
 
-def repeat_pairs(text_ids, context, documents, passage_tokens=96, seed=0):
+def repeat_pairs(text_ids, context, documents, passage_tokens=PASSAGE_TOKENS, seed=0):
     """``documents`` (passage, filler) pairs for the repeated-passage task: the passage from
     one window of ``text_ids``, the filler from the next."""
     chunks = windows(text_ids, context, documents + 1, seed=seed)
@@ -398,9 +399,85 @@ def summarize_rows(results):
     return table
 
 
+def _grid(headers, rows):
+    """Plain-text columns: the first left-aligned, the others right-aligned."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
+    lines = []
+    for row in [headers, None, *rows]:
+        if row is None:
+            lines.append("  ".join("-" * width for width in widths))
+            continue
+        cells = [str(row[0]).ljust(widths[0])]
+        cells += [str(cell).rjust(width) for cell, width in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _percent(value):
+    return f"{value:.1%}"
+
+
+def _kl(value):
+    return f"{value:.4f}".replace("-0.0000", "0.0000")  # float noise below 0 at gamma = 1
+
+
+def _interval(value):
+    return f"{value['mean']:+.3f} [{value['low']:+.3f}, {value['high']:+.3f}]"
+
+
+TABLE_COLUMNS = [  # (heading, key of summarize_rows' entry, format)
+    ("token KL", "kl", _kl),
+    ("KL read", "kl_read_fraction", _percent),
+    ("retrieval", "retrieval", "{:.3f}".format),
+    ("retr. - dense [95% CI]", "retrieval_minus_dense", _interval),
+    ("retr. read", "retrieval_read_fraction", _percent),
+    ("repeat ppl", "repeat_ppl", "{:.3f}".format),
+    ("repeat read", "repeat_read_fraction", _percent),
+]
+
+
+def format_table(table):
+    """``summarize_rows``' table as text: one row per arm (dense, each gamma, its calibrated
+    arm) with the tasks' scores and the fraction of pages each read; then the ablation arms,
+    the estimator's error and the budget statistics, where measured."""
+    arms = [key for key in table if key not in ("ablation", "estimator_error", "budget")]
+    # dense first, then by gamma, each gamma before its calibrated arm
+    arms.sort(key=lambda key: (0.0, key) if key == "dense" else (float(key.split()[0]), key))
+    sections = []  # each a list of lines
+    if arms:
+        columns = [c for c in TABLE_COLUMNS if any(c[1] in table[arm] for arm in arms)]
+        rows = [[arm] + [fmt(table[arm][key]) if key in table[arm] else "-"
+                         for _, key, fmt in columns] for arm in arms]
+        sections.append(_grid(["gamma"] + [heading for heading, _, _ in columns], rows))
+    if "ablation" in table:
+        rows = [[name, _kl(arm["kl"]), _percent(arm["read_fraction"]),
+                 arm["docs_where_coverage_kl_is_lower"]] for name, arm in table["ablation"].items()]
+        sections.append(_grid(["ablation arm (equal reads)", "token KL", "read",
+                               "docs with lower KL by coverage"], rows))
+    if "estimator_error" in table:
+        error = table["estimator_error"]
+        worst = ", ".join(f"layer {w['layer']} head {w['head']} {w['mean_exact_mass']:.3f}"
+                          for w in error["worst_layer_heads"])
+        sections.append([(f"exact mass inside the gamma={error['gamma']} lists: mean "
+                          f"{error['mean_exact_mass']:.4f}, rows below gamma - 0.02: "
+                          f"{error['rows_below_gamma_minus_002']:.1%}; lowest heads: {worst}")])
+    if "budget" in table:
+        budget = table["budget"]
+        sections.append([
+            (f"oracle coverage sets ({budget['rows']} rows): mean "
+             f"{budget['mean_coverage_fraction']:.1%} of the pages; CV across layers "
+             f"{budget['cv_across_layers']:.2f}, across the heads of a layer "
+             f"{budget['cv_across_heads_of_a_layer']:.2f}, across steps "
+             f"{budget['cv_across_steps']:.2f}"),
+            (f"reads vs the coverage sets: one fixed budget ({budget['fixed_budget_pages']:.0f} "
+             f"pages) {budget['fixed_budget_reads_vs_coverage']:.2f}x, a profiled budget per "
+             f"(layer, head) {budget['profiled_budget_reads_vs_coverage']:.2f}x")])
+    return "\n\n".join("\n".join(lines) for lines in sections)
+
+
 def evaluate(model, tokenizer_encode, tokenizer_decode, text, *, context, documents, gammas,
-             tasks=("kl", "retrieval", "repeat"), new_tokens=32, passage_tokens=96, seed=0,
-             calibration=5, progress=print, checkpoint=None, tail_ratios=None,
+             tasks=("kl", "retrieval", "repeat"), new_tokens=32, passage_tokens=PASSAGE_TOKENS,
+             seed=0, calibration=5, progress=print, checkpoint=None, tail_ratios=None,
              calibrate_documents=0):
     """Run the chosen measurements; returns ``{"rows": {...}, "table": {...}, "seconds": s}``.
 

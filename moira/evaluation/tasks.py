@@ -14,9 +14,25 @@ NAMES = ["Alice", "Bruno", "Chen", "Dara", "Emeka", "Farah", "Goran", "Hana"]
 
 
 def read_text(path):
-    """The long text to sample from: a plain text file, or ``{"text": ...}`` in a .json."""
-    with open(path) as f:
-        return json.load(f)["text"] if path.endswith(".json") else f.read()
+    """The long text to sample from: a plain UTF-8 text file, or ``{"text": ...}`` in a .json.
+    Raises ValueError (with the fix) for a file that holds neither, or no text."""
+    usage = 'give a UTF-8 .txt file, or a .json holding {"text": "..."}'
+    try:
+        with open(path, encoding="utf-8") as f:
+            if not path.endswith(".json"):
+                text = f.read()
+            else:
+                data = json.load(f)
+                text = data.get("text") if isinstance(data, dict) else None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path!r} is not UTF-8 text: {usage}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path!r} is not valid JSON ({error}): {usage}") from None
+    if not isinstance(text, str):
+        raise ValueError(f'{path!r} holds no "text" string: {usage}')
+    if not text.strip():
+        raise ValueError(f"{path!r} holds no text: {usage}")
+    return text
 
 
 def windows(text_ids, length, count, *, seed=0):
