@@ -229,7 +229,8 @@ def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page
                              programmatic_launch=config.programmatic_launch, **split)
     triton_merge.merge(page_counts, partial_out, partial_lse, out, num_kv_heads=num_kv_heads,
                        programmatic_launch=config.programmatic_launch,
-                       even_chunks=options.value("attend.even_chunks"), **split, **stats)
+                       even_chunks=options.value("attend.even_chunks"),
+                       chained=options.value("launch.chained"), **split, **stats)
     return out
 
 

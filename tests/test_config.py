@@ -1,6 +1,8 @@
 import pytest
+import torch
 
-from moira import MoiraConfig
+from moira import KernelOptions, MoiraConfig
+from moira.kernels.tuning import TUNABLES
 
 
 def test_defaults():
@@ -102,12 +104,73 @@ def test_programmatic_launch_is_off_in_the_interpreter_and_only_for_the_rows_sch
     assert launch.options(True, "attend") == expected
     assert launch.options(False, "attend") == dict(PDL=False)
 
+
 def test_a_kernel_left_out_of_the_programmatic_chain_launches_plainly(monkeypatch):
     from moira.kernels import launch
 
     monkeypatch.setattr(launch, "interpreting", lambda: False)  # as on a GPU
     assert launch.options(True, "attend") == dict(PDL=True, launch_pdl=True)
-    monkeypatch.setattr(launch, "CHAINED", frozenset({"estimate", "select", "merge"}))
-    assert launch.options(True, "attend") == dict(PDL=False)
-    assert launch.options(True, "merge") == dict(PDL=True, launch_pdl=True)
-    assert launch.options(False, "merge") == dict(PDL=False)
+    chained = KernelOptions(tuning={"launch.chained": "estimate,select,merge"}).value(
+        "launch.chained")
+    assert launch.options(True, "attend", chained) == dict(PDL=False)
+    assert launch.options(True, "merge", chained) == dict(PDL=True, launch_pdl=True)
+    assert launch.options(False, "merge", chained) == dict(PDL=False)
+
+
+def test_kernel_options_defaults_and_values():
+    options = KernelOptions()
+    assert (options.estimate, options.select, options.attend, options.fused) \
+        == ("auto", "triton", "auto", "auto")
+    assert options.value("attend.cuda_stages") == TUNABLES["attend.cuda_stages"].default
+    tuned = KernelOptions(attend="triton", tuning={"attend.num_warps": 8})
+    assert tuned.value("attend.num_warps") == 8 and tuned.tuning == (("attend.num_warps", 8),)
+    assert hash(MoiraConfig(kernels=tuned)) == hash(MoiraConfig(kernels=KernelOptions(
+        attend="triton", tuning={"attend.num_warps": 8})))
+    assert MoiraConfig(kernels={"attend": "triton"}).kernels == KernelOptions(attend="triton")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(attend="gpu"), "KernelOptions.attend must be one of"),
+    (dict(fused="yes"), "KernelOptions.fused must be one of"),
+    (dict(tuning={"attend.warps": 4}), "unknown tuning 'attend.warps'"),
+    (dict(tuning={"attend.cuda_stages": 5}, attend="cuda"), "'attend.cuda_stages' must be one of"),
+    (dict(tuning={"fused.min_rows": -1}), "'fused.min_rows' must be an int in"),
+    (dict(tuning={"estimate.query_head_ahead": 1}, estimate="triton"), "must be one of"),
+    (dict(tuning=[1, 2]), "tuning must be a mapping"),
+    # a kernel's constant needs that kernel named: under "auto" it might not run
+    (dict(tuning={"attend.num_warps": 8}), "read only by the triton kernel.*attend='auto'"),
+    (dict(attend="cuda", tuning={"attend.page_ids_ahead": True}), "attend='cuda'"),
+    (dict(select="triton", tuning={"estimate.cuda_target_programs": 330}),
+     "estimate='auto'"),
+])
+def test_kernel_options_refuse_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KernelOptions(**kwargs)
+
+
+def test_kernel_options_parse_the_string_form():
+    options = KernelOptions.parse("attend=triton, fused=off,attend.num_warps=8,"
+                                  "attend.max_registers=none,attend.page_ids_ahead=true")
+    assert options == KernelOptions(attend="triton", fused="off", tuning={
+        "attend.num_warps": 8, "attend.max_registers": None, "attend.page_ids_ahead": True})
+    assert KernelOptions.parse("") == KernelOptions()
+    for text, match in [("attend", "use NAME=VALUE"), ("gpu=1", "kernel option 'gpu'"),
+                        ("attend=triton,attend.num_warps=many", "attend.num_warps")]:
+        with pytest.raises(ValueError, match=match):
+            KernelOptions.parse(text)
+    with pytest.raises(ValueError, match="unknown keys"):
+        KernelOptions.from_mapping({"attend": "triton", "warps": 4})
+
+
+def test_workspace_resolves_backends_once():
+    import moira
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the CUDA kernels may run; tests/test_*_cuda.py cover that")
+    workspace = moira.DecodeWorkspace(2, 8, 8, 2, 64, device="cpu")
+    assert workspace.backends == {"estimate": "triton", "select": "triton",
+                                  "attend": "triton", "fused": "off"}
+    for stage in ("estimate", "select", "attend"):  # an explicit "cuda" cannot run here
+        with pytest.raises(ValueError, match=rf"KernelOptions\({stage}='cuda'\) cannot run"):
+            moira.DecodeWorkspace(2, 8, 8, 2, 64, device="cpu", config=MoiraConfig(
+                kernels=KernelOptions(**{stage: "cuda"})))

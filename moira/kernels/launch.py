@@ -54,19 +54,21 @@ def on(kernel, grid):
     return functools.partial(kernel.warmup, grid=grid) if building_only() else kernel[grid]
 
 
-# the kernels chained when programmatic launch is on; the others launch plainly (their
-# programs neither trigger nor wait, and the stream orders them). All four: in vLLM a chained
+# the kernels chained when programmatic launch is on (tuning "launch.chained"); the others
+# launch plainly (their programs neither trigger nor wait, and the stream orders them). All
+# four by default: in vLLM a chained
 # kernel can only overlap the decode-step kernel before it (the GEMMs between layers launch
 # plainly), and chaining Estimate and Select alone, which is what leaving Attend out leaves in
 # vLLM, saved nothing (measured on the H200 at batch 1, rows read in full: 16.8 / 22.3 / 30.5
 # us per layer at 2k / 8k / 16k against 16.7 / 22.2 / 30.6 plain; docs/design/work-split.md)
-CHAINED = frozenset({"estimate", "select", "attend", "merge"})
+CHAINED = "estimate,select,attend,merge"
 
 
-def options(programmatic: bool, kernel: str) -> dict:
+def options(programmatic: bool, kernel: str, chained: str = CHAINED) -> dict:
     """Keywords for the launch of decode-step ``kernel``: the ``PDL`` constexpr its programs
-    branch on, and Triton's ``launch_pdl`` (the interpreter runs neither)."""
-    chained = bool(programmatic) and kernel in CHAINED and not interpreting()
+    branch on, and Triton's ``launch_pdl`` (the interpreter runs neither); ``chained``: the
+    comma-separated kernels that take part (``"launch.chained"``)."""
+    chained = bool(programmatic) and kernel in chained.split(",") and not interpreting()
     return dict(PDL=True, launch_pdl=True) if chained else dict(PDL=False)
 
 

@@ -99,8 +99,15 @@ TUNABLES = {
     "select.eight_warps_from": Tunable(2048, "table width (lanes) from which the Triton Select "
                                        "runs in 8 warps", low=1, high=1 << 20,
                                        backend="triton"),
+    "select.num_warps": Tunable(0, "warps per Triton Select program (0: by the table's width)",
+                                (0, 1, 2, 4, 8, 16), backend="triton"),
     "select.cuda_from_pages": Tunable(2048, "select='auto': the narrowest block table the CUDA "
                                       "Select runs in", low=0, high=1 << 20),
+    # programmatic dependent launch (docs/design/work-split.md)
+    "launch.chained": Tunable("estimate,select,attend,merge", "the Triton kernels chained "
+                              "when MoiraConfig.programmatic_launch is on",
+                              ("estimate,select,attend,merge", "estimate,select,merge",
+                               "estimate,select")),
     # Estimate + Select in one launch (docs/design/select.md)
     "fused.min_rows": Tunable(256, "fused='auto': the fewest rows a step launches it for",
                               low=0, high=1 << 30),

@@ -256,6 +256,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
         FA3_ORDER=tuned("attend.fa3_tile_order"), EVEN_CHUNKS=tuned("attend.even_chunks"),
         PAGES_AHEAD=tuned("attend.page_ids_ahead"), num_warps=tuned("attend.num_warps"),
         num_stages=tuned("attend.num_stages"), maxnreg=tuned("attend.max_registers"),
-        **launch.options(programmatic_launch, "attend"),
+        **launch.options(programmatic_launch, "attend",
+                         options.value("launch.chained")),
     )
     return out

@@ -268,6 +268,7 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         EXACT=options.value("estimate.exact_pages"), WRITE_KV=new_kv is not None,
         QUERY_AHEAD=options.value("estimate.query_head_ahead"),
         num_warps=options.value("estimate.num_warps"), maxnreg=max_registers(group, options),
-        **launch.options(programmatic_launch, "estimate"),
+        **launch.options(programmatic_launch, "estimate",
+                         options.value("launch.chained")),
     )
     return log_masses

@@ -50,11 +50,12 @@ def _merge_kernel(page_counts, partial_out, partial_lse, out, seq_lens, page_sta
 
 def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_floor,
           chunks_per_row, step_rows=0, step_programs=0, seq_lens=None, max_pages=0,
-          page_stats=None, programmatic_launch=False, even_chunks=False):
+          page_stats=None, programmatic_launch=False, even_chunks=False,
+          chained=launch.CHAINED):
     """Write ``out`` ``[batch, num_heads, head_dim]`` for every row Attend split; with
     ``page_stats`` (int64 ``[2]``), also add (listed pages, pages of the rows: min(ceil(seq_len
     / page), max_pages)) summed over all rows. ``even_chunks``: Attend's
-    ``attend.even_chunks``, so both plan the same chunks."""
+    ``attend.even_chunks``, so both plan the same chunks; ``chained``: ``"launch.chained"``."""
     assert step_rows > 0 or not step_programs, "step_programs needs the planned step_rows"
     batch, num_heads, head_dim = out.shape
     group = num_heads // num_kv_heads
@@ -68,6 +69,6 @@ def merge(page_counts, partial_out, partial_lse, out, *, num_kv_heads, chunk_flo
         GROUP=group, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(chunks_per_row),
         SPLITS_PER_LOAD=min(32, triton.next_power_of_2(chunks_per_row)), HAS_STATS=has_stats,
         PAGE=PAGE_SIZE, EVEN_CHUNKS=even_chunks, num_warps=4,
-        **launch.options(programmatic_launch, "merge"),
+        **launch.options(programmatic_launch, "merge", chained),
     )
     return out

@@ -222,7 +222,8 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
     # the smaller tiers keep at least one lane per thread: fewer would replicate the row across
     # threads and save nothing (and a scan over replicated lanes is a layout Triton's compiler
     # has miscompiled before)
-    warps = num_warps(block, options.value("select.eight_warps_from"))
+    warps = options.value("select.num_warps") or num_warps(
+        block, options.value("select.eight_warps_from"))
     lanes = min(block, 32 * warps)
     row_values, fractions, row_gammas = row_values_of(keep_fractions, gammas, page_counts)
     launch.on(_select_kernel, (rows,))(
@@ -236,6 +237,7 @@ def select(log_masses, seq_lens, page_lists, page_counts, *, num_kv_heads, max_p
         FIXED_COUNT=top_k is not None or fractions, FRACTIONS=fractions,
         ROW_GAMMAS=row_gammas, PAGE=PAGE_SIZE,
         GROUP_PAD=triton.next_power_of_2(group), SOFTMAX_TILE=options.value("select.softmax_tile"),
-        num_warps=warps, **launch.options(programmatic_launch, "select"),
+        num_warps=warps,
+        **launch.options(programmatic_launch, "select", options.value("launch.chained")),
     )
     return page_lists, page_counts
