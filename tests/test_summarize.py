@@ -18,7 +18,7 @@ def test_summarize_matches_reference(layout, head_dim, summary_dtype):
     num_kv_heads = 2
     keys, _ = make_cache(40, num_kv_heads, head_dim, layout=layout)
     # a mean 100 standard deviations from zero: a one-pass variance (E[k^2] - mean^2) loses
-    # its float32 digits to cancellation and misses the tolerance; +1 did not (session 24)
+    # its float32 digits to cancellation and misses the tolerance; +1 did not
     keys = keys * 3 + 300
     table, seq_lens = make_table([1, 64, 65, 200, 7 * PAGE_SIZE], 40)
     summaries = poisoned(40, num_kv_heads, 2, head_dim, dtype=summary_dtype)

@@ -47,7 +47,7 @@ def test_settings_come_from_additional_config_then_environment():
     assert MoiraSettings.from_sources({"moira": {"step_programs": 256}}, {}
                                       ).config.step_programs == 256
     uncapped = MoiraSettings.from_sources(None, {"MOIRA_MAX_CHUNKS_PER_ROW": "4096"})
-    assert uncapped.config.chunks_per_row(8, 2048) == 342  # as before session 20 (default 128)
+    assert uncapped.config.chunks_per_row(8, 2048) == 342  # J from Eq. (4) alone (default 128)
     with pytest.raises(ValueError, match="max_chunks_per_row"):
         MoiraSettings.from_sources({"moira": {"max_chunks_per_row": 16}}, {})  # below N_J
     fewer = MoiraSettings.from_sources(None, {"MOIRA_MIN_CHUNKS_PER_ROW": "16"})
@@ -60,7 +60,7 @@ def test_settings_come_from_additional_config_then_environment():
     assert MoiraSettings(gamma=1.0).describe().count("gamma") == 1
     calibrated = MoiraSettings.from_sources({"moira": {"calibration": "cal.json"}}, {})
     assert calibrated.calibration == "cal.json"
-    assert MoiraSettings().fused_cache_write  # on since session 23's engine pairs
+    assert MoiraSettings().fused_cache_write  # bit-identical outputs, one launch fewer
     assert not MoiraSettings.from_sources(None, {"MOIRA_FUSED_CACHE_WRITE": "0"}
                                           ).fused_cache_write
     assert not MoiraSettings.from_sources({"moira": {"fused_cache_write": False}}, {}
