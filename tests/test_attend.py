@@ -287,11 +287,11 @@ def record_launches(monkeypatch):
                           ("balanced", 1, 3, 4, 4, 64)])
 def test_page_ids_loaded_a_tile_ahead(monkeypatch, schedule, pages_per_iter, stages, warps,
                                       group, head_dim):
-    """``attend.page_ids_ahead`` (a tuning option): each tile's page ids come from the loop's previous
-    iteration, and the lookahead past a chunk's last tile reads nothing; chunks of one to
-    eight tiles, partial last pages, empty and full rows, G = 1 / 4 / 7 / 8, both schedules;
-    the stages and warps of bench_kernels.py's arms (the GPU builds differ by them, the
-    interpreter not). The launch must have taken the option."""
+    """``attend.page_ids_ahead`` (a tuning option): each tile's page ids come from the loop's
+    previous iteration, and the lookahead past a chunk's last tile reads nothing; chunks of one
+    to eight tiles, partial last pages, empty and full rows, G = 1 / 4 / 7 / 8, both schedules;
+    the stages and warps of the arms of benchmarks/kernels.py suite (the GPU builds differ by
+    them, the interpreter not). The launch must have taken the option."""
     launched = record_launches(monkeypatch)
     # chunks of up to 8 pages (the floor not scaled down for this small step): several tiles
     # per chunk at every tile size here

@@ -186,7 +186,7 @@ def test_programs_share_a_rows_tiles_in_a_wide_table(target_programs, group, hea
 @cuda
 @pytest.mark.parametrize("part", ["exact", "mvar"])
 def test_parts_write_only_their_pages(part):
-    """``estimate(parts=...)`` of the CUDA launcher (the timing probe of tune_kernels.py):
+    """``estimate(parts=...)`` of the CUDA launcher (the timing probe of benchmarks/tune.py):
     "exact" writes each row's sink and current page as the whole kernel does and no middle
     page, "mvar" the middle pages and neither of those."""
     lengths = [64 * 70 + 5, 3, 64 * 100, 64 * 2 + 1]
