@@ -51,12 +51,16 @@ graph, every row one token short of a full page. Every arm's output is checked a
 single: a single request's decode step (and ``--batches`` small ones), 32 layers of own caches
 per CUDA graph, per-layer µs: ``fa3_dense``, ``estimate``, ``select``, ``attend_merge``,
 ``step`` (``sparse_decode``), ``step_full_rows`` (rows read in full, as the plugin's
-``dense_below_tokens`` does), ``*_c2`` (chunk floor 2), ``step_floor_off``, ``*_pdl``
-(programmatic dependent launch, every kernel chained across layers: an upper bound on its
-gain in vLLM); ``--split-sweep`` / ``--programs-sweep`` Attend's split; ``--gemm`` each arm
-also with the MLP's gate/up GEMM after every layer (``<arm>+gemm``, ``gemm_only``, and with
-``--gemm-profile`` the GEMM's own per-call times; ``--gemm-probes`` arms that only write, read
-or gather memory before it); ``--spread`` the plugin's per-(layer, KV head) fractions.
+``dense_below_tokens`` does), ``*_c2`` (chunk floor 2), ``step_floor_off``; on the Triton
+Estimate, Select and Attend (the only ones programmatic launch chains; the CUDA Estimate and
+Attend launch plainly): ``*_triton`` launched plainly, ``*_pdl`` (programmatic dependent
+launch, every kernel chained across layers: an upper bound on its gain in vLLM),
+``*_pdl_no_attend`` (Estimate, Select and Merge chained, Attend launched plainly) and
+``*_pdl_est_sel`` (Estimate and Select only; ``launch.chained``); ``--split-sweep`` /
+``--programs-sweep`` Attend's split; ``--gemm`` each arm also with the MLP's gate/up GEMM
+after every layer (``<arm>+gemm``, ``gemm_only``, and with ``--gemm-profile`` the GEMM's own
+per-call times; ``--gemm-probes`` arms that only write, read or gather memory before it);
+``--spread`` the plugin's per-(layer, KV head) fractions.
 
 cache-write: Estimate with the decode token's K/V write in its launch (``fused``) against
 Estimate alone and a separate write before it, in a 2,048-page table.
@@ -72,6 +76,7 @@ profile: one launch of each kernel per shape (twice: the first compiles) for Nsi
 """
 
 import argparse
+import dataclasses
 import gzip
 import json
 import math
@@ -662,6 +667,10 @@ SPLIT_SWEEP = [(floor_rows, chunks, 0) for floor_rows in (32, 48, 64, 96)
 PROGRAMS_SWEEP = (4096, 2048, 1024, 512, 256)
 # the paper's mean read fraction at gamma 0.98 (Llama-3.1-8B, Table 3), clamped below 8k
 READS = {2048: 0.42, 8192: 0.42, 16384: 0.37, 32768: 0.31, 65536: 0.16, 131072: 0.15}
+# the programmatic-launch arms (suffix of step / step_full_rows) and the kernels each chains
+# (tuning "launch.chained"); "_triton": the same kernels launched plainly
+PDL_CHAINS = {"_triton": None, "_pdl": "estimate,select,attend,merge",
+              "_pdl_no_attend": "estimate,select,merge", "_pdl_est_sel": "estimate,select"}
 
 
 def programs_config(min_programs, options=None):
@@ -671,6 +680,24 @@ def programs_config(min_programs, options=None):
 
     return moira.MoiraConfig(min_programs=min_programs, max_chunks_per_row=min_programs,
                              kernels=options or moira.KernelOptions())
+
+
+def pdl_config(chained, options=None):
+    """The ``MoiraConfig`` of a ``PDL_CHAINS`` arm: ``options`` (the run's ``--kernels``) on the
+    Triton Estimate, Select and Attend, programmatic launch on with ``chained`` the kernels it
+    chains, or off where ``chained`` is None. The options' constants of the CUDA kernels,
+    which no longer run, are dropped."""
+    import moira
+    from moira.kernels.tuning import TUNABLES
+
+    options = options or moira.KernelOptions()
+    tuning = {name: value for name, value in options.tuning
+              if TUNABLES[name].backend != "cuda"}
+    if chained is not None:
+        tuning["launch.chained"] = chained
+    kernels = dataclasses.replace(options, estimate="triton", select="triton", attend="triton",
+                                  tuning=tuning)
+    return moira.MoiraConfig(programmatic_launch=chained is not None, kernels=kernels)
 
 
 def gemm_calls(fn, replays=10):
@@ -807,6 +834,9 @@ def single(parser, args):
         print(f"no FA3 arm: {error}")
 
     report = dict(common.run_info("vllm"), kernels=options.describe(),
+                  # the kernel options of the *_triton and *_pdl* arms
+                  arm_kernels={suffix[1:]: pdl_config(chained, options).kernels.describe()
+                               for suffix, chained in PDL_CHAINS.items()},
                   note="per-layer µs, 32 layers (own caches) per CUDA graph replay; read "
                        "fractions imposed (fraction mode), not chosen by the rule",
                   results=[])
@@ -885,13 +915,15 @@ def single(parser, args):
             s.queries[layer], *s.caches[layer], s.table, s.seq_lens, lists, counts,
             workspace=space, out=s.out))
         c2 = s.workspace(moira.MoiraConfig(floor_rows=96))
-        # programmatic launch chains every kernel of the graph here, across layers too; in vLLM
-        # the GEMMs between layers are launched plainly, so this is an upper bound on its gain
-        chained = s.workspace(moira.MoiraConfig(programmatic_launch=True))
         arms = {"step": (space, 0), "step_c2": (c2, 0),
                 "step_floor_off": (s.workspace(moira.MoiraConfig(floor_rows=1)), 0),
-                "step_full_rows": (space, s.width), "step_full_rows_c2": (c2, s.width),
-                "step_pdl": (chained, 0), "step_full_rows_pdl": (chained, s.width)}
+                "step_full_rows": (space, s.width), "step_full_rows_c2": (c2, s.width)}
+        # programmatic launch chains the kernels of the graph here across layers too (the last
+        # chained kernel of a layer into the first of the next); in vLLM the GEMMs between
+        # layers are launched plainly, so _pdl is an upper bound on its gain
+        for suffix, chained in PDL_CHAINS.items():
+            ws = s.workspace(pdl_config(chained, options))
+            arms.update({f"step{suffix}": (ws, 0), f"step_full_rows{suffix}": (ws, s.width)})
         if args.split_sweep:  # the row as the plugin runs it (in full up to 20480 tokens)
             full = full_read_pages(MoiraSettings().dense_below_tokens, batch)
             for floor_rows, chunks, step_programs in SPLIT_SWEEP:

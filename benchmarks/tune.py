@@ -19,8 +19,10 @@ Kinds:
 - ``cuda``: the CUDA Estimate (checked against the Triton one, then at several grids and
   builds) and the CUDA Select (counts against the Triton one's), the step with each, and the
   step's parts per Select.
-- ``select``: the Triton Select's K_B x warps, warps, softmax tile; ``selectwarps``: the whole
-  step with the Triton Select at its warp tiers and the CUDA one.
+- ``select``: the Triton Select's K_B x warps, warps (1 to 16 forced, ``select.num_warps``,
+  against its default, by the table's width), softmax tile; ``selectwarps``: the whole step
+  with the Triton Select at its default warps and at 4, 8 and 16, head by head (softmax tile
+  0), and with the CUDA one.
 - ``attend``: the Triton Attend's chunk floor C, N_T, warps and stages; ``tiles``: pages per
   inner-loop tile; ``balanced``: the balanced schedule's P and C; ``fractions``: Attend +
   Merge against the bytes read; ``step``: equal or Eq. (4) chunks and the whole step.
@@ -50,15 +52,36 @@ PAGE_KV_BYTES = 2 * 64 * HEAD_DIM * 2  # K and V of one page of one KV head
 KINDS = ("estimate", "exact", "registers", "query", "cuda", "select", "attend", "tiles",
          "balanced", "fractions", "step", "wide", "selectwarps", "halfbytes", "estparts",
          "sumlayout", "fused", "fusedparts")
-# select.eight_warps_from values giving the Triton Select 4 warps (never 8) and 8 warps (from
-# any width) where its width tier allows either (257 to 8,192 lanes)
-FOUR_WARPS, EIGHT_WARPS = 1 << 20, 1
+# the Triton Select's warps forced (tuning select.num_warps; 0, its default, picks them by the
+# table's width): "select" (--quick: QUICK_SELECT_WARPS), and "selectwarps" in the whole step
+SELECT_WARPS, QUICK_SELECT_WARPS, STEP_SELECT_WARPS = (1, 2, 4, 8, 16), (1, 4, 8), (4, 8, 16)
 # K_B for every table width: the CUDA Select's binned passes (64), or 16
 BINNED = ((1, 64),)
 
 
 def shape_name(context, batch):
     return f"{context // 1024}k{batch}"
+
+
+def select_kernels(warps=0, softmax_tile=None):
+    """``common.with_kernels`` fields of the Triton Select in ``warps`` (0: by the table's
+    width) and, where given, that ``select.softmax_tile``."""
+    tuning = {"select.num_warps": warps}
+    if softmax_tile is not None:
+        tuning["select.softmax_tile"] = softmax_tile
+    return dict(select="triton", tuning=tuning)
+
+
+def step_select_arms():
+    """``selectwarps``' arms, (label, kernel fields, ``MoiraConfig`` fields): the Triton
+    Select at its default warps and at ``STEP_SELECT_WARPS``, the default and 16 warps also
+    head by head, then the CUDA Select with the configured K_B and binned (K_B 64)."""
+    arms = [("triton", select_kernels(), {})]
+    arms += [(f"triton {warps} warps", select_kernels(warps), {}) for warps in STEP_SELECT_WARPS]
+    arms += [("triton head by head", select_kernels(softmax_tile=0), {}),
+             ("triton 16 warps head by head", select_kernels(16, softmax_tile=0), {})]
+    return arms + [("cuda", dict(select="cuda"), {}),
+                   ("cuda binned", dict(select="cuda"), dict(bisection_ways=BINNED))]
 
 
 def main(argv=None):
@@ -107,7 +130,6 @@ def tune_shape(context, batch, kinds, args, base, record):
     import moira
     from moira import decode
     from moira.benchmarking import timeline as probes
-    from moira.kernels.triton import select as triton_select
 
     bench = common.graph_us
     shape = f"{context // 1024}k x{batch}"
@@ -349,28 +371,20 @@ def tune_shape(context, batch, kinds, args, base, record):
                                                  max_pages=width, ways=ways, **kwargs))
             record("select", shape, f"{mode}{label}", micros)
 
-    def warp_tiers(width):
-        """(warps, select.eight_warps_from) of the Triton Select's distinct warp counts at a
-        ``width``-page table: its default and, where its tier allows, 4 and 8 warps."""
-        block = max(16, 1 << (width - 1).bit_length())
-        tiers = {}
-        for eight in (None, FOUR_WARPS, EIGHT_WARPS):
-            warps = triton_select.num_warps(
-                block, eight or moira.KernelOptions().value("select.eight_warps_from"))
-            tiers.setdefault(warps, eight)
-        return sorted(tiers.items())
-
+    select_warps = QUICK_SELECT_WARPS if args.quick else SELECT_WARPS
     # wider passes need more threads to hold the [K_B, pages] comparison tile
-    for k_b, (warps, eight) in itertools.product([2, 4, 8, 16] if "select" in kinds else [],
-                                                 warp_tiers(pages)):
-        ws = space(kernels=dict(select="triton", tuning={"select.eight_warps_from": eight}
-                                if eight else {}))
+    for k_b, warps in itertools.product([2, 4, 8, 16] if "select" in kinds else [],
+                                        select_warps):
+        ws = space(kernels=select_kernels(warps))
         micros = bench(lambda: common.select(ws, log_masses, seq_lens, lists, counts,
                                              max_pages=pages, ways=k_b, gamma=0.98,
                                              top_k=None))
         record("select", shape, f"coverage K_B={k_b} warps={warps}", micros)
-    for warps, eight in warp_tiers(pages) if "select" in kinds else []:
-        select_modes(f" warps={warps}", **({"eight_warps_from": eight} if eight else {}))
+    # forced warps against the default's (by the table's width), timed first and last; one
+    # warp keeps every reduction within the warp (no block barrier)
+    for label, warps in ([(" default", 0)] + [(f" warps={w}", w) for w in select_warps]
+                         + [(" default again", 0)]) if "select" in kinds else []:
+        select_modes(label, num_warps=warps)
     # a row's G softmaxes head by head (0) or side by side in one tile
     for tile in [0, 1 << 14] if "select" in kinds else []:
         select_modes(f" softmax tile {tile}", softmax_tile=tile)
@@ -503,15 +517,7 @@ def tune_shape(context, batch, kinds, args, base, record):
     widths = [pages] + ([args.table_pages] if args.table_pages > pages else [])
     for width in widths if "selectwarps" in kinds else []:
         padded_table = padded(width) if width > pages else table
-        arms = [(f"triton {warps} warps", dict(select="triton", tuning={
-                    "select.eight_warps_from": eight} if eight else {}), {})
-                for warps, eight in warp_tiers(width)]
-        arms += [(label + " head by head", dict(select="triton", tuning={
-                     **fields["tuning"], "select.softmax_tile": 0}), {})
-                 for label, fields, _ in arms]
-        arms += [("cuda", dict(select="cuda"), {}),
-                 ("cuda binned", dict(select="cuda"), dict(bisection_ways=BINNED))]
-        for label, kernels, config in arms * 2:
+        for label, kernels, config in step_select_arms() * 2:
             ws = space(width, kernels=kernels, **config)
             for mode, k in (("fixed 22%", top_k), ("coverage", None)):
                 micros = bench(lambda: moira.sparse_decode(query, keys, values, summaries,

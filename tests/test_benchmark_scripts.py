@@ -1065,6 +1065,38 @@ def test_bench_single_times_each_shape_once_per_distinct_width():
         (8192, 1, 261), (8192, 1, 2048), (131072, 1, 2050)]
 
 
+def test_bench_single_pdl_arms_chain_the_triton_kernels_named_by_launch_chained():
+    from moira import KernelOptions
+    from moira.kernels.tuning import TUNABLES
+
+    bench_single = load("kernels")
+    assert bench_single.PDL_CHAINS == {
+        "_triton": None, "_pdl": "estimate,select,attend,merge",
+        "_pdl_no_attend": "estimate,select,merge", "_pdl_est_sel": "estimate,select"}
+    # the run's --kernels: a Triton constant kept, a CUDA kernel's dropped with its kernel
+    base = KernelOptions.parse("attend=cuda,attend.cuda_stages=3,estimate=triton,"
+                               "estimate.num_warps=8")
+    for suffix, chained in bench_single.PDL_CHAINS.items():
+        config = bench_single.pdl_config(chained, base)
+        kernels = config.kernels
+        assert (kernels.estimate, kernels.select, kernels.attend) == ("triton",) * 3, suffix
+        assert kernels.value("estimate.num_warps") == 8
+        assert "attend.cuda_stages" not in dict(kernels.tuning)
+        assert config.programmatic_launch is (chained is not None)
+        if chained is not None:
+            assert chained in TUNABLES["launch.chained"].choices
+            assert kernels.value("launch.chained") == chained
+        else:  # launched plainly: the baseline of the chained arms
+            assert "launch.chained" not in dict(kernels.tuning)
+    # every other field of the configuration is the default's
+    assert bench_single.pdl_config(None) == moira.MoiraConfig(kernels=KernelOptions(
+        estimate="triton", select="triton", attend="triton"))
+    assert bench_single.pdl_config("estimate,select") == moira.MoiraConfig(
+        programmatic_launch=True, kernels=KernelOptions(
+            estimate="triton", select="triton", attend="triton",
+            tuning={"launch.chained": "estimate,select"}))
+
+
 def test_bench_single_gemm_cost_is_what_the_gemm_adds_after_each_arm():
     bench_single = load("kernels")
     times = {"gemm_only": 56.0, "fa3_dense": 15.0, "fa3_dense+gemm": 71.2,
@@ -1120,6 +1152,41 @@ def test_tune_kernels_refuses_an_unknown_kind(monkeypatch, capsys):
         tune.main()
     assert exit_info.value.code == 2
     assert "unknown ['launched']" in capsys.readouterr().err
+
+
+def test_tune_select_warps_are_forced_through_select_num_warps():
+    from moira import KernelOptions, MoiraConfig
+
+    tune = load("tune")
+    common = load("common")
+    assert tune.SELECT_WARPS == (1, 2, 4, 8, 16)
+    assert set(tune.QUICK_SELECT_WARPS) <= set(tune.SELECT_WARPS)
+    for base in (KernelOptions(), KernelOptions.parse("select=cuda,estimate=triton,"
+                                                      "estimate.num_warps=8")):
+        for warps in (0, *tune.SELECT_WARPS):
+            options = common.with_kernels(base, tune.select_kernels(warps))
+            assert options.select == "triton" and options.value("select.num_warps") == warps
+            assert options.value("select.softmax_tile") == KernelOptions().value(
+                "select.softmax_tile")
+        assert common.with_kernels(base, tune.select_kernels(16, softmax_tile=0)).value(
+            "select.softmax_tile") == 0
+    # the step's arms: the default's warps (0), 4, 8, 16, head by head, then the CUDA Select
+    arms = tune.step_select_arms()
+    labels = [label for label, _, _ in arms]
+    assert labels == ["triton", "triton 4 warps", "triton 8 warps", "triton 16 warps",
+                      "triton head by head", "triton 16 warps head by head", "cuda",
+                      "cuda binned"]
+    warps = {}
+    for label, kernels, config in arms:
+        options = common.with_kernels(KernelOptions(), kernels)
+        MoiraConfig(kernels=options, **config)  # valid
+        warps[label] = options.value("select.num_warps"), options.value("select.softmax_tile")
+        assert options.select == ("cuda" if label.startswith("cuda") else "triton")
+    assert warps["triton"][0] == 0 and warps["triton 8 warps"][0] == 8
+    assert warps["triton 16 warps head by head"] == (16, 0)
+    assert warps["triton head by head"] == (0, 0)
+    assert arms[-1][2] == dict(bisection_ways=tune.BINNED)
+    assert KernelOptions().value("select.num_warps") == 0  # nothing changed globally
 
 
 def test_step_profile_call_stats_give_the_spread_of_a_kernels_calls():
