@@ -5,7 +5,7 @@ would run: a kernel that only ever ran in the interpreter is checked to compile,
 register cost (occupancy) is seen before device time is spent. Llama-3.1-8B geometry (G = 4,
 D = 128, bf16 cache, 64-token pages) first, then edge geometries (G = 1, 7, 8; D = 64; Select
 on 64 to 16,384 lanes), with the package's default tuning (``moira/kernels/tuning.py``), then
-the tuning candidates the sweeps time (``tune.py``, ``kernels.py suite``'s Attend arms), then
+the tuning candidates the sweeps time (``tune.py``, ``kernel_bench.py suite``'s Attend arms), then
 the CUDA kernels built by NVRTC. ``.ci/run`` requires no CUDA kernel to spill under the GPU
 host's NVRTC (``build_cuda``).
 
@@ -192,7 +192,7 @@ def main():
         if name.startswith("attend") and build(f"{name} FA3 order", kernel, dict(
                 constexprs, FA3_ORDER=True, SUM_ROUNDED=False), warps, stages, maxnreg):
             spilled.append(f"{name} FA3 order")
-        if name.startswith("attend"):  # kernels.py suite's moira_ahead<P><S> arms
+        if name.startswith("attend"):  # kernel_bench.py suite's moira_ahead<P><S> arms
             for per_tile, ahead_stages, ahead_warps in ((1, 3, 4), (1, 3, 8), (1, 4, 4),
                                                         (2, 3, 4)):
                 label = (f"{name} page ids ahead, {per_tile} pages per tile, {ahead_stages} "

@@ -22,9 +22,9 @@
   (``--offset``/``--limit``) pooled into one row.
 - ``step``: ``vllm_step_profile.py`` runs (``step-dense.json``, ``step-moira.json`` per
   folder): one decode step by kernel class beside the paper's Table 4.
-- ``kernels``: ``kernels.py suite``'s JSON: a Figure-4-style PNG (time per layer against the
+- ``kernels``: ``kernel_bench.py suite``'s JSON: a Figure-4-style PNG (time per layer against the
   CV of the row lengths) and tables; Moira's configured arms against ``moira``.
-- ``single``: ``kernels.py single``'s ``--split-sweep`` / ``--programs-sweep`` arms over runs.
+- ``single``: ``kernel_bench.py single``'s ``--split-sweep`` / ``--programs-sweep`` arms over runs.
 - ``tune``: ``tune.py``'s JSON: every variant of one kind per shape against the shape's
   default (the mean of ``default`` and ``default again``); a PNG and a table.
 - ``accuracy-vllm``: ``accuracy.py vllm``'s arms (a folder with their ``.npz``), or a summary
@@ -50,7 +50,7 @@ from collections import defaultdict
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import repo_path, run_info, write_section  # noqa: E402
-from kernels import CHECK_TOLERANCE, config_fields  # noqa: E402
+from kernel_bench import CHECK_TOLERANCE, config_fields  # noqa: E402
 
 
 
@@ -1791,10 +1791,10 @@ def main(argv=None):
     one.add_argument("folders", nargs="+")
     one.add_argument("--plot", metavar="PATH", help="also draw the steps as stacked bars")
     readme_options(one, "step-profile")
-    one = reports.add_parser("kernels", help="kernels.py suite's JSON")
+    one = reports.add_parser("kernels", help="kernel_bench.py suite's JSON")
     one.add_argument("result")
     readme_options(one, "kernels")
-    one = reports.add_parser("single", help="kernels.py single's sweeps")
+    one = reports.add_parser("single", help="kernel_bench.py single's sweeps")
     one.add_argument("results", nargs="+", metavar="JSON")
     which = one.add_mutually_exclusive_group(required=True)
     which.add_argument("--split", action="store_true",

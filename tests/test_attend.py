@@ -290,7 +290,7 @@ def test_page_ids_loaded_a_tile_ahead(monkeypatch, schedule, pages_per_iter, sta
     """``attend.page_ids_ahead`` (a tuning option): each tile's page ids come from the loop's
     previous iteration, and the lookahead past a chunk's last tile reads nothing; chunks of one
     to eight tiles, partial last pages, empty and full rows, G = 1 / 4 / 7 / 8, both schedules;
-    the stages and warps of the arms of benchmarks/kernels.py suite (the GPU builds differ by
+    the stages and warps of the arms of benchmarks/kernel_bench.py suite (the GPU builds differ by
     them, the interpreter not). The launch must have taken the option."""
     launched = record_launches(monkeypatch)
     # chunks of up to 8 pages (the floor not scaled down for this small step): several tiles

@@ -391,7 +391,7 @@ def test_tpot_report_gives_the_fused_cache_write_its_own_column(tmp_path):
 def test_bench_cache_write_plots_every_arm_of_every_row(tmp_path, monkeypatch):
     import json
 
-    bench = load("kernels")
+    bench = load("kernel_bench")
     rows = [dict(context=8192, batch=1, rows=mode, us=dict(estimate=1.0, fused=1.2, separate=5.0))
             for mode in ("select", "full_rows")]
     path = tmp_path / "cache-write.json"
@@ -593,7 +593,7 @@ def test_tpot_report_pairs_the_short_shapes_and_the_short_row_floor(tmp_path):
 def test_kernel_suite_arms_are_configurations_and_kernel_options(monkeypatch, capsys):
     from moira import KernelOptions, MoiraConfig
 
-    bench = load("kernels")
+    bench = load("kernel_bench")
     with pytest.raises(SystemExit):
         bench.main(["suite", "--arms", "moira,moira_t256"])
     assert "unknown arms moira_t256" in capsys.readouterr().err
@@ -928,7 +928,7 @@ def test_split_report_applies_the_batch_1_rule_to_the_mean_of_the_runs(tmp_path)
 
 
 def test_programs_report_means_runs_and_compares_each_n_t_with_the_default(tmp_path):
-    bench_single = load("kernels")
+    bench_single = load("kernel_bench")
     # the J each N_T gives at a 2,048-page table, as the sweep's comment states
     assert [bench_single.programs_config(p).chunks_per_row(8, 2048)
             for p in bench_single.PROGRAMS_SWEEP] == [342, 256, 128, 64, 32]
@@ -1032,8 +1032,8 @@ def test_serve_report_of_several_folders_names_its_plot_and_every_folder(tmp_pat
     (["--gemm-probes"], "add --gemm"),
 ])
 def test_bench_single_refuses_bad_widths_before_it_starts(monkeypatch, capsys, argv, message):
-    bench_single = load("kernels")
-    monkeypatch.setattr(sys, "argv", ["kernels.py", "single", *argv])
+    bench_single = load("kernel_bench")
+    monkeypatch.setattr(sys, "argv", ["kernel_bench.py", "single", *argv])
     with pytest.raises(SystemExit) as exit_info:
         bench_single.main()
     assert exit_info.value.code == 2
@@ -1042,7 +1042,7 @@ def test_bench_single_refuses_bad_widths_before_it_starts(monkeypatch, capsys, a
 
 @pytest.mark.cuda
 def test_bench_single_gemm_calls_counts_each_gemm_of_the_replayed_graph():
-    bench_single = load("kernels")
+    bench_single = load("kernel_bench")
     a = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16)
     weights = [torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     out = torch.empty(2, 1024, device="cuda", dtype=torch.bfloat16)
@@ -1058,7 +1058,7 @@ def test_bench_single_gemm_calls_counts_each_gemm_of_the_replayed_graph():
 
 
 def test_bench_single_times_each_shape_once_per_distinct_width():
-    bench_single = load("kernels")
+    bench_single = load("kernel_bench")
     assert load("common").positive_ints("261,2048") == [261, 2048]
     # 8k rows (128 pages) fit both tables; 128k rows (2,048 pages) outgrow both: one 2,050
     assert bench_single.timed_shapes([8192, 131072], [1], [261, 2048]) == [
@@ -1069,7 +1069,7 @@ def test_bench_single_pdl_arms_chain_the_triton_kernels_named_by_launch_chained(
     from moira import KernelOptions
     from moira.kernels.tuning import TUNABLES
 
-    bench_single = load("kernels")
+    bench_single = load("kernel_bench")
     assert bench_single.PDL_CHAINS == {
         "_triton": None, "_pdl": "estimate,select,attend,merge",
         "_pdl_no_attend": "estimate,select,merge", "_pdl_est_sel": "estimate,select"}
@@ -1098,7 +1098,7 @@ def test_bench_single_pdl_arms_chain_the_triton_kernels_named_by_launch_chained(
 
 
 def test_bench_single_gemm_cost_is_what_the_gemm_adds_after_each_arm():
-    bench_single = load("kernels")
+    bench_single = load("kernel_bench")
     times = {"gemm_only": 56.0, "fa3_dense": 15.0, "fa3_dense+gemm": 71.2,
              "step_full_rows": 16.0, "step_full_rows+gemm": 74.5, "estimate": 2.0}
     # an arm timed without its +gemm twin (a failed run) has no cost
@@ -1109,7 +1109,7 @@ def test_bench_single_gemm_cost_is_what_the_gemm_adds_after_each_arm():
 def test_bench_single_plot_names_the_widths_when_a_run_has_several(tmp_path, monkeypatch):
     import matplotlib.axes
 
-    bench_single = load("kernels")
+    bench_single = load("kernel_bench")
     rows = [dict(context=8192, batch=1, width=width, read_fraction=0.42,
                  us_per_layer=dict(fa3_dense=15.0, estimate=4.8, select=6.4, attend_merge=11.0,
                                    step_full_rows=21.0 + width / 1000))
@@ -1198,7 +1198,7 @@ def test_step_profile_call_stats_give_the_spread_of_a_kernels_calls():
 
 
 def test_output_checks_record_agreement_difference_and_errors():
-    bench = load("kernels")
+    bench = load("kernel_bench")
     report = dict(checks=[])
     reference = torch.zeros(2, 4, 8)
     bench.record_check(report, "8k32", "all pages", "near", lambda: torch.full((8, 8), 2 ** -8),
@@ -1215,7 +1215,7 @@ def test_output_checks_record_agreement_difference_and_errors():
 
 
 def test_bytes_and_rates_of_the_kernel_bench():
-    bench = load("kernels")
+    bench = load("kernel_bench")
     tune = load("tune")
     # K and V of one 64-token page of one KV head, head_dim 128, bf16
     assert bench.PAGE_BYTES == tune.PAGE_KV_BYTES == 2 * 64 * 128 * 2 == 32768
@@ -1487,7 +1487,7 @@ def test_attend_timeline_rate_conserves_the_bytes_and_finds_ramp_and_tail():
     (page 0 at its landing, the rest spread to the end), the span runs from the first start
     to the last end, a launch whose rate is flat in its middle has a ramp before it and a tail
     after it, and empty programs count as programs but not as working ones."""
-    timeline = load("kernels")
+    timeline = load("kernel_bench")
     page = timeline.PAGE_BYTES
     records = []
     for i in range(40):  # 40 programs of 30 pages, first page at 4 us, ends 60 .. 80 us
@@ -1506,7 +1506,7 @@ def test_attend_timeline_rate_conserves_the_bytes_and_finds_ramp_and_tail():
 
 
 def test_attend_timeline_variants_name_chunk_stages_ceiling_and_table_width():
-    timeline = load("kernels")
+    timeline = load("kernel_bench")
     assert timeline.variant_settings("grid24") == (24, 2, None, None)
     assert timeline.variant_settings("grid32s3j4w2048") == (32, 3, 4, 2048)
     for bad in ("persistent24", "grid24r", "grid0", "grid24s5"):

@@ -28,7 +28,8 @@ def select_on_cuda(config):
     are checked (the kernel's ValueError) and the launcher runs with K_B from
     ``config.bisection_ways``."""
     def run_select(log_masses, seq_lens, *, gamma=0.98, top_k=None, max_pages=None,
-                   keep_fractions=None, gammas=None, dense_below_pages=0):
+                   keep_fractions=None, gammas=None, dense_below_pages=0, options=None):
+        del options  # the Triton Select's tuning (test_select.py's softmax forms): not this one
         batch, num_kv_heads, group, width = log_masses.shape
         max_pages = max_pages or width
         page_lists = torch.full((batch, num_kv_heads, width), -7, dtype=torch.int32,

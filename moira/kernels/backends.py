@@ -92,9 +92,8 @@ def _fall_back(stage, choice, error):
     the kernel's ValueError under an explicit "cuda"."""
     if choice == "cuda":
         raise error
-    reason = str(error).split(": ", 1)[-1]
-    if (stage, reason) not in _warned:
-        _warned.add((stage, reason))
+    if (stage, str(error)) not in _warned:
+        _warned.add((stage, str(error)))
         warnings.warn(f"{stage}='auto' runs the Triton kernel for these inputs: {error}",
                       RuntimeWarning, stacklevel=4)
     return "triton"

@@ -3,12 +3,12 @@ head_dim 128, bf16, 64-token pages), caches far larger than the L2, medians of C
 replays. Every routine takes ``--kernels`` (``moira.KernelOptions``' text form, e.g.
 ``attend=cuda,attend.cuda_stages=3``) for the workspaces it builds.
 
-    PYTHONPATH=. python3 benchmarks/kernels.py suite [--shapes 8k32,32k16] [--arms ...] [--quick]
-    PYTHONPATH=. python3 benchmarks/kernels.py single [--contexts 2048,8192] [--gemm] ...
-    PYTHONPATH=. python3 benchmarks/kernels.py cache-write
-    PYTHONPATH=. python3 benchmarks/kernels.py timeline [--shapes 8k32] [--variants grid24,grid12]
-    PYTHONPATH=. ncu ... python3 benchmarks/kernels.py profile [--shapes 131072x4]
-    python3 benchmarks/kernels.py single|cache-write|timeline --plot RESULT.json  # PNG again
+    PYTHONPATH=. python3 benchmarks/kernel_bench.py suite [--shapes 8k32,32k16] [--arms ...]
+    PYTHONPATH=. python3 benchmarks/kernel_bench.py single [--contexts 2048,8192] [--gemm] ...
+    PYTHONPATH=. python3 benchmarks/kernel_bench.py cache-write
+    PYTHONPATH=. python3 benchmarks/kernel_bench.py timeline [--shapes 8k32] [--variants ...]
+    PYTHONPATH=. ncu ... python3 benchmarks/kernel_bench.py profile [--shapes 131072x4]
+    python3 benchmarks/kernel_bench.py single|cache-write|timeline --plot RESULT.json  # PNG again
 
 Results go to ``$OUT`` (``kernels.json``, ``single.json``, ``cache-write.json``,
 ``timeline.json``) as they arrive; ``report.py kernels`` / ``report.py single`` tabulate them.
@@ -72,7 +72,7 @@ spread, per variant (``grid<C>[s<S>][j<J>][w<pages>]``).
 profile: one launch of each kernel per shape (twice: the first compiles) for Nsight Compute::
 
     ncu --clock-control none -k regex:"estimate|select|attend|merge" --section SpeedOfLight \\
-        python3 benchmarks/kernels.py profile
+        python3 benchmarks/kernel_bench.py profile
 """
 
 import argparse
@@ -1092,7 +1092,8 @@ def cache_write(parser, args):
     try:
         cache_write_plot(args.out)
     except ImportError as error:  # the GPU host may lack matplotlib: plot the JSON elsewhere
-        print(f"no plot ({error}): python3 benchmarks/kernels.py cache-write --plot {args.out}")
+        print(f"no plot ({error}): python3 benchmarks/kernel_bench.py cache-write --plot "
+              f"{args.out}")
 
 
 def cache_write_plot(path):
@@ -1303,7 +1304,8 @@ def timeline(parser, args):
     try:
         timeline_plot(report, os.path.join(out, "timeline.png"))
     except ImportError as error:  # the GPU host may lack matplotlib: plot the JSON elsewhere
-        print(f"no plot ({error}): python3 benchmarks/kernels.py timeline --plot timeline.json")
+        print(f"no plot ({error}): python3 benchmarks/kernel_bench.py timeline --plot "
+              f"timeline.json")
 
 
 def timeline_plot(report, path):
