@@ -7,7 +7,7 @@
 - Timing: medians of CUDA-graph replays (``triton.testing.do_bench_cudagraph``: no host launch
   cost in the number), ``do_bench`` (CUDA events, L2 flushed between calls) where a call cannot
   be captured, host time for host-side work.
-- Kernel choice: ``--kernels "attend=cuda,attend.num_warps=8"`` parsed into a
+- Kernel choice: ``--kernels "attend=cuda,attend.cuda_stages=3"`` parsed into a
   ``moira.KernelOptions`` (``add_kernel_options`` / ``kernel_options``), and the stage
   launchers a workspace's options pick (``estimate``, ``select``) for timing one stage alone.
 - Results: JSON with the command, GPU, versions, date, commit and whether the tree was dirty

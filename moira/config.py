@@ -126,7 +126,7 @@ class KernelOptions:
 
     @classmethod
     def from_mapping(cls, mapping):
-        """Options from ``{"attend": "cuda", "tuning": {"attend.num_warps": 8}}`` (JSON)."""
+        """Options from ``{"attend": "cuda", "tuning": {"attend.cuda_stages": 3}}`` (JSON)."""
         if isinstance(mapping, cls):
             return mapping
         if not isinstance(mapping, dict):
