@@ -34,6 +34,7 @@ import torch
 from . import checks
 from .config import MAX_PAGES_PER_SEQ, SUPPORTED_HEAD_DIMS, MoiraConfig
 from .kernels import backends, launch
+from .kernels import split as work_split
 from .kernels.cuda import attend as cuda_attend
 from .kernels.cuda import estimate as cuda_estimate
 from .kernels.cuda import estimate_select as cuda_estimate_select
@@ -213,13 +214,11 @@ def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page
     # planned for the padded batch of a captured graph, so that an eager step of fewer
     # requests splits each row exactly as the replay does
     rows = (planned_batch or query.shape[0]) * num_kv_heads
-    split = dict(chunk_floor=config.chunk_floor(rows),
-                 chunks_per_row=config.chunks_per_row(rows, block_table.shape[1]),
-                 step_rows=rows, step_programs=config.step_programs)
+    split = work_split.rows_plan(config, rows, block_table.shape[1])
     if backends.attend(workspace, query, key_cache, value_cache) == "cuda":
         cuda_attend.attend(
             *inputs, qk_scale_log2=scale * math.log2(math.e), out=out, partial_out=partial_out,
-            partial_lse=partial_lse, short_pages=triton_attend.short_row_pages(
+            partial_lse=partial_lse, short_pages=work_split.short_row_pages(
                 split["chunk_floor"], rows, config.step_programs),
             stages=options.value("attend.cuda_stages"), build_only=launch.building_only(),
             **split)

@@ -9,7 +9,7 @@ import moira
 from moira import KernelOptions, MoiraConfig
 from moira import reference as ref
 from moira.kernels import launch
-from moira.kernels.triton import attend as attend_module
+from moira.kernels import split as work_split
 from moira.kernels.triton.attend import plan_row
 
 
@@ -100,7 +100,7 @@ def test_short_row_pages_bounds_exactly_the_rows_the_floor_cuts_finer(chunk_floo
     counts = torch.arange(0, 24_001)
     for rows in (1, 2, 7, 8, 32, 64, 128, 255, 256, 512):
         for programs in (0, 1, 8, 128, 256, 1000):
-            short = attend_module.short_row_pages(chunk_floor, rows, programs)
+            short = work_split.short_row_pages(chunk_floor, rows, programs)
             assert short < counts[-1]  # the boundary is inside the range tested
             kernel_floor = torch.where(counts <= short, torch.clamp(
                 -(-counts * rows // max(programs, 1)), min=2), chunk_floor)
@@ -192,7 +192,7 @@ def test_plan_row_is_the_reference_split_for_random_steps():
                              max_chunks_per_row=pick(32, 4096))
         floor = config.chunk_floor(planned_rows)
         chunks_per_row = config.chunks_per_row(planned_rows, width)
-        short = attend_module.short_row_pages(floor, planned_rows, config.step_programs)
+        short = work_split.short_row_pages(floor, planned_rows, config.step_programs)
         for even in (False, True):
             out = [torch.full((rows,), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
             counts_dev = counts.to(DEVICE)
@@ -213,7 +213,7 @@ def test_a_row_of_exactly_short_row_pages_gets_the_finer_floor():
     the boundary been exclusive, 56 pages would make 7 chunks."""
     config = MoiraConfig(chunk_pages=8, floor_rows=1, min_chunks_per_row=16, min_programs=1,
                          step_programs=16)
-    assert attend_module.short_row_pages(8, 2, 16) == 56
+    assert work_split.short_row_pages(8, 2, 16) == 56
     num_kv_heads, group, head_dim = 2, 4, 64
     keys, values = make_cache(80, num_kv_heads, head_dim)
     table, seq_lens = make_table([64 * 59 + 5], 80, extra_columns=10)

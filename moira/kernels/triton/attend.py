@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ...config import PAGE_SIZE
 from .. import launch
+from ..split import short_row_pages
 
 
 @triton.jit
@@ -46,16 +47,6 @@ def plan_row(page_counts, b, head, stride_cb, stride_ch, chunk_floor, chunks_per
     if EVEN:
         chunk = tl.maximum(tl.cdiv(count, tl.maximum(tl.cdiv(count, chunk), 1)), 1)
     return count, chunk, tl.maximum(tl.cdiv(count, chunk), 1)
-
-
-def short_row_pages(chunk_floor, step_rows, step_programs):
-    """The longest row the short-row floor cuts finer than C: min(C, max(2, ceil(n * rows /
-    T))) < C exactly when n * rows <= (C - 1) * T (for C > 2; at C <= 2 it never binds);
-    -1 when it is off. Kernels test a row against it before any arithmetic of the floor."""
-    if not step_programs or chunk_floor <= 2:
-        return -1
-    assert chunk_floor * step_programs < 2**31, "the floor is planned in int32: lower T or C"
-    return (chunk_floor - 1) * step_programs // step_rows
 
 
 @triton.jit

@@ -16,7 +16,8 @@ import triton.language as tl
 
 from ...config import PAGE_SIZE
 from .. import launch
-from .attend import plan_row, short_row_pages
+from ..split import short_row_pages
+from .attend import plan_row
 from .combine import add_page_stats, merged
 
 
