@@ -504,6 +504,126 @@ def precision_plot(table, path, title):
     fig.savefig(path, dpi=100)
 
 
+# --------------------------------------------------------------------------------------------
+# estimators: candidate page-mass estimators against the exact masses (CPU)
+# --------------------------------------------------------------------------------------------
+
+STUDY_STATS = ["exact", "mvar", "quest", "quest-32", "quest-16", "int1", "int2", "int4",
+               "landmark1-norm", "landmark2-deviation", "landmark2-channel", "mvar+quest",
+               "two-stage quest/int2 50%", "two-stage quest/int4 30%"]
+STUDY_ARMS = ([(name, "fraction", 0.25) for name in
+               ["exact", "mvar", "quest", "quest-16", "int1", "int2", "int4",
+                "landmark2-deviation", "mvar+quest", "two-stage quest/int2 50%"]]
+              + [(name, "gamma", 0.95) for name in
+                 ["exact", "mvar", "int1", "int2", "int4", "landmark2-deviation",
+                  "two-stage quest/int2 50%"]]
+              + [("mvar", "gamma", 0.98)])
+
+
+def estimator_study(args):
+    """Every estimator's statistics and every arm on each task's samples: ``--out`` (rewritten
+    after every sample), the table on stdout; ``--merge`` combines such files instead."""
+    from moira import estimators
+    from moira.evaluation import estimator_study as study
+
+    if args.merge:
+        samples, meta = [], {}
+        for path in args.merge:
+            with open(path) as f:
+                data = json.load(f)
+            samples += data["samples"]
+            meta = {k: v for k, v in data.items() if k not in ("samples", "table")}
+        table = study.summarize(samples)
+        meta["command"] = " ".join(sys.argv)
+        with open(args.out, "w") as f:
+            json.dump(dict(meta, table=table, samples=samples), f, indent=None)
+        print_study(table)
+        if args.plot:
+            study_plot(table, args.plot, meta)
+        return
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+    lm, _, evaluation_ids = load(args)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+
+    def encode(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(ids):
+        return tokenizer.decode(ids)
+
+    head_dim = lm.model.config.hidden_size // lm.model.config.num_attention_heads
+    head_dim = getattr(lm.model.config, "head_dim", None) or head_dim
+    start, samples = time.time(), []
+    meta = dict(model=os.path.basename(args.model), context=args.context,
+                fractions=list(study.FRACTIONS), gammas=list(study.GAMMAS),
+                needle_share=study.NEEDLE_SHARE,
+                bytes_per_page_per_kv_head={name: estimators.BYTES[name](head_dim)
+                                            for name in STUDY_STATS},
+                key_bytes_per_page_per_kv_head=estimators.BYTES["exact"](head_dim),
+                command=" ".join(sys.argv))
+    for task in args.tasks.split(","):
+        for index, sample in enumerate(study.task_samples(task, args.samples, encode,
+                                                          evaluation_ids, args.context)):
+            samples.append(dict(study.run_sample(lm, sample, decode, STUDY_STATS, STUDY_ARMS),
+                                sample=index))
+            with open(args.out, "w") as f:
+                json.dump(dict(meta, seconds=round(time.time() - start), samples=samples), f)
+            print(f"{task} {index + 1}/{args.samples}: dense "
+                  f"{samples[-1]['dense_correct']} ({time.time() - start:.0f} s)", flush=True)
+    table = study.summarize(samples)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta, seconds=round(time.time() - start), table=table,
+                       samples=samples), f)
+    print_study(table)
+
+
+def print_study(table):
+    for task, entry in table.items():
+        print(f"\n{task}: {entry['samples']} samples, dense accuracy "
+              f"{entry['dense_accuracy']:.2f}")
+        print("| arm | accuracy | token KL | pages read |")
+        print("|---|---|---|---|")
+        for label, arm in entry["arms"].items():
+            print(f"| {label} | {arm['accuracy']:.2f} | {arm['kl']:.4f} | "
+                  f"{arm['read_fraction']:.1%} |")
+        print("| estimator | covered @0.15/0.25/0.4 | pages @gamma 0.9/0.95/0.98 | covered "
+              "@gamma | needle rows | needle kept @0.15/0.25/0.4 | needle est/exact share |")
+        print("|---|---|---|---|---|---|---|")
+        for name, e in entry["estimators"].items():
+            fmt = lambda d, f="{:.3f}": " / ".join(f.format(v) for v in d.values())
+            print(f"| {name} | {fmt(e['covered_at_fraction'])} | "
+                  f"{fmt(e['pages_at_gamma'], '{:.1%}')} | {fmt(e['covered_at_gamma'])} | "
+                  f"{e['needle_rows']} | {fmt(e['needle_kept_at_fraction'], '{:.2f}')} | "
+                  f"{e['needle_mean_estimated_share']:.3f} / "
+                  f"{e['needle_mean_exact_share']:.3f} |")
+
+
+def study_plot(table, path, meta):
+    """Accuracy and token KL against pages read, every arm, over all tasks."""
+    plt = common.pyplot()
+    entry = table["all"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for ax, key, label in ((axes[0], "accuracy", "accuracy (dense answer reproduced)"),
+                           (axes[1], "kl", "token KL(dense || arm)")):
+        for name, arm in entry["arms"].items():
+            marker = "o" if arm["mode"] == "fraction" else "s"
+            ax.scatter(arm["read_fraction"], arm[key], marker=marker)
+            ax.annotate(name.replace(" @ ", "\n@"), (arm["read_fraction"], arm[key]),
+                        fontsize=6)
+        if key == "accuracy":
+            ax.axhline(entry["dense_accuracy"], color="gray", linestyle="--", label="dense")
+            ax.legend(fontsize=7)
+        else:
+            ax.set_yscale("log")
+        ax.set_xlabel("fraction of pages read (circles: fixed 0.25, squares: coverage rule)")
+        ax.set_title(label, fontsize=9)
+    fig.suptitle(f"{meta.get('model')}, {meta.get('context')} tokens, "
+                 f"{entry['samples']} samples over the retrieval tasks", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     routines = parser.add_subparsers(dest="routine", required=True)
@@ -552,8 +672,18 @@ def main(argv=None):
     one.add_argument("--documents", type=int, default=4)
     one.add_argument("--gamma", type=float, default=0.98)
     one.add_argument("--plot", help="a PNG of the table")
+    one = routines.add_parser("estimators", help="candidate page-mass estimators (CPU)")
+    one.add_argument("--model", default=DEFAULT_MODEL)
+    one.add_argument("--text", default=DEFAULT_TEXT)
+    one.add_argument("--context", type=int, default=3072)
+    one.add_argument("--tasks", default="passkey,fact,multikey,uuid,code-kv,vartrack")
+    one.add_argument("--samples", type=int, default=20, help="samples per task")
+    one.add_argument("--threads", type=int, default=1)
+    one.add_argument("--merge", nargs="+", help="combine these --out files instead")
+    one.add_argument("--plot", help="with --merge: a PNG of accuracy and KL against reads")
+    one.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    routine = {"vllm": vllm_run, "eval": eval_jobs, "calibrate": calibrate,
+    routine = {"estimators": estimator_study, "vllm": vllm_run, "eval": eval_jobs, "calibrate": calibrate,
                "calibrated-kl": calibrated_kl, "summary-precision": summary_precision}
     routine[args.routine](args)
 

@@ -239,3 +239,62 @@ def test_calibrated_arms_use_per_head_targets(lm):
                                     calibrate_documents=1, **quiet)
     assert set(measured["table"]) == {"0.5", "0.5 calibrated"}
     assert len(measured["rows"]["calibration"]) == 2  # mean covered per layer
+
+
+def test_needle_tasks_build_deterministic_prompts():
+    prose = encode(text(words=3000))
+    code = encode(tasks.code_haystack(400, seed=1))
+    assert tasks.code_haystack(50, seed=1) == tasks.code_haystack(50, seed=1)
+    assert tasks.code_haystack(50, seed=1) != tasks.code_haystack(50, seed=2)
+    assert "def " in tasks.code_haystack(50, seed=1)
+    for task in tasks.NEEDLE_TASKS:
+        haystack = code if task.startswith("code-") else prose
+        sample = tasks.needle_task(task, haystack, encode, 2000, depth=0.3, seed=4)
+        again = tasks.needle_task(task, haystack, encode, 2000, depth=0.3, seed=4)
+        other = tasks.needle_task(task, haystack, encode, 2000, depth=0.3, seed=5)
+        assert sample == again and sample.prompt != other.prompt
+        assert len(sample.prompt) == 2000 and sample.task == task
+        assert sample.needle_tokens < 64  # every needle shorter than a page
+        prompt = decode(sample.prompt)
+        for answer in sample.answers:
+            assert answer in prompt  # the answer is planted in the haystack
+        if task == "vartrack":  # the chain's head holds the value, the question its tail
+            assert f"= {sample.answers[0]}." in prompt and prompt.endswith("=")
+    with pytest.raises(ValueError, match="task must be"):
+        tasks.needle_task("nope", prose, encode, 2000)
+    with pytest.raises(ValueError, match="too short"):
+        tasks.needle_task("fact", prose[:100], encode, 2000)
+
+
+def test_needle_depth_and_answer_checks():
+    prose = encode(text(words=3000))
+    for depth in (0.1, 0.9):
+        sample = tasks.needle_task("fact", prose, encode, 2000, depth=depth, seed=1)
+        at = decode(sample.prompt).index(sample.answers[0]) / 2000
+        assert abs(at - depth) < 0.1
+    assert tasks.check_answer(" 12345.", ("12345",))
+    assert not tasks.check_answer(" 1234", ("12345",))
+    assert tasks.check_answer(" 111 and 222", ("222", "111"))
+    assert not tasks.check_answer(" 111 and 2", ("222", "111"))
+    assert tasks.may_still_answer(" 123", ("12345",))
+    assert not tasks.may_still_answer(" 124", ("12345",))
+
+
+def test_estimator_study_on_a_tiny_model(lm):
+    from moira.evaluation import estimator_study
+
+    prose = encode(text(words=3000))
+    sample = tasks.needle_task("fact", prose, encode, 400, depth=0.5, seed=1)
+    names = ["exact", "mvar", "int4"]
+    arms = [("exact", "fraction", 0.5), ("mvar", "gamma", 0.9)]
+    row = estimator_study.run_sample(lm, sample, decode, names, arms, max_new_tokens=3)
+    assert 1 <= row["steps"] <= 3 and set(row["stats"]) == set(names)
+    exact = row["stats"]["exact"]
+    assert exact["rows"] == row["steps"] * 2 * 2  # steps x layers x KV heads
+    for name in names:  # no estimator keeps more exact mass than the exact masses do
+        assert row["stats"][name]["covered_at_fraction"][0] <= exact["covered_at_fraction"][0] \
+            + 1e-6
+    table = estimator_study.summarize([row, dict(row, task="other")])
+    assert table["all"]["samples"] == 2 and set(table) == {"fact", "other", "all"}
+    arm = table["fact"]["arms"]["exact @ read 0.5"]
+    assert 0 < arm["read_fraction"] <= 1 and arm["kl"] >= 0
