@@ -10,8 +10,8 @@
 - Kernel choice: ``--kernels "attend=cuda,attend.cuda_stages=3"`` parsed into a
   ``moira.KernelOptions`` (``add_kernel_options`` / ``kernel_options``), and the stage
   launchers a workspace's options pick (``estimate``, ``select``) for timing one stage alone.
-- Results: JSON with the command, GPU, versions, date, commit and whether the tree was dirty
-  (``run_info``); markdown sections between ``<!-- NAME:begin/end -->`` markers
+- Results: JSON with the command, GPU, versions, date, commit, whether the tree was dirty and
+  the hash of its diff (``run_info``); markdown sections between ``<!-- NAME:begin/end -->`` markers
   (``write_section``); matplotlib without a display (``pyplot``).
 - vLLM engines: the model configs of ``benchmarks/models``, the engine shapes and the paper's
   read fractions that Moira's engines impose on random weights.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -276,17 +277,25 @@ def select(workspace, log_masses, seq_lens, page_lists, page_counts, *, max_page
 # --------------------------------------------------------------------------------------------
 
 
-def git_state():
-    """``(commit, dirty)`` of the repository (tracked files changed: dirty); ``(None, None)``
-    outside a git checkout."""
+def git_state(repo=None):
+    """``(commit, dirty, diff_sha256)`` of the repository at ``repo`` (default: this one):
+    tracked files changed make it dirty, and then ``diff_sha256`` is the SHA-256 of their
+    changes (``git diff HEAD --binary | sha256sum``: a result file names the exact code that
+    made it, given the diff); None when clean. ``(None, None, None)`` outside a git checkout."""
+    repo = repo or REPO
+
+    def git(*args, text=True):
+        return subprocess.run(["git", *args], capture_output=True, text=text, cwd=repo,
+                              timeout=30).stdout
+
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=REPO, timeout=30).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True, cwd=REPO, timeout=30).stdout
+        commit = git("rev-parse", "HEAD").strip()
+        status = git("status", "--porcelain", "--untracked-files=no")
+        dirty = bool(status.strip()) if commit else None
+        diff = git("diff", "HEAD", "--binary", text=False) if dirty else None
     except (OSError, subprocess.SubprocessError):
-        return None, None
-    return (commit or None), (bool(status.strip()) if commit else None)
+        return None, None, None
+    return (commit or None), dirty, (hashlib.sha256(diff).hexdigest() if dirty else None)
 
 
 def versions(*packages):
@@ -320,13 +329,13 @@ def gpu_name():
 
 
 def run_info(*packages):
-    """What every result file states: the command, GPU, versions, date (UTC), commit and
-    whether the tree was dirty."""
-    commit, dirty = git_state()
+    """What every result file states: the command, GPU, versions, date (UTC), commit, whether
+    the tree was dirty and, if it was, the SHA-256 of its diff against the commit."""
+    commit, dirty, diff_sha256 = git_state()
     return dict(command="python3 " + " ".join(sys.argv), gpu=gpu_name(),
                 versions=versions(*packages),
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-                commit=commit, dirty=dirty)
+                commit=commit, dirty=dirty, diff_sha256=diff_sha256)
 
 
 def write_json(path, data, compact=False):

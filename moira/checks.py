@@ -191,10 +191,18 @@ def table_width(block_table):
 
 
 def row_values(name, values, batch, num_kv_heads, query):
-    """A float32 value per KV head or per (request, KV head), on the query's device."""
+    """A float32 value per KV head or per (request, KV head), on the query's device; in (0, 1]
+    where the values are in host memory (reading GPU memory would sync: there the kernels
+    saturate values outside, docs/design/select.md)."""
+    tensors(**{name: values})
     require(values.dtype == torch.float32
             and tuple(values.shape) in ((num_kv_heads,), (batch, num_kv_heads)),
             f"{name} must be a float32 tensor [num_kv_heads={num_kv_heads}] or "
             f"[batch={batch}, num_kv_heads={num_kv_heads}], got {values.dtype} of shape "
             f"{tuple(values.shape)}")
     device(query=query, **{name: values})
+    if values.device.type == "cpu":
+        bad = ~((values > 0) & (values <= 1))  # NaN too
+        require(not bool(bad.any()),
+                f"{name} must lie in (0, 1], got {values[bad].flatten()[:4].tolist()} "
+                f"({int(bad.sum())} of {values.numel()} outside)")

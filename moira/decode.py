@@ -9,8 +9,9 @@ Tensor conventions (vLLM's):
   dtype, any strides (views of vLLM's packed ``[..., 2 * head_dim]`` K|V tensor work).
 - ``block_table``: ``[batch, max_pages_per_seq]`` int32 physical page ids.
 - ``seq_lens``: ``[batch]`` int32, tokens in the cache per request, the current token included
-  (already written). 0 marks a padded row: its output is zeros. Values are not checked on the
-  host (that would sync); a row's pages are clamped to the block table's width.
+  (already written). 0 or a negative length marks a padded row: it reads no page, its output
+  is zeros and its page count 0. Values are not checked on the host (that would sync); a row's
+  pages are clamped to the block table's width.
 - ``summaries``: ``[num_pages, num_kv_heads, 2, head_dim]`` (0 = mean, 1 = population variance
   of the page's keys), float32, bf16 or fp16.
 - ``page_lists``: ``[batch, num_kv_heads, max_pages]`` int32 *logical* page indices;
@@ -36,6 +37,7 @@ from .config import MAX_PAGES_PER_SEQ, SUPPORTED_HEAD_DIMS, MoiraConfig
 from .kernels import backends, launch
 from .kernels import split as work_split
 from .kernels.cuda import attend as cuda_attend
+from .kernels.cuda import build as cuda_build
 from .kernels.cuda import estimate as cuda_estimate
 from .kernels.cuda import estimate_select as cuda_estimate_select
 from .kernels.cuda import select as cuda_select
@@ -163,8 +165,9 @@ def summarize(key_cache, block_table, seq_lens, summaries=None):
     seq_lens : ``[batch]`` int32; logical page p of request b is summarized if
         ``64 * (p + 1) <= seq_lens[b]``. Partial pages are left untouched.
     summaries : optional ``[num_pages, num_kv_heads, 2, head_dim]`` float32/bf16/fp16 to
-        write into; by default a new tensor of the cache's dtype (uninitialized where no full
-        page lands).
+        write into (pages no full page of the table lands on keep their values); by default a
+        new tensor of the cache's dtype, zeros where no full page lands (an empty batch
+        returns all zeros).
 
     Returns
     -------
@@ -175,7 +178,7 @@ def summarize(key_cache, block_table, seq_lens, summaries=None):
     checks.table(block_table, seq_lens)
     if summaries is None:
         num_pages, _, num_kv_heads, head_dim = key_cache.shape
-        summaries = torch.empty(num_pages, num_kv_heads, 2, head_dim, dtype=key_cache.dtype,
+        summaries = torch.zeros(num_pages, num_kv_heads, 2, head_dim, dtype=key_cache.dtype,
                                 device=key_cache.device)
     checks.summaries(summaries, key_cache)
     checks.device(key_cache=key_cache, block_table=block_table, seq_lens=seq_lens)
@@ -215,14 +218,19 @@ def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page
     # requests splits each row exactly as the replay does
     rows = (planned_batch or query.shape[0]) * num_kv_heads
     split = work_split.rows_plan(config, rows, block_table.shape[1])
-    if backends.attend(workspace, query, key_cache, value_cache) == "cuda":
-        cuda_attend.attend(
-            *inputs, qk_scale_log2=scale * math.log2(math.e), out=out, partial_out=partial_out,
-            partial_lse=partial_lse, short_pages=work_split.short_row_pages(
-                split["chunk_floor"], rows, config.step_programs),
-            stages=options.value("attend.cuda_stages"), build_only=launch.building_only(),
-            **split)
-    else:
+    runs = backends.attend(workspace, query, key_cache, value_cache)
+    if runs == "cuda":
+        try:  # a kernel that cannot be built: Triton's under "auto" (backends.build_failed)
+            cuda_attend.attend(
+                *inputs, qk_scale_log2=scale * math.log2(math.e), out=out,
+                partial_out=partial_out, partial_lse=partial_lse,
+                short_pages=work_split.short_row_pages(split["chunk_floor"], rows,
+                                                       config.step_programs),
+                stages=options.value("attend.cuda_stages"), build_only=launch.building_only(),
+                **split)
+        except cuda_build.BuildError as error:
+            runs = backends.build_failed(workspace, "attend", error)
+    if runs == "triton":
         triton_attend.attend(*inputs, scale=scale, out=out, partial_out=partial_out,
                              partial_lse=partial_lse, options=options,
                              programmatic_launch=config.programmatic_launch, **split)
@@ -311,25 +319,38 @@ def _estimate_and_select(query, key_cache, summaries, block_table, seq_lens, sca
     rule = dict(gamma=selection["gamma"], top_k=selection["top_k"], ways=ways,
                 row_values=row_values, fractions=fractions, row_gammas=row_gammas,
                 dense_below_pages=dense_below_pages, build_only=launch.building_only())
+    # a CUDA kernel that cannot be built or loaded raises at its first launch, before it
+    # writes anything: Triton's runs instead under "auto" (backends.build_failed)
     if backends.fused(workspace, estimate_runs, log_masses, seq_lens, page_lists, page_counts,
                       max_pages, ways, row_values, pdl):
-        cuda_estimate_select.estimate_select(
-            query, key_cache, summaries, block_table, seq_lens, scale, log_masses, page_lists,
-            page_counts, new_kv=new_kv, **rule)
-        return
+        try:
+            cuda_estimate_select.estimate_select(
+                query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
+                page_lists, page_counts, new_kv=new_kv, **rule)
+            return
+        except cuda_build.BuildError as error:
+            backends.build_failed(workspace, "fused", error)
     if estimate_runs == "cuda":
-        cuda_estimate.estimate(query, key_cache, summaries, block_table, seq_lens, scale,
-                               log_masses, options=options, dense_below_pages=dense_below_pages,
-                               new_kv=new_kv, build_only=launch.building_only())
-    else:
+        try:
+            cuda_estimate.estimate(query, key_cache, summaries, block_table, seq_lens, scale,
+                                   log_masses, options=options,
+                                   dense_below_pages=dense_below_pages, new_kv=new_kv,
+                                   build_only=launch.building_only())
+        except cuda_build.BuildError as error:
+            estimate_runs = backends.build_failed(workspace, "estimate", error)
+    if estimate_runs == "triton":
         triton_estimate.estimate(query, key_cache, summaries, block_table, seq_lens, scale,
                                  log_masses, options, dense_below_pages=dense_below_pages,
                                  programmatic_launch=pdl, new_kv=new_kv)
-    if backends.select(workspace, log_masses, seq_lens, page_lists, page_counts, max_pages, ways,
-                       row_values) == "cuda":
-        cuda_select.select(log_masses, seq_lens, page_lists, page_counts,
-                           num_kv_heads=num_kv_heads, max_pages=max_pages, **rule)
-    else:
+    select_runs = backends.select(workspace, log_masses, seq_lens, page_lists, page_counts,
+                                  max_pages, ways, row_values)
+    if select_runs == "cuda":
+        try:
+            cuda_select.select(log_masses, seq_lens, page_lists, page_counts,
+                               num_kv_heads=num_kv_heads, max_pages=max_pages, **rule)
+        except cuda_build.BuildError as error:
+            select_runs = backends.build_failed(workspace, "select", error)
+    if select_runs == "triton":
         triton_select.select(log_masses, seq_lens, page_lists, page_counts,
                              num_kv_heads=num_kv_heads, max_pages=max_pages, options=options,
                              **selection)
@@ -354,17 +375,22 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
         ``update_summaries``; every full page of every row but the current one must be
         summarized (the step writes the current page's summary when it is full).
     block_table : ``[batch, max_pages_per_seq]`` int32.
-    seq_lens : ``[batch]`` int32, the current token included (0 = padded row, output zeros).
+    seq_lens : ``[batch]`` int32, the current token included (0 or negative = padded row,
+        output zeros).
     gamma : coverage target in (0, 1]; default ``config.gamma`` (0.98). 1.0 keeps every page.
-        Or per-row targets, float32 ``[num_kv_heads]`` or ``[batch, num_kv_heads]`` on the
-        query's device (e.g. calibrated per head: ``moira calibrate``); their values are not
-        checked here (that would read GPU memory), so keep them in (0, 1].
+        Not with ``top_k`` (a ValueError: the count would override it). Or per-row targets,
+        float32 ``[num_kv_heads]`` or ``[batch, num_kv_heads]`` on the query's device (e.g.
+        calibrated per head: ``moira calibrate``): checked to lie in (0, 1] where they are in
+        host memory; on a GPU they are not read here (that would sync), and the kernels
+        saturate: a target of 1 or more keeps every page, one at or below the sink's and
+        current page's shares keeps those two (docs/design/select.md).
     top_k : fixed-count mode: keep this many pages per row (sink and current page included)
         instead of applying the coverage rule; default ``config.top_k`` (None).
     keep_fractions : fraction mode, float32 ``[num_kv_heads]`` or ``[batch, num_kv_heads]``:
         each row keeps ``max(2, floor(f * pages + 0.5))`` of its pages, the highest-share ones
         (budgets imposed for timing studies; the count is derived on the GPU from
-        ``seq_lens``).
+        ``seq_lens``). Checked to lie in (0, 1] in host memory; on a GPU a fraction of 1 or
+        more keeps every page, one of 0 or less two pages.
     dense_below_pages : rows of at most this many pages read every page and skip Estimate's
         and Select's work; default ``config.dense_below_pages`` (0 = off).
     scale : softmax scale, default ``1 / sqrt(head_dim)``.
@@ -404,6 +430,9 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     checks.require(planned_batch is None or (isinstance(planned_batch, int)
                                        and planned_batch >= batch),
                    f"planned_batch must be an int >= the batch ({batch}), got {planned_batch!r}")
+    checks.require(gamma is None or torch.is_tensor(gamma) or top_k is None,
+                   f"pass either gamma ({gamma!r}) or top_k ({top_k!r}), not both: top_k fixes "
+                   f"the page count, and gamma would be ignored")
     if keep_fractions is not None:
         checks.row_values("keep_fractions", keep_fractions, batch, num_kv_heads, query)
         checks.require(top_k is None, "pass either top_k or keep_fractions, not both")
@@ -429,6 +458,9 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
         config = config.replace(**overrides)
     checks.require(gammas is None or config.top_k is None,
                    "per-row gamma targets apply to the coverage rule, and this config sets top_k")
+    checks.require(gamma is None or config.top_k is None,
+                   f"gamma={gamma!r} applies to the coverage rule, and the config's "
+                   f"top_k={config.top_k} fixes the page count: pass a config without top_k")
     checks.require(keep_fractions is None or config.top_k is None,
                    f"keep_fractions and the config's top_k={config.top_k} both fix the page count: "
                    f"pass a config without top_k")

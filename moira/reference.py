@@ -7,7 +7,8 @@ those of the public API (see ``moira.decode``):
 - ``query`` ``[batch, num_heads, head_dim]``; query head ``h * G + g`` belongs to KV head ``h``.
 - ``key_cache`` / ``value_cache`` ``[num_pages, 64, num_kv_heads, head_dim]``.
 - ``block_table`` ``[batch, max_pages_per_seq]`` physical page ids; ``seq_lens`` ``[batch]``
-  tokens in the cache, the current token included.
+  tokens in the cache, the current token included; 0 or negative: a padded row (no pages,
+  output zeros).
 - A *row* is one (request, KV head) pair; its pages are the logical pages
   ``0 .. ceil(seq_len / 64) - 1``: page 0 is the sink, the last one the current page.
 - ``page_lists`` ``[batch, num_kv_heads, max_pages]`` logical page indices, the first
@@ -28,8 +29,9 @@ def default_scale(head_dim: int) -> float:
 
 
 def num_pages(seq_len: int, max_pages: int) -> int:
-    """Pages of a row: ceil(seq_len / 64), at most the block table's width."""
-    return min(-(-int(seq_len) // PAGE_SIZE), max_pages)
+    """Pages of a row: ceil(seq_len / 64), at most the block table's width; 0 for a padded row
+    (``seq_len`` 0 or negative)."""
+    return max(0, min(-(-int(seq_len) // PAGE_SIZE), max_pages))
 
 
 def _grouped_query(query, b, num_kv_heads, scale):

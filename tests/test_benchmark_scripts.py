@@ -1512,3 +1512,43 @@ def test_attend_timeline_variants_name_chunk_stages_ceiling_and_table_width():
     for bad in ("persistent24", "grid24r", "grid0", "grid24s5"):
         with pytest.raises(SystemExit, match="grid<C>"):
             timeline.variant_settings(bad)
+
+
+def test_run_info_records_the_commit_and_a_hash_of_a_dirty_trees_diff(tmp_path, monkeypatch):
+    """A result file names the code that made it: the commit, whether tracked files were
+    changed and, if so, the SHA-256 of ``git diff HEAD`` (the same changes, the same hash; any
+    other change, another); untracked files leave the tree clean."""
+    import hashlib
+    import subprocess
+
+    common = load("common")
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True,
+                              text=True).stdout
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / "kernel.py").write_text("x = 1\n")
+    git("add", "kernel.py")
+    git("commit", "-q", "-m", "first")
+    head = git("rev-parse", "HEAD").strip()
+    (tmp_path / "notes.txt").write_text("untracked\n")
+    assert common.git_state(str(tmp_path)) == (head, False, None)
+    (tmp_path / "kernel.py").write_text("x = 2\n")
+    commit, dirty, digest = common.git_state(str(tmp_path))
+    assert (commit, dirty) == (head, True)
+    diff = subprocess.run(["git", "diff", "HEAD", "--binary"], cwd=tmp_path,
+                          capture_output=True).stdout
+    assert digest == hashlib.sha256(diff).hexdigest()
+    (tmp_path / "kernel.py").write_text("x = 3\n")
+    assert common.git_state(str(tmp_path))[2] not in (None, digest)
+    (tmp_path / "kernel.py").write_text("x = 2\n")
+    assert common.git_state(str(tmp_path))[2] == digest
+    git("add", "kernel.py")  # staged changes are changes against HEAD too
+    assert common.git_state(str(tmp_path))[2] == digest
+    assert common.git_state(str(tmp_path / "nowhere")) == (None, None, None)
+    monkeypatch.setattr(common, "git_state", lambda: (head, True, digest))
+    info = common.run_info()
+    assert (info["commit"], info["dirty"], info["diff_sha256"]) == (head, True, digest)

@@ -325,6 +325,88 @@ def test_coverage_targets_per_kv_head():
         moira.sparse_decode(*inputs, gamma=targets, config=SMALL_SPLIT.replace(top_k=4))
 
 
+def test_gamma_with_top_k_is_refused():
+    """top_k fixes the page count, so a gamma beside it (as an argument or from the config)
+    would be ignored: a ValueError naming both."""
+    ctx, summaries = structured_step(batch=1)
+    inputs = (ctx.query, ctx.key_cache, ctx.value_cache, summaries, ctx.block_table,
+              ctx.seq_lens)
+    with pytest.raises(ValueError, match=r"either gamma \(0.9\) or top_k \(4\)"):
+        moira.sparse_decode(*inputs, gamma=0.9, top_k=4)
+    with pytest.raises(ValueError, match=r"gamma=0.9 applies to the coverage rule.*top_k=4"):
+        moira.sparse_decode(*inputs, gamma=0.9, config=SMALL_SPLIT.replace(top_k=4))
+    moira.sparse_decode(*inputs, top_k=4, config=SMALL_SPLIT)  # alone, each is fine
+    moira.sparse_decode(*inputs, gamma=0.9, config=SMALL_SPLIT)
+
+
+@pytest.mark.parametrize("name", ["gamma", "keep_fractions"])
+@pytest.mark.parametrize("bad", [0.0, -0.5, 1.5, float("nan")])
+def test_per_row_values_in_host_memory_are_checked(name, bad):
+    """Per-row targets and fractions outside (0, 1] are refused where reading them costs no
+    sync (tensors in host memory); on a GPU the kernels saturate them instead (next test)."""
+    ctx, summaries = structured_step(batch=2)
+    inputs = (ctx.query, ctx.key_cache, ctx.value_cache, summaries, ctx.block_table,
+              ctx.seq_lens)
+    values = torch.tensor([0.5, bad], device=DEVICE)
+    if values.device.type != "cpu":
+        pytest.skip("checked on the host only for tensors in host memory")
+    with pytest.raises(ValueError, match=rf"{name} must lie in \(0, 1\].*1 of 2 outside"):
+        moira.sparse_decode(*inputs, **{name: values}, config=SMALL_SPLIT)
+
+
+@pytest.mark.parametrize("name, values, clamped", [
+    ("gamma", [1.5, -0.5], [1.0, 1e-9]),
+    ("keep_fractions", [2.0, -1.0], [1.0, 1e-9]),
+])
+def test_kernels_saturate_per_row_values_as_the_spec_does(monkeypatch, name, values, clamped):
+    """Values outside (0, 1] that reach the kernels (GPU tensors are not read on the host):
+    a target or fraction of 1 or more keeps every page, one at or below 0 keeps the sink and
+    the current page only; the float32 spec does the same, so it is the spec of both."""
+    host_check = moira.checks.row_values
+    monkeypatch.setattr(moira.checks, "row_values",  # as for a GPU tensor: no value check
+                        lambda n, v, *args: host_check(n, v.clamp(1e-9, 1), *args))
+    ctx, summaries = structured_step(batch=2)
+    inputs = (ctx.query, ctx.key_cache, ctx.value_cache, summaries, ctx.block_table,
+              ctx.seq_lens)
+    workspace = moira.DecodeWorkspace.for_step(ctx.query, ctx.key_cache, ctx.block_table,
+                                               config=SMALL_SPLIT)
+    _, _, counts = moira.sparse_decode(*inputs, **{name: torch.tensor(values, device=DEVICE)},
+                                       workspace=workspace, return_pages=True)
+    log_masses = workspace.selection_buffers(2, ctx.block_table.shape[1])[0].cpu()
+    log_masses = log_masses.view(2, 2, -1, log_masses.shape[-1])
+    pages = [-(-int(n) // 64) for n in ctx.seq_lens]
+    assert counts.cpu().tolist() == [[n, 2] for n in pages]
+    for given in (values, clamped):
+        _, expected = ref.select(log_masses, ctx.seq_lens.cpu(), **{name: torch.tensor(given)})
+        assert torch.equal(counts.cpu(), expected)
+
+
+def test_negative_lengths_are_padded_rows():
+    """0 and negative lengths both mark a padded row: no pages, output zeros, in the kernels
+    and in the spec."""
+    keys, values = make_cache(40, 2, 64)
+    table, seq_lens = make_table([64 * 5 + 3, 0, 64 * 3], 40)
+    seq_lens[1], seq_lens[2] = -100, -1
+    query = make_query(3, 8, 64)
+    summaries = moira.summarize(keys, table, seq_lens.clamp(min=0))
+    out, page_lists, page_counts = moira.sparse_decode(
+        query, keys, values, summaries, table, seq_lens, config=SMALL_SPLIT,
+        return_pages=True, out=poisoned(*query.shape))
+    assert page_counts[0].min() >= 2
+    assert page_counts[1:].cpu().tolist() == [[0, 0], [0, 0]]
+    assert (out[1:] == 0).all()
+    base = cpu(query, keys, values, table, seq_lens)
+    expected_lists, expected_counts = ref.select(ref.estimate(*cpu(query, keys, summaries, table,
+                                                                   seq_lens)), seq_lens.cpu())
+    assert expected_counts[1:].tolist() == [[0, 0], [0, 0]]
+    assert torch.equal(page_counts.cpu(), expected_counts)
+    dense = ref.dense_attention(*base)
+    assert (dense[1:] == 0).all()
+    assert_attention_close(out, ref.attend(*base, *cpu(page_lists, page_counts)),
+                           ref.attend(*base, *cpu(page_lists, page_counts),
+                                      dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("how", ["config", "argument"])
 def test_short_rows_read_every_page(how):
     ctx, summaries = structured_step()

@@ -47,6 +47,36 @@ def test_summarize_allocates_in_cache_dtype():
                                atol=1e-2)
 
 
+@pytest.fixture
+def recycled_memory(monkeypatch):
+    """``torch.empty`` returning NaNs, as a block the GPU's caching allocator hands back may
+    hold anything: what a function leaves unwritten shows."""
+    empty = torch.empty
+
+    def recycled(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", recycled)
+
+
+def test_summaries_of_pages_no_full_page_lands_on_are_zeros(recycled_memory):
+    """The default output is defined everywhere: the summaries of full pages, zeros elsewhere
+    (pages of no row, partial pages), and all zeros for an empty batch."""
+    keys, _ = make_cache(12, 2, 64)
+    table, seq_lens = make_table([64 * 2 + 5], 12)  # two full pages, one partial
+    summaries = moira.summarize(keys, table, seq_lens)
+    full = table[0, :2].tolist()
+    others = [page for page in range(12) if page not in full]
+    assert torch.isfinite(summaries).all()
+    assert (summaries[others] == 0).all()
+    expected = ref.summarize(keys.cpu(), table.cpu(), seq_lens.cpu())
+    torch.testing.assert_close(summaries[full].float().cpu(), expected[full], rtol=1e-2,
+                               atol=1e-2)
+    empty_batch = moira.summarize(keys, table[:0], seq_lens[:0])
+    assert empty_batch.shape == (12, 2, 2, 64) and (empty_batch == 0).all()
+
+
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 def test_update_summaries_from_slot_mapping(slot_dtype):
     num_pages, num_kv_heads, head_dim = 12, 3, 128

@@ -2,13 +2,16 @@
 device and shapes, then per call for the tensors at hand.
 
 A workspace resolves each stage to "cuda" where the device can build and run the CUDA kernel
-(a CUDA device of sm_80+, libnvrtc found) and its shapes fit (head dim, group, Attend's
-"rows" schedule), else to "triton"; an explicit "cuda" that cannot run there is a ValueError
-then, not at the first step. Per call the CUDA kernels also need bf16 tensors with aligned
-strides: "auto" runs the Triton kernel on others (warning once per reason), "cuda" raises.
+(a CUDA device of sm_80+, a libnvrtc that can target its architecture) and its shapes fit
+(head dim, group, Attend's "rows" schedule), else to "triton"; an explicit "cuda" that cannot
+run there is a ValueError then, not at the first step. Per call the CUDA kernels also need
+bf16 tensors with aligned strides: "auto" runs the Triton kernel on others (warning once per
+reason), "cuda" raises.
 "auto" also picks by the block table's width for Estimate and Select, where the CUDA kernel
 wins only from ``estimate.cuda_from_pages`` / ``select.cuda_from_pages`` pages (why:
-docs/design/cuda-backend.md).
+docs/design/cuda-backend.md). A CUDA kernel that fails to build or load at its first launch
+(``build.BuildError``) is the Triton kernel's under "auto" from then on (``build_failed``,
+warned once), the error under "cuda".
 """
 
 from __future__ import annotations
@@ -34,9 +37,7 @@ def _device_reason(device):
     major, minor = torch.cuda.get_device_capability(index)
     if major < 8:
         return f"the GPU is sm_{major}{minor}; the CUDA kernels need sm_80 or newer"
-    if not build.can_run(index, "kernels"):
-        return "no libnvrtc was found (pip install nvidia-cuda-nvrtc)"
-    return None
+    return build.unusable(index)
 
 
 def _stage_reason(stage, options, device, head_dim, group, schedule):
@@ -77,6 +78,11 @@ def resolve(options, device, head_dim, group, schedule):
             raise ValueError(f"KernelOptions({stage}='cuda') cannot run here: {reason}; use "
                              f"{stage}='auto' or 'triton'")
         resolved[stage] = "cuda" if choice != "triton" and not reason else "triton"
+        if choice == "auto" and reason and device.type == "cuda":
+            unbuildable = build.unusable(build.device_index(device))
+            if unbuildable and reason == unbuildable:  # a GPU the CUDA kernels cannot build for
+                _warn_once(f"Moira's CUDA kernels cannot be built here: {unbuildable}; 'auto' "
+                           f"runs the Triton kernels")
     # the fused kernel runs the CUDA Estimate's and Select's code, whichever Select is chosen
     select_code = _stage_reason("select", options, device, head_dim, group, schedule) is None
     fusable = resolved["estimate"] == "cuda" and select_code
@@ -87,15 +93,40 @@ def resolve(options, device, head_dim, group, schedule):
 _warned = set()
 
 
+def _warn_once(message, stacklevel=4):
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
 def _fall_back(stage, choice, error):
     """"triton" for a call the CUDA kernel cannot take under "auto" (warned once per reason);
     the kernel's ValueError under an explicit "cuda"."""
     if choice == "cuda":
         raise error
-    if (stage, str(error)) not in _warned:
-        _warned.add((stage, str(error)))
-        warnings.warn(f"{stage}='auto' runs the Triton kernel for these inputs: {error}",
-                      RuntimeWarning, stacklevel=4)
+    _warn_once(f"{stage}='auto' runs the Triton kernel for these inputs: {error}")
+    return "triton"
+
+
+def build_failed(workspace, stage, error):
+    """After ``stage``'s CUDA kernel failed to build or load (``error``, a ``build.BuildError``)
+    at a launch: under "auto" the workspace runs the Triton kernel for the stage from now on
+    (warned once) and this returns "triton"; under "cuda" the error is raised. ``stage``
+    "fused": the fused Estimate + Select, off from now on ("off"; raised under ``fused="on"``),
+    the two kernels running instead."""
+    options = workspace.config.kernels
+    if stage == "fused":
+        if options.fused == "on":
+            raise error
+        workspace.backends["fused"] = "off"
+        _warn_once(f"the fused CUDA Estimate + Select could not be built, and the two kernels "
+                   f"run instead: {error}")
+        return "off"
+    if getattr(options, stage) == "cuda":
+        raise error
+    workspace.backends[stage] = "triton"
+    _warn_once(f"{stage}='auto' runs the Triton kernel: the CUDA kernel could not be built "
+               f"or loaded: {error}")
     return "triton"
 
 
