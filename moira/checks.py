@@ -1,8 +1,9 @@
 """Argument checks of the public functions: shapes, dtypes, devices and strides only.
 
 Values stay on the GPU (reading them would sync the host and break CUDA-graph capture), so ids
-and lengths are the caller's to keep in range, as for FlashAttention and FlashInfer. Each check
-raises a ValueError that names the argument and the fix.
+and lengths are the caller's to keep in range, as for FlashAttention and FlashInfer; values in
+host memory cost no sync and are checked where a kernel would misread them (per-row targets
+and fractions). Each check raises a ValueError that names the argument and the fix.
 """
 
 from __future__ import annotations
