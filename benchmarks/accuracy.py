@@ -565,6 +565,8 @@ def estimator_study(args):
     for task in args.tasks.split(","):
         for index, sample in enumerate(study.task_samples(task, args.samples, encode,
                                                           evaluation_ids, args.context)):
+            if index < args.first:
+                continue
             samples.append(dict(study.run_sample(lm, sample, decode, STUDY_STATS, STUDY_ARMS),
                                 sample=index))
             with open(args.out, "w") as f:
@@ -604,19 +606,25 @@ def study_plot(table, path, meta):
     plt = common.pyplot()
     entry = table["all"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    names = list(dict.fromkeys(arm["estimator"] for arm in entry["arms"].values()))
+    colors = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(names)}
     for ax, key, label in ((axes[0], "accuracy", "accuracy (dense answer reproduced)"),
                            (axes[1], "kl", "token KL(dense || arm)")):
-        for name, arm in entry["arms"].items():
-            marker = "o" if arm["mode"] == "fraction" else "s"
-            ax.scatter(arm["read_fraction"], arm[key], marker=marker)
-            ax.annotate(name.replace(" @ ", "\n@"), (arm["read_fraction"], arm[key]),
-                        fontsize=6)
+        for name in names:
+            for mode, marker in (("fraction", "o"), ("gamma", "s")):
+                arms = [a for a in entry["arms"].values()
+                        if a["estimator"] == name and a["mode"] == mode]
+                ax.scatter([a["read_fraction"] for a in arms], [a[key] for a in arms],
+                           marker=marker, color=colors[name], s=40,
+                           label=("oracle (exact)" if name == "exact" else name)
+                           if mode == "fraction" else None)
         if key == "accuracy":
             ax.axhline(entry["dense_accuracy"], color="gray", linestyle="--", label="dense")
             ax.legend(fontsize=7)
         else:
             ax.set_yscale("log")
-        ax.set_xlabel("fraction of pages read (circles: fixed 0.25, squares: coverage rule)")
+        ax.set_xlabel("fraction of pages read (circles: 25% of each row; squares: coverage "
+                      "rule, gamma 0.95, mvar also 0.98)", fontsize=8)
         ax.set_title(label, fontsize=9)
     fig.suptitle(f"{meta.get('model')}, {meta.get('context')} tokens, "
                  f"{entry['samples']} samples over the retrieval tasks", fontsize=9)
@@ -678,6 +686,7 @@ def main(argv=None):
     one.add_argument("--context", type=int, default=3072)
     one.add_argument("--tasks", default="passkey,fact,multikey,uuid,code-kv,vartrack")
     one.add_argument("--samples", type=int, default=20, help="samples per task")
+    one.add_argument("--first", type=int, default=0, help="skip each task's first samples")
     one.add_argument("--threads", type=int, default=1)
     one.add_argument("--merge", nargs="+", help="combine these --out files instead")
     one.add_argument("--plot", help="with --merge: a PNG of accuracy and KL against reads")
