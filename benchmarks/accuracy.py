@@ -7,6 +7,10 @@
     PYTHONPATH=. python3 benchmarks/accuracy.py calibrated-kl --calibration cal.json \
         --part 0/2 --out part0.json
     PYTHONPATH=. python3 benchmarks/accuracy.py summary-precision --out precision.json
+    PYTHONPATH=. python3 benchmarks/accuracy.py estimators --tasks passkey,fact --samples 10 \
+        --out part.json
+    PYTHONPATH=. python3 benchmarks/accuracy.py estimators --merge part*.json --out all.json \
+        --plot all.png
 
 ``report.py accuracy-vllm DIR`` (the ``vllm`` arms), ``report.py accuracy`` (``eval``'s files)
 and ``report.py calibration`` (``calibrated-kl``'s parts) make the tables and plots.
@@ -46,6 +50,10 @@ r = (1 - mean covered) / (1 - gamma) that sets the head's target gamma' = 1 - (1
 ``calibrated-kl`` measures token KL to dense (teacher-forced on the dense continuation) and
 pages read on held-out documents (the second half) for global gammas and calibrated targets
 (``--part i/n`` runs every n-th document, for parallel processes).
+
+estimators: candidate page-mass estimators (``moira/estimators.py``) against the exact masses
+and against each other on short-needle retrieval tasks (``moira/evaluation/estimator_study.py``
+says what is measured; docs/design/estimate.md the results).
 
 summary-precision: would FP8 page summaries select the same pages? On a trained model each
 decode step of each layer selects its pages (coverage rule, ``moira.reference``) from
