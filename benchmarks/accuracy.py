@@ -601,7 +601,8 @@ def print_study(table):
               "@gamma | needle rows | needle kept @0.15/0.25/0.4 | needle est/exact share |")
         print("|---|---|---|---|---|---|---|")
         for name, e in entry["estimators"].items():
-            fmt = lambda d, f="{:.3f}": " / ".join(f.format(v) for v in d.values())
+            def fmt(values, form="{:.3f}"):
+                return " / ".join(form.format(v) for v in values.values())
             print(f"| {name} | {fmt(e['covered_at_fraction'])} | "
                   f"{fmt(e['pages_at_gamma'], '{:.1%}')} | {fmt(e['covered_at_gamma'])} | "
                   f"{e['needle_rows']} | {fmt(e['needle_kept_at_fraction'], '{:.2f}')} | "
@@ -700,8 +701,9 @@ def main(argv=None):
     one.add_argument("--plot", help="with --merge: a PNG of accuracy and KL against reads")
     one.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    routine = {"estimators": estimator_study, "vllm": vllm_run, "eval": eval_jobs, "calibrate": calibrate,
-               "calibrated-kl": calibrated_kl, "summary-precision": summary_precision}
+    routine = {"estimators": estimator_study, "vllm": vllm_run, "eval": eval_jobs,
+               "calibrate": calibrate, "calibrated-kl": calibrated_kl,
+               "summary-precision": summary_precision}
     routine[args.routine](args)
 
 

@@ -7,9 +7,9 @@ from helpers import DEVICE, make_cache
 
 import moira
 from moira.integrations.vllm.settings import (MoiraSettings, cache_write_in_estimate,
-                                              check_cache_dtype, decode_rows_skipped, explain, fa3_rows,
-                                              full_read_pages, planning_batch, split_decodes,
-                                              summary_bytes)
+                                              check_cache_dtype, decode_rows_skipped, explain,
+                                              fa3_rows, full_read_pages, planning_batch,
+                                              split_decodes, summary_bytes)
 from moira.integrations.vllm.state import (DenseCheck, ImposedFractions, LayerState,
                                            PageStatsLog, bf16_ulps)
 
@@ -92,7 +92,7 @@ def test_the_cache_write_joins_estimate_only_in_steps_without_an_fa3_call():
     (None, {"MOIRA_CHECK_DENSE": "yes"}, "use 0 or 1"),
     ({"moira": {"schedule": "even"}}, {}, "schedule must be 'rows'"),
     ({"moira": {"calibration": 3}}, {}, "calibration must be the path"),
-    # removed after measuring slower on the H200 (benchmarks/RESULTS.md): unknown keys like any other
+    # options measured slower on the H200 and removed (docs/design/): unknown keys like any other
     ({"moira": {"fused_merge": True}}, {}, r"unknown key\(s\) \['fused_merge'\]"),
     ({"moira": {"fused_select": True}}, {}, r"unknown key\(s\) \['fused_select'\]"),
     (None, {"MOIRA_FUSED_MERGE": "1"},
