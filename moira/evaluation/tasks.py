@@ -90,19 +90,8 @@ def passkey(haystack, encode, context, *, kind="single", depth=0.5, keys=4, seed
         depths = [depth] + others
     else:
         raise ValueError(f"kind must be 'single' or 'multi', got {kind!r}")
-    preamble_ids = encode(preamble)
-    needle_ids = [encode(needle) for needle in needles]
-    question_ids = encode(question)
-    filler = context - len(preamble_ids) - len(question_ids) - sum(map(len, needle_ids))
-    if filler <= 0 or len(haystack) < filler:
-        raise ValueError(f"context {context} is too short for the needles, or the haystack "
-                         f"({len(haystack)} tokens) too short for the filler ({filler})")
-    prompt = list(haystack[:filler])
-    # insert from the deepest needle up, so earlier insertion points stay valid
-    for ids, at in sorted(zip(needle_ids, depths), key=lambda pair: -pair[1]):
-        position = int(at * filler)
-        prompt[position:position] = ids
-    return RetrievalSample(preamble_ids + prompt + question_ids, numbers[0], kind, depth)
+    prompt, _ = place_needles(haystack, encode, context, preamble, needles, depths, question)
+    return RetrievalSample(prompt, numbers[0], kind, depth)
 
 
 def repeated_passage(passage, filler, context):
@@ -200,6 +189,7 @@ def place_needles(haystack, encode, context, preamble, needles, depths, question
         raise ValueError(f"context {context} is too short for the needles, or the haystack "
                          f"({len(haystack)} tokens) too short for the filler ({filler})")
     prompt = list(haystack[:filler])
+    # insert from the deepest needle up, so earlier insertion points stay valid
     for ids, at in sorted(zip(needle_ids, depths), key=lambda pair: -pair[1]):
         position = int(at * filler)
         prompt[position:position] = ids
