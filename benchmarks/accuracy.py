@@ -535,14 +535,14 @@ def estimator_study(args):
     from moira.evaluation import estimator_study as study
 
     if args.merge:
-        samples, meta = [], {}
+        samples, parts = [], []
         for path in args.merge:
             with open(path) as f:
                 data = json.load(f)
             samples += data["samples"]
-            meta = {k: v for k, v in data.items() if k not in ("samples", "table")}
+            parts.append({k: v for k, v in data.items() if k not in ("samples", "table")})
         table = study.summarize(samples)
-        meta["command"] = " ".join(sys.argv)
+        meta = dict(parts[-1], **common.run_info("transformers"), parts=parts)
         with open(args.out, "w") as f:
             json.dump(dict(meta, table=table, samples=samples), f, indent=None)
         print_study(table)
@@ -569,7 +569,7 @@ def estimator_study(args):
                 bytes_per_page_per_kv_head={name: estimators.BYTES[name](head_dim)
                                             for name in STUDY_STATS},
                 key_bytes_per_page_per_kv_head=estimators.BYTES["exact"](head_dim),
-                command=" ".join(sys.argv))
+                **common.run_info("transformers"))
     for task in args.tasks.split(","):
         for index, sample in enumerate(study.task_samples(task, args.samples, encode,
                                                           evaluation_ids, args.context)):
