@@ -13,7 +13,14 @@ import numbers
 
 import torch
 
-from .config import CACHE_DTYPE_NAMES, MAX_PAGES_PER_SEQ, PAGE_SIZE, SUPPORTED_HEAD_DIMS
+from .config import (
+    CACHE_DTYPE_NAMES,
+    ESTIMATOR_BITS,
+    MAX_PAGES_PER_SEQ,
+    PAGE_SIZE,
+    SUPPORTED_HEAD_DIMS,
+    summary_rows,
+)
 from .kernels import interpreting
 
 CACHE_DTYPES = tuple(getattr(torch, name) for name in CACHE_DTYPE_NAMES)
@@ -115,15 +122,36 @@ def step(query, key_cache, value_cache, block_table, seq_lens):
     return batch, num_heads, num_kv_heads, head_dim
 
 
-def summaries(summaries, key_cache):
+def estimator(name):
+    require(name in ESTIMATOR_BITS,
+            f"estimator must be one of {sorted(ESTIMATOR_BITS)}, got {name!r}")
+
+
+def summaries(summaries, key_cache, estimator_name="mvar"):
+    """Shape, dtype and device of ``estimator_name``'s summaries (``config.summary_rows``)."""
+    estimator(estimator_name)
     tensors(summaries=summaries)
-    num_pages, _, num_kv_heads, head_dim = key_cache.shape
-    expected = (num_pages, num_kv_heads, 2, head_dim)
-    require(tuple(summaries.shape) == expected,
-            f"summaries must have shape {expected} ([num_pages, num_kv_heads, 2, head_dim]), "
-            f"got {tuple(summaries.shape)}")
     require(summaries.dtype in SUMMARY_DTYPES,
             f"summaries dtype {summaries.dtype} must be one of {SUMMARY_DTYPES}")
+    num_pages, _, num_kv_heads, head_dim = key_cache.shape
+    rows = summary_rows(estimator_name, summaries.element_size())
+    expected = (num_pages, num_kv_heads, rows, head_dim)
+    if tuple(summaries.shape) != expected:
+        built_for = [name for name in ESTIMATOR_BITS
+                     if summaries.dim() == 4 and summaries.shape[2]
+                     == summary_rows(name, summaries.element_size())]
+        hint = (f": these look built for estimator={built_for[0]!r}; summarize with "
+                f"estimator={estimator_name!r} or use config estimator={built_for[0]!r}"
+                if built_for and tuple(summaries.shape[:2]) + tuple(summaries.shape[3:])
+                == (num_pages, num_kv_heads, head_dim) else "")
+        raise ValueError(f"summaries for estimator={estimator_name!r} must have shape "
+                         f"{expected} ([num_pages, num_kv_heads, {rows}, head_dim] in "
+                         f"{summaries.dtype}), got {tuple(summaries.shape)}{hint}")
+    if ESTIMATOR_BITS[estimator_name]:  # the codes are read as the rows' bytes, in order
+        require(summaries.stride(3) == 1 and summaries.stride(2) == head_dim,
+                f"summaries for estimator={estimator_name!r} must have contiguous rows "
+                f"(strides [..., {head_dim}, 1]), got strides {summaries.stride()}: pass "
+                f"summaries.contiguous()")
     device(summaries=summaries, key_cache=key_cache)
 
 

@@ -41,6 +41,26 @@ CACHE_DTYPE_NAMES = ("bfloat16", "float16")
 """KV-cache dtypes the kernels read (torch's names; vLLM's ``--kv-cache-dtype`` takes them)."""
 
 
+ESTIMATOR_BITS = {"mvar": 0, "int2": 2, "int4": 4}
+"""Page-mass estimators and the bits per key channel of their codes (docs/design/estimate.md):
+``"mvar"`` the paper's mean-and-variance estimate (Eq. 2); ``"int2"`` / ``"int4"`` every key of
+the page at 2 / 4 bits per channel between the page's per-channel min and max, each page's
+mass the log-sum-exp of its keys' logits."""
+
+
+def summary_rows(estimator: str, itemsize: int) -> int:
+    """Rows of one (page, KV head) summary ``[rows, head_dim]`` in a dtype of ``itemsize`` bytes.
+
+    ``"mvar"``: 2 (per-channel mean, population variance). ``"int2"`` / ``"int4"``: per-channel
+    min and max, then the 64 keys' codes as bytes (``64 * head_dim * bits / 8`` of them, i.e.
+    ``8 * bits / itemsize`` rows): token t's codes fill bytes ``[t * head_dim * bits / 8, ...)``
+    and byte j holds channels ``j + s * head_dim * bits / 8`` at bits ``[s * bits, (s + 1) *
+    bits)``, s = 0 .. 8 / bits - 1. E.g. int2 in bf16: 2 + 8 rows, 2,560 bytes at D = 128.
+    """
+    bits = ESTIMATOR_BITS[estimator]
+    return 2 + 8 * bits // itemsize
+
+
 BACKENDS = ("auto", "triton", "cuda")
 """A stage's implementations: ``"auto"`` runs the CUDA kernel where it can, Triton elsewhere."""
 
@@ -202,6 +222,12 @@ class MoiraConfig:
         P of the balanced schedule: programs launched per step.
     kernels:
         ``KernelOptions``: which kernel runs each stage (Triton or CUDA) and their tuning.
+    estimator:
+        The page-mass estimate and so the summaries' layout (``summary_rows``): ``"mvar"``
+        (the paper's Eq. 2 from the mean and variance, 2 rows), ``"int2"`` or ``"int4"`` (every
+        key at 2 / 4 bits per channel, log-sum-exp'd per page: sees a single key whose logit
+        towers over its page, which mvar misses; docs/design/estimate.md). The summaries must
+        be built for the same estimator (``moira.summarize(..., estimator=...)``).
     bisection_ways:
         The K_B schedule: ``((max_pages, K_B), ...)`` in increasing ``max_pages``; a step whose
         block table holds fewer than ``max_pages`` pages per row uses that K_B, and the last
@@ -222,8 +248,12 @@ class MoiraConfig:
     programs: int = 1056
     bisection_ways: tuple[tuple[int, int], ...] = ((256, 8), (4096, 4), (32768, 2))
     kernels: KernelOptions = KernelOptions()
+    estimator: str = "mvar"
 
     def __post_init__(self):
+        if self.estimator not in ESTIMATOR_BITS:
+            raise ValueError(f"estimator must be one of {sorted(ESTIMATOR_BITS)}, got "
+                             f"{self.estimator!r}")
         if isinstance(self.kernels, dict):
             object.__setattr__(self, "kernels", KernelOptions.from_mapping(self.kernels))
         if not isinstance(self.kernels, KernelOptions):

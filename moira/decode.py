@@ -33,7 +33,13 @@ import math
 import torch
 
 from . import checks
-from .config import MAX_PAGES_PER_SEQ, SUPPORTED_HEAD_DIMS, MoiraConfig
+from .config import (
+    ESTIMATOR_BITS,
+    MAX_PAGES_PER_SEQ,
+    SUPPORTED_HEAD_DIMS,
+    MoiraConfig,
+    summary_rows,
+)
 from .kernels import backends, launch
 from .kernels import split as work_split
 from .kernels.cuda import attend as cuda_attend
@@ -95,7 +101,8 @@ class DecodeWorkspace:
                            f"{torch.cuda.get_device_name(device)} is "
                            f"sm_{capability[0]}{capability[1]}: set programmatic_launch=False")
         self.backends = backends.resolve(self.config.kernels, device, head_dim,
-                                         num_heads // num_kv_heads, self.config.schedule)
+                                         num_heads // num_kv_heads, self.config.schedule,
+                                         self.config.estimator)
         """The kernel each stage runs on this workspace's device: ``{"estimate", "select",
         "attend": "cuda" | "triton", "fused": "auto" | "on" | "off"}`` (``KernelOptions``
         resolved; a call the CUDA kernel cannot take runs Triton under "auto")."""
@@ -155,7 +162,7 @@ class DecodeWorkspace:
 # --------------------------------------------------------------------------------------------
 
 
-def summarize(key_cache, block_table, seq_lens, summaries=None):
+def summarize(key_cache, block_table, seq_lens, summaries=None, *, estimator="mvar"):
     """Write the summary of every full page that ``block_table`` references.
 
     Parameters
@@ -164,40 +171,45 @@ def summarize(key_cache, block_table, seq_lens, summaries=None):
     block_table : ``[batch, max_pages_per_seq]`` int32.
     seq_lens : ``[batch]`` int32; logical page p of request b is summarized if
         ``64 * (p + 1) <= seq_lens[b]``. Partial pages are left untouched.
-    summaries : optional ``[num_pages, num_kv_heads, 2, head_dim]`` float32/bf16/fp16 to
+    summaries : optional ``[num_pages, num_kv_heads, rows, head_dim]`` float32/bf16/fp16 to
         write into (pages no full page of the table lands on keep their values); by default a
         new tensor of the cache's dtype, zeros where no full page lands (an empty batch
-        returns all zeros).
+        returns all zeros). ``rows = moira.config.summary_rows(estimator, itemsize)``.
+    estimator : the ``MoiraConfig.estimator`` the summaries are for.
 
     Returns
     -------
-    summaries : index ``[..., 0, :]`` holds the per-channel mean, ``[..., 1, :]`` the
-        population variance of the page's 64 keys.
+    summaries : ``"mvar"``: ``[..., 0, :]`` the per-channel mean, ``[..., 1, :]`` the
+        population variance of the page's 64 keys. ``"int2"`` / ``"int4"``: the per-channel
+        min and max, then the keys' codes as bytes (``moira.config.summary_rows``).
     """
     checks.cache(key_cache, None)
     checks.table(block_table, seq_lens)
+    checks.estimator(estimator)
     if summaries is None:
         num_pages, _, num_kv_heads, head_dim = key_cache.shape
-        summaries = torch.zeros(num_pages, num_kv_heads, 2, head_dim, dtype=key_cache.dtype,
+        rows = summary_rows(estimator, key_cache.element_size())
+        summaries = torch.zeros(num_pages, num_kv_heads, rows, head_dim, dtype=key_cache.dtype,
                                 device=key_cache.device)
-    checks.summaries(summaries, key_cache)
+    checks.summaries(summaries, key_cache, estimator)
     checks.device(key_cache=key_cache, block_table=block_table, seq_lens=seq_lens)
-    return summarize_pages(key_cache, block_table, seq_lens, summaries)
+    return summarize_pages(key_cache, block_table, seq_lens, summaries,
+                           ESTIMATOR_BITS[estimator])
 
 
-def update_summaries(key_cache, slot_mapping, summaries):
+def update_summaries(key_cache, slot_mapping, summaries, *, estimator="mvar"):
     """Summarize the pages that the slots just written have filled (graph-safe).
 
     ``slot_mapping`` ``[num_tokens]`` int32/int64 holds each written token's cache slot
     ``page * 64 + offset`` (vLLM's slot mapping; negative entries are padding). Every page whose
     last slot (offset 63) appears is summarized from the cache, so call this after the keys are
-    written. Returns ``summaries``.
+    written. ``estimator``: as for ``summarize``. Returns ``summaries``.
     """
     checks.cache(key_cache, None)
     checks.slots(slot_mapping)
-    checks.summaries(summaries, key_cache)
+    checks.summaries(summaries, key_cache, estimator)
     checks.device(key_cache=key_cache, slot_mapping=slot_mapping)
-    return summarize_filled_slots(key_cache, slot_mapping, summaries)
+    return summarize_filled_slots(key_cache, slot_mapping, summaries, ESTIMATOR_BITS[estimator])
 
 
 def _attend_and_merge(query, key_cache, value_cache, block_table, seq_lens, page_lists,
@@ -341,7 +353,8 @@ def _estimate_and_select(query, key_cache, summaries, block_table, seq_lens, sca
     if estimate_runs == "triton":
         triton_estimate.estimate(query, key_cache, summaries, block_table, seq_lens, scale,
                                  log_masses, options, dense_below_pages=dense_below_pages,
-                                 programmatic_launch=pdl, new_kv=new_kv)
+                                 programmatic_launch=pdl, new_kv=new_kv,
+                                 bits=ESTIMATOR_BITS[workspace.config.estimator])
     select_runs = backends.select(workspace, log_masses, seq_lens, page_lists, page_counts,
                                   max_pages, ways, row_values)
     if select_runs == "cuda":
@@ -371,9 +384,10 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     ----------
     query : ``[batch, num_heads, head_dim]`` bf16/fp16, one token per request.
     key_cache, value_cache : ``[num_pages, 64, num_kv_heads, head_dim]``, any strides.
-    summaries : ``[num_pages, num_kv_heads, 2, head_dim]`` from ``summarize`` /
-        ``update_summaries``; every full page of every row but the current one must be
-        summarized (the step writes the current page's summary when it is full).
+    summaries : ``[num_pages, num_kv_heads, rows, head_dim]`` from ``summarize`` /
+        ``update_summaries`` for ``config.estimator``; every full page of every row but the
+        current one must be summarized (the step writes the current page's summary when it is
+        full).
     block_table : ``[batch, max_pages_per_seq]`` int32.
     seq_lens : ``[batch]`` int32, the current token included (0 or negative = padded row,
         output zeros).
@@ -424,7 +438,6 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     """
     batch, num_heads, num_kv_heads, head_dim = checks.step(query, key_cache, value_cache,
                                                            block_table, seq_lens)
-    checks.summaries(summaries, key_cache)
     checks.out(out, query)
     checks.page_stats(page_stats, query)
     checks.require(planned_batch is None or (isinstance(planned_batch, int)
@@ -451,6 +464,7 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
                                     device=query.device, config=config)
     workspace.check_fits(batch, num_heads, num_kv_heads, head_dim, max_pages, query.device)
     config = workspace.config
+    checks.summaries(summaries, key_cache, config.estimator)
     overrides = {name: value for name, value in (("gamma", gamma), ("top_k", top_k),
                                                  ("dense_below_pages", dense_below_pages))
                  if value is not None}

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .config import PAGE_SIZE, MoiraConfig
+from .config import ESTIMATOR_BITS, PAGE_SIZE, MoiraConfig, summary_rows
 
 
 def default_scale(head_dim: int) -> float:
@@ -62,26 +62,88 @@ def write_tokens(key_cache, value_cache, new_keys, new_values, slot_mapping):
 # --------------------------------------------------------------------------------------------
 
 
-def summarize(key_cache, block_table, seq_lens, summaries=None):
-    """Per-channel mean and population variance of the 64 keys of every full page.
+def quantize_page(keys, bits, dtype):
+    """Codes of a full page's keys ``[64, kv_heads, D]`` at ``bits`` bits per channel.
 
-    Returns ``summaries`` ``[num_pages, num_kv_heads, 2, head_dim]`` (index 0 = mean,
-    1 = variance), float32 unless a tensor is passed in. Pages that no row fills are untouched.
+    The page's per-channel min ``lo`` and max ``hi`` are rounded to the summaries' ``dtype``
+    first (they are what is stored); ``code = floor((k - lo) / step + 1/2)`` clamped to
+    ``[0, 2**bits - 1]``, ``step = (hi - lo) / (2**bits - 1)`` (0 where ``hi == lo``).
+    Returns ``(lo, hi, codes)``: ``[kv_heads, D]`` float32 twice, ``[64, kv_heads, D]`` int64.
+    """
+    levels = 2**bits - 1
+    lo = keys.amin(dim=0).to(dtype).float()
+    hi = keys.amax(dim=0).to(dtype).float()
+    step = (hi - lo) / levels
+    scaled = torch.where(step > 0, (keys - lo) / torch.where(step > 0, step, 1.0), 0.0)
+    codes = torch.floor(scaled + 0.5).clamp(0, levels).long()
+    return lo, hi, codes
+
+
+def pack_codes(codes, bits):
+    """``[64, kv_heads, D]`` codes -> ``[kv_heads, 64 * D * bits / 8]`` uint8 (the layout of
+    ``config.summary_rows``: byte j of a token holds channels j + s * D * bits / 8)."""
+    tokens, num_kv_heads, head_dim = codes.shape
+    width = head_dim * bits // 8  # bytes per token
+    planes = codes.view(tokens, num_kv_heads, 8 // bits, width)
+    packed = sum(planes[:, :, s] << (s * bits) for s in range(8 // bits))
+    return packed.to(torch.uint8).permute(1, 0, 2).reshape(num_kv_heads, tokens * width)
+
+
+def unpack_codes(packed, bits, head_dim):
+    """Inverse of ``pack_codes``: ``[..., 64 * D * bits / 8]`` uint8 -> ``[..., 64, D]``."""
+    width = head_dim * bits // 8
+    data = packed.long().view(*packed.shape[:-1], PAGE_SIZE, 1, width)
+    shifts = torch.arange(0, 8, bits, device=packed.device).view(-1, 1)
+    return ((data >> shifts) & (2**bits - 1)).reshape(*packed.shape[:-1], PAGE_SIZE, head_dim)
+
+
+def code_bytes(summaries):
+    """The code bytes of ``int2`` / ``int4`` summaries ``[pages, kv_heads, rows, D]``:
+    ``[pages, kv_heads, (rows - 2) * D * itemsize]`` uint8 (rows 2 onward, byte by byte)."""
+    pages, num_kv_heads, rows, head_dim = summaries.shape
+    raw = summaries.contiguous().view(torch.uint8)
+    return raw.view(pages, num_kv_heads, rows, -1)[:, :, 2:].reshape(pages, num_kv_heads, -1)
+
+
+def summarize(key_cache, block_table, seq_lens, summaries=None, estimator="mvar"):
+    """The summary of every full page, for ``estimator`` (``config.summary_rows``).
+
+    ``"mvar"``: per-channel mean and population variance of the page's 64 keys (rows 0, 1).
+    ``"int2"`` / ``"int4"``: per-channel min and max (rows 0, 1), then every key's codes
+    (``quantize_page``) packed as bytes.
+
+    Returns ``summaries`` ``[num_pages, num_kv_heads, rows, head_dim]``, float32 unless a
+    tensor is passed in. Pages that no row fills are untouched.
     """
     total_pages, _, num_kv_heads, head_dim = key_cache.shape
+    bits = ESTIMATOR_BITS[estimator]
     if summaries is None:
-        summaries = torch.zeros(
-            total_pages, num_kv_heads, 2, head_dim, dtype=torch.float32, device=key_cache.device
-        )
+        summaries = torch.zeros(total_pages, num_kv_heads, summary_rows(estimator, 4), head_dim,
+                                dtype=torch.float32, device=key_cache.device)
     for b in range(block_table.shape[0]):
         full_pages = min(int(seq_lens[b]) // PAGE_SIZE, block_table.shape[1])
-        if full_pages == 0:
-            continue
-        pages = block_table[b, :full_pages].long()
-        keys = key_cache[pages].float()  # [pages, 64, num_kv_heads, head_dim]
-        summaries[pages, :, 0] = keys.mean(dim=1)
-        summaries[pages, :, 1] = keys.var(dim=1, unbiased=False)
+        for physical in block_table[b, :full_pages].long().tolist():
+            keys = key_cache[physical].float()  # [64, num_kv_heads, head_dim]
+            if bits == 0:
+                summaries[physical, :, 0] = keys.mean(dim=0)
+                summaries[physical, :, 1] = keys.var(dim=0, unbiased=False)
+                continue
+            lo, hi, codes = quantize_page(keys, bits, summaries.dtype)
+            summaries[physical, :, 0] = lo
+            summaries[physical, :, 1] = hi
+            raw = summaries[physical].view(torch.uint8).view(num_kv_heads, -1)
+            raw[:, 2 * head_dim * summaries.element_size():] = pack_codes(codes, bits)
     return summaries
+
+
+def dequantized_keys(summaries, physical, bits):
+    """The keys of pages ``physical`` as their codes give them: ``[pages, 64, kv_heads, D]``
+    float32, ``lo + code * step`` from ``int2`` / ``int4`` summaries."""
+    head_dim = summaries.shape[-1]
+    lo = summaries[physical, :, 0].float()[:, None]  # [pages, 1, Hkv, D]
+    hi = summaries[physical, :, 1].float()[:, None]
+    codes = unpack_codes(code_bytes(summaries[physical]), bits, head_dim)  # [pages, Hkv, 64, D]
+    return lo + codes.transpose(1, 2).float() * (hi - lo) / (2**bits - 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,11 +167,13 @@ def _exact_page_log_mass(query_rows, keys):
     return torch.logsumexp(logits, dim=-1)
 
 
-def estimate(query, key_cache, summaries, block_table, seq_lens, scale=None):
-    """Log-mass of every page for every query head: mvar (Eq. 2) from the summaries, exact for
-    the sink (page 0) and the current page.
+def estimate(query, key_cache, summaries, block_table, seq_lens, scale=None, estimator="mvar"):
+    """Log-mass of every page for every query head, from the summaries, exact for the sink
+    (page 0) and the current page.
 
-    log m_{g,P} = s q_g . mu_P + 1/2 (s q_g)^2 . sigma_P^2 + log 64
+    ``"mvar"`` (Eq. 2): log m_{g,P} = s q_g . mu_P + 1/2 (s q_g)^2 . sigma_P^2 + log 64.
+    ``"int2"`` / ``"int4"``: log m_{g,P} = log sum_t exp(s q_g . k~_t), k~_t the page's keys
+    as their codes give them (``dequantized_keys``).
 
     Returns ``log_masses`` ``[batch, num_kv_heads, G, max_pages]`` float32, ``-inf`` past each
     row's pages.
@@ -119,6 +183,7 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale=None):
     group = num_heads // num_kv_heads
     max_pages = block_table.shape[1]
     scale = default_scale(head_dim) if scale is None else scale
+    bits = ESTIMATOR_BITS[estimator]
     log_masses = torch.full(
         (batch, num_kv_heads, group, max_pages), -math.inf, device=query.device
     )
@@ -128,13 +193,17 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale=None):
             continue
         q = _grouped_query(query, b, num_kv_heads, scale)  # [Hkv, G, D]
         physical = block_table[b, :pages].long()
-        mean = summaries[physical, :, 0].float()  # [pages, Hkv, D]
-        var = summaries[physical, :, 1].float()
-        est = (
-            torch.einsum("hgd,phd->hgp", q, mean)
-            + 0.5 * torch.einsum("hgd,phd->hgp", q * q, var)
-            + math.log(PAGE_SIZE)
-        )
+        if bits:
+            keys = dequantized_keys(summaries, physical, bits)  # [pages, 64, Hkv, D]
+            est = torch.logsumexp(torch.einsum("hgd,pthd->hgpt", q, keys), dim=-1)
+        else:
+            mean = summaries[physical, :, 0].float()  # [pages, Hkv, D]
+            var = summaries[physical, :, 1].float()
+            est = (
+                torch.einsum("hgd,phd->hgp", q, mean)
+                + 0.5 * torch.einsum("hgd,phd->hgp", q * q, var)
+                + math.log(PAGE_SIZE)
+            )
         for page in {0, pages - 1}:
             keys = _page_keys(key_cache, block_table, seq_lens[b], b, page)
             est[:, :, page] = _exact_page_log_mass(q, keys)
@@ -399,7 +468,8 @@ def sparse_decode(query, key_cache, value_cache, summaries, block_table, seq_len
     config = config or MoiraConfig()
     gamma = config.gamma if gamma is None else gamma
     top_k = config.top_k if top_k is None else top_k
-    log_masses = estimate(query, key_cache, summaries, block_table, seq_lens, scale)
+    log_masses = estimate(query, key_cache, summaries, block_table, seq_lens, scale,
+                          config.estimator)
     page_lists, page_counts = select(log_masses, seq_lens, gamma=gamma, top_k=top_k,
                                      keep_fractions=keep_fractions)
     out = attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, page_counts,

@@ -523,7 +523,7 @@ def call(step, **kwargs):
     ("key_cache", lambda t: torch.cat([t, t[..., :32]], -1), "head_dim 96"),
     ("value_cache", lambda t: t[:4], "value_cache shape"),
     ("value_cache", lambda t: t.half(), "value_cache dtype"),
-    ("summaries", lambda t: t[..., :1, :], "summaries must have shape"),
+    ("summaries", lambda t: t[..., :1, :], "summaries for estimator=.mvar. must have shape"),
     ("summaries", lambda t: t.double(), "summaries dtype"),
     ("block_table", lambda t: t.long(), "block_table"),
     ("block_table", lambda t: torch.cat([t, t]), "seq_lens has 1 rows but block_table has 2"),

@@ -53,6 +53,12 @@ def test_settings_come_from_additional_config_then_environment():
     fewer = MoiraSettings.from_sources(None, {"MOIRA_MIN_CHUNKS_PER_ROW": "16"})
     assert fewer.config.chunks_per_row(256, 2037) == 16  # 8k x 32: N_J 16, not 32
     assert MoiraSettings().config == moira.MoiraConfig()  # unset: MoiraConfig's defaults
+    assert MoiraSettings.from_sources(None, {"MOIRA_ESTIMATOR": "int2"}).config.estimator \
+        == "int2"
+    assert MoiraSettings.from_sources({"moira": {"estimator": "int4"}}, {}).config.estimator \
+        == "int4"
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        MoiraSettings.from_sources({"moira": {"estimator": "quest"}}, {})
     assert MoiraSettings().describe().startswith(
         "Moira attention: gamma=0.98, other settings default (")
     assert split.describe().startswith("Moira attention: gamma=0.98, floor_rows=96, "
@@ -216,21 +222,26 @@ def test_fa3_gets_the_whole_batch_in_mixed_steps(num_decodes, num_reqs, decode_t
     assert fa3_rows(num_decodes, num_reqs, decode_tokens, exact) == expected
 
 
-def test_summary_size_is_a_64th_of_the_kv_cache():
+def test_summary_size_against_the_kv_cache():
     kv_bytes = 1000 * 8 * 64 * 2 * 128 * 2  # blocks, heads, tokens, K and V, dims, bf16
-    assert summary_bytes(1000, 8, 128, 2) * 64 == kv_bytes
+    assert summary_bytes(1000, 8, 128, 2) * 64 == kv_bytes  # mvar: a 64th
+    # int2: min and max (a 64th) + 2 bits of every key (a 16th of the K cache, 1/32 of K+V)
+    assert summary_bytes(1000, 8, 128, 2, "int2") * 64 == kv_bytes * 5
+    assert summary_bytes(1000, 8, 128, 2, "int4") * 64 == kv_bytes * 9
 
 
 def test_layer_state_keeps_summaries_for_its_cache_and_renews_them_for_a_new_one():
     state = LayerState("model.layers.0.self_attn.attn", with_stats=True)
     kv_cache = torch.zeros(10, 2, 64, 2 * 64, dtype=torch.bfloat16)  # vLLM's logical shape
-    summaries = state.summaries_for(kv_cache, 2, 64)
+    summaries = state.summaries_for(kv_cache, 2, 64, "mvar")
     assert summaries.shape == (10, 2, 2, 64) and summaries.dtype == torch.bfloat16
     summaries.fill_(3)
-    assert state.summaries_for(kv_cache, 2, 64) is summaries  # kept: never re-zeroed
+    assert state.summaries_for(kv_cache, 2, 64, "mvar") is summaries  # kept: never re-zeroed
     assert PageStatsLog.layers["model.layers.0.self_attn.attn"] is state.page_stats
     other = torch.zeros_like(kv_cache)
-    assert (state.summaries_for(other, 2, 64) == 0).all()  # a new cache: new summaries
+    assert (state.summaries_for(other, 2, 64, "mvar") == 0).all()  # a new cache: new summaries
+    coded = LayerState("model.layers.1.self_attn.attn", with_stats=False)
+    assert coded.summaries_for(kv_cache, 2, 64, "int2").shape == (10, 2, 10, 64)
 
 
 def test_summaries_of_vllm_packed_cache_views_match_the_reference():

@@ -40,11 +40,13 @@ def _device_reason(device):
     return build.unusable(index)
 
 
-def _stage_reason(stage, options, device, head_dim, group, schedule):
+def _stage_reason(stage, options, device, head_dim, group, schedule, estimator):
     """Why ``stage``'s CUDA kernel cannot run a workspace of these shapes (None if it can)."""
     reason = _device_reason(device)
     if reason:
         return reason
+    if stage == "estimate" and estimator != "mvar":
+        return f"estimator={estimator!r}: the CUDA Estimate computes mvar"
     if stage == "attend":
         if schedule != "rows":
             return f"schedule={schedule!r}: the CUDA Attend runs the 'rows' schedule"
@@ -64,7 +66,7 @@ def _stage_reason(stage, options, device, head_dim, group, schedule):
     return None
 
 
-def resolve(options, device, head_dim, group, schedule):
+def resolve(options, device, head_dim, group, schedule, estimator="mvar"):
     """``{"estimate", "select", "attend": "cuda" | "triton", "fused": "auto" | "on" | "off"}``
     for a workspace (``DecodeWorkspace.backends``); a ValueError for an explicit "cuda" that
     cannot run on ``device`` at these shapes."""
@@ -72,8 +74,8 @@ def resolve(options, device, head_dim, group, schedule):
     resolved = {}
     for stage in STAGES:
         choice = getattr(options, stage)
-        reason = None if choice == "triton" else _stage_reason(stage, options, device,
-                                                               head_dim, group, schedule)
+        reason = None if choice == "triton" else _stage_reason(
+            stage, options, device, head_dim, group, schedule, estimator)
         if choice == "cuda" and reason:
             raise ValueError(f"KernelOptions({stage}='cuda') cannot run here: {reason}; use "
                              f"{stage}='auto' or 'triton'")
@@ -84,7 +86,8 @@ def resolve(options, device, head_dim, group, schedule):
                 _warn_once(f"Moira's CUDA kernels cannot be built here: {unbuildable}; 'auto' "
                            f"runs the Triton kernels")
     # the fused kernel runs the CUDA Estimate's and Select's code, whichever Select is chosen
-    select_code = _stage_reason("select", options, device, head_dim, group, schedule) is None
+    select_code = _stage_reason("select", options, device, head_dim, group, schedule,
+                                estimator) is None
     fusable = resolved["estimate"] == "cuda" and select_code
     resolved["fused"] = options.fused if fusable else "off"
     return resolved

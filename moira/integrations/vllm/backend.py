@@ -360,7 +360,8 @@ class MoiraAttentionImpl(FlashAttentionImpl):
             if in_estimate:
                 sparse_decode(**decode)
             for start in (0, 1):
-                update_summaries(decode["key_cache"], slots[start:], decode["summaries"])
+                update_summaries(decode["key_cache"], slots[start:], decode["summaries"],
+                                 estimator=self.settings.estimator)
         self.mixed_step_kernels_built = True
 
     def _key_value_caches(self, kv_cache):
@@ -392,7 +393,8 @@ class MoiraAttentionImpl(FlashAttentionImpl):
                             _in_one_split(metadata.dense),
                             dense_one_split)
         state = self._state(layer)
-        summaries = state.summaries_for(kv_cache, self.num_kv_heads, self.head_size)
+        summaries = state.summaries_for(kv_cache, self.num_kv_heads, self.head_size,
+                                        self.settings.estimator)
         key_cache, value_cache = self._key_value_caches(kv_cache)
         if metadata.prefill is not None:  # FA3 first: Moira then writes the decode rows
             start = metadata.prefill_from
@@ -401,7 +403,8 @@ class MoiraAttentionImpl(FlashAttentionImpl):
                             metadata.prefill, output[start:])
             # K/V are in the cache (vLLM writes them before forward): summarize the pages
             # the other rows' slots completed (Estimate does the decode rows')
-            update_summaries(key_cache, metadata.prefill_slots, summaries)
+            update_summaries(key_cache, metadata.prefill_slots, summaries,
+                             estimator=self.settings.estimator)
         rows = metadata.num_decodes
         if rows:
             fractions = (None if metadata.keep_fractions is None

@@ -77,6 +77,12 @@ key                environment variable     meaning
                                             them with vLLM's kernel; default on: outputs
                                             bit-identical in vLLM, 0.06 ms less per token at
                                             8k x 1 on the H200; docs/design/summaries.md)
+``estimator``      ``MOIRA_ESTIMATOR``      the page-mass estimate (``MoiraConfig.estimator``):
+                                            ``mvar`` (the paper's, default), ``int2`` or
+                                            ``int4`` (every key at 2 / 4 bits: sees short
+                                            needles mvar misses; its summaries take 7.8% /
+                                            14% of the K+V cache at head dim 128 against
+                                            mvar's 1.6%: ``summary_bytes``)
 ``kernels``        ``MOIRA_KERNELS``        which kernel runs each stage and their tuning
                                             (``moira.KernelOptions``): a JSON object such as
                                             ``{"attend": "cuda", "fused": "off", "tuning":
@@ -94,7 +100,14 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from ...config import CACHE_DTYPE_NAMES, PAGE_SIZE, SUPPORTED_HEAD_DIMS, KernelOptions, MoiraConfig
+from ...config import (
+    CACHE_DTYPE_NAMES,
+    PAGE_SIZE,
+    SUPPORTED_HEAD_DIMS,
+    KernelOptions,
+    MoiraConfig,
+    summary_rows,
+)
 
 # settings passed through to MoiraConfig's fields of the same name (None: its default)
 SPLIT_SETTINGS = ("floor_rows", "min_programs", "step_programs", "min_chunks_per_row",
@@ -124,6 +137,7 @@ class MoiraSettings:
     max_chunks_per_row: int | None = None
     fused_cache_write: bool = True
     kernels: KernelOptions = KernelOptions()
+    estimator: str = "mvar"
 
     _ENV = {"gamma": "MOIRA_GAMMA", "top_k": "MOIRA_TOP_K",
             "stats_interval": "MOIRA_STATS_INTERVAL", "check_dense": "MOIRA_CHECK_DENSE",
@@ -135,7 +149,8 @@ class MoiraSettings:
             "min_programs": "MOIRA_MIN_PROGRAMS", "step_programs": "MOIRA_STEP_PROGRAMS",
             "min_chunks_per_row": "MOIRA_MIN_CHUNKS_PER_ROW",
             "max_chunks_per_row": "MOIRA_MAX_CHUNKS_PER_ROW",
-            "fused_cache_write": "MOIRA_FUSED_CACHE_WRITE", "kernels": "MOIRA_KERNELS"}
+            "fused_cache_write": "MOIRA_FUSED_CACHE_WRITE", "kernels": "MOIRA_KERNELS",
+            "estimator": "MOIRA_ESTIMATOR"}
 
     def __post_init__(self):
         if not isinstance(self.kernels, KernelOptions):  # a JSON object's errors name the key
@@ -206,7 +221,7 @@ class MoiraSettings:
                  if getattr(self, name) is not None}
         return MoiraConfig(gamma=self.gamma, top_k=self.top_k, schedule=self.schedule,
                            programmatic_launch=self.programmatic_launch, kernels=self.kernels,
-                           **split)
+                           estimator=self.estimator, **split)
 
     @classmethod
     def from_sources(cls, additional_config: Mapping | None,
@@ -238,7 +253,7 @@ class MoiraSettings:
                         raise ValueError(f"{variable}={text!r}: use 0 or 1")
                     values[key] = text == "1"
                     continue
-                if key in ("schedule", "calibration"):
+                if key in ("schedule", "calibration", "estimator"):
                     values[key] = text
                     continue
                 if key == "kernels":
@@ -354,10 +369,13 @@ def cache_write_in_estimate(fused_cache_write: bool, fa3_call: bool) -> bool:
     return fused_cache_write and not fa3_call
 
 
-def summary_bytes(num_blocks: int, num_kv_heads: int, head_dim: int, element_size: int) -> int:
-    """Bytes of one layer's page summaries: mean and variance per (page, KV head, channel),
-    i.e. 2 / 64 of the K cache (1/64 of the K+V cache) in the cache's dtype."""
-    return num_blocks * num_kv_heads * 2 * head_dim * element_size
+def summary_bytes(num_blocks: int, num_kv_heads: int, head_dim: int, element_size: int,
+                  estimator: str = "mvar") -> int:
+    """Bytes of one layer's page summaries (``config.summary_rows`` rows of ``head_dim`` per
+    page and KV head): mvar 2 / 64 of the K cache (1/64 of the K+V cache); int2 and int4 add
+    the keys' codes, 2 / 16 and 4 / 16 of the K cache."""
+    rows = summary_rows(estimator, element_size)
+    return num_blocks * num_kv_heads * rows * head_dim * element_size
 
 
 def planning_batch(num_decodes: int) -> int:

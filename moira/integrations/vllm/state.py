@@ -1,9 +1,10 @@
 """Per-layer state the plugin keeps beside vLLM's KV cache (tested on CPU).
 
-- **Page summaries**: ``[num_blocks, num_kv_heads, 2, head_dim]`` in the cache's dtype, one per
-  attention layer, allocated on first use *outside* the memory vLLM reserves for the KV cache
-  (``settings.summary_bytes``: 1/64 of the K+V cache; lower ``--gpu-memory-utilization`` by
-  about 0.02 if memory is tight). Written for every page a step completes, by a kernel inside
+- **Page summaries**: ``[num_blocks, num_kv_heads, rows, head_dim]`` in the cache's dtype
+  (``config.summary_rows``: 2 for mvar), one per attention layer, allocated on first use
+  *outside* the memory vLLM reserves for the KV cache (``settings.summary_bytes``: 1/64 of
+  the K+V cache for mvar, 5/64 for int2; lower ``--gpu-memory-utilization`` by that share of
+  the cache if memory is tight). Written for every page a step completes, by a kernel inside
   the step (prefill, chunked prefill and decode alike), and never zeroed again: a buffer
   allocated or zeroed during CUDA-graph capture would be re-zeroed by every replay, so that
   is refused with an error.
@@ -22,6 +23,7 @@ import time
 import torch
 
 from ...benchmarking.imposed import imposed_fractions
+from ...config import summary_rows
 from ...synthetic import layer_head_fractions
 
 logger = logging.getLogger("moira")
@@ -45,14 +47,15 @@ class LayerState:
         self.page_stats: torch.Tensor | None = None
         self._cache_ptr = None
 
-    def summaries_for(self, kv_cache: torch.Tensor, num_kv_heads: int,
-                      head_dim: int) -> torch.Tensor:
+    def summaries_for(self, kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int,
+                      estimator: str) -> torch.Tensor:
         """The summary buffer that belongs to ``kv_cache`` (vLLM's ``[num_blocks, ...]``
         tensor); (re)allocated, zeroed, when the cache is new (first use, or a re-bound cache,
         whose old summaries describe pages that no longer exist)."""
         if self.summaries is None or self._cache_ptr != kv_cache.data_ptr():
             not_capturing(f"the page-summary buffer of {self.layer_name}")
-            self.summaries = torch.zeros(kv_cache.shape[0], num_kv_heads, 2, head_dim,
+            rows = summary_rows(estimator, kv_cache.element_size())
+            self.summaries = torch.zeros(kv_cache.shape[0], num_kv_heads, rows, head_dim,
                                          dtype=kv_cache.dtype, device=kv_cache.device)
             self._cache_ptr = kv_cache.data_ptr()
             if self.with_stats and self.page_stats is None:

@@ -1,9 +1,13 @@
-"""Estimate (paper 3.1, Eq. 2): the log-mass of every page for every query head.
+"""Estimate: the log-mass of every page for every query head, from the page summaries.
 
-    log m_{g,P} = s q_g . mu_P + 1/2 (s q_g)^2 . sigma_P^2 + log 64
+    mvar (paper 3.1, Eq. 2):  log m_{g,P} = s q_g . mu_P + 1/2 (s q_g)^2 . sigma_P^2 + log 64
+    int2 / int4:              log m_{g,P} = log sum_t exp(s q_g . (lo_P + code_t * step_P))
 
-from the page summaries, without reading keys; the sink (page 0) and the current (last) page,
-which has no summary yet, are computed exactly from their keys.
+without reading keys; the sink (page 0) and the current (last) page, which has no summary yet,
+are computed exactly from their keys. The codes' logits are one small matrix product per
+page and code slice, ``[64, D * BITS / 8]`` codes x ``[D * BITS / 8, G]`` queries scaled by
+the slice's steps (``_codes_store``): integer codes times per-channel scales, so the
+dequantized keys are never formed.
 
 Grid: (rows = batch * KV heads, 2 + J): programs 0 and 1 of a row compute the sink and the
 current page from their keys; the J others split the row's tiles of 32 pages
@@ -23,8 +27,8 @@ With ``new_kv`` (``sparse_decode``'s ``new_keys`` / ``new_values`` / ``slot_mapp
 first writes the request's new key and value of its KV head into their slot, so a decode step
 needs no separate cache-write launch either; a one-page row is then program 1's alone.
 
-Bytes: every page's summary (2 * D values) once, two pages of keys per row, and G floats written
-per page.
+Bytes: every page's summary (2 * D values, plus 64 * D * BITS / 8 code bytes) once, two
+pages of keys per row, and G floats written per page.
 """
 
 import math
@@ -34,7 +38,7 @@ import triton.language as tl
 
 from ...config import PAGE_SIZE
 from .. import launch
-from .summarize import summarize_page
+from .summarize import code_view, summarize_page
 
 
 def max_registers(group, options):
@@ -112,6 +116,41 @@ def _mvar_store(query_row, dst, mean, var, pages, middle, scale, stride_qh, stri
 
 
 @triton.jit
+def _codes_store(query_row, dst, summaries, codes, physical, page, head, scale,
+                 stride_qh, stride_qd, stride_sp, stride_sh, stride_ss, stride_sd,
+                 stride_cp, stride_ch, stride_lg, GROUP: tl.constexpr,
+                 GROUP_DOT: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                 BITS: tl.constexpr):
+    """The log-mass of one full page from its codes for every head of the group, stored at
+    ``dst[g, page]``. Code slice ``part`` holds channels ``part * WIDTH + j`` (j < WIDTH) at
+    bits ``part * BITS``: q . k~_t = q . lo + sum_c (q_c step_c) code_{t,c}."""
+    WIDTH: tl.constexpr = HEAD_DIM * BITS // 8
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    cols = tl.arange(0, WIDTH)
+    heads = tl.arange(0, GROUP_DOT)
+    tokens = tl.arange(0, PAGE)
+    physical = physical.to(tl.int64)
+    bounds = summaries + physical * stride_sp + head * stride_sh
+    packed = tl.load(codes + physical * stride_cp + head * stride_ch + tokens[:, None] * WIDTH
+                     + cols[None, :]).to(tl.int32)
+    logits = tl.zeros([PAGE, GROUP_DOT], dtype=tl.float32)
+    base = tl.zeros([GROUP_DOT], dtype=tl.float32)
+    for part in tl.static_range(8 // BITS):
+        dims = part * WIDTH + cols
+        lo = tl.load(bounds + dims * stride_sd).to(tl.float32)
+        step = (tl.load(bounds + stride_ss + dims * stride_sd).to(tl.float32) - lo) / LEVELS
+        q = tl.load(query_row + heads[None, :] * stride_qh + dims[:, None] * stride_qd,
+                    mask=heads[None, :] < GROUP, other=0.0).to(tl.float32) * scale
+        base += tl.sum(q * lo[:, None], axis=0)
+        plane = ((packed >> (part * BITS)) & LEVELS).to(tl.float32)  # [PAGE, WIDTH]
+        logits += tl.dot(plane, q * step[:, None], input_precision="tf32")
+    logits += base[None, :]
+    peak = tl.max(logits, axis=0)
+    lse = peak + tl.log(tl.sum(tl.exp(logits - peak[None, :]), axis=0))
+    tl.store(dst + heads * stride_lg + page, lse, mask=heads < GROUP)
+
+
+@triton.jit
 def _write_new_token(new_keys, new_values, key_cache, value_cache, slot_mapping, b, head,
                      num_slots, stride_knb, stride_knh, stride_knd,
                      stride_vnb, stride_vnh, stride_vnd,
@@ -140,18 +179,19 @@ def _write_new_token(new_keys, new_values, key_cache, value_cache, slot_mapping,
 # one build for every batch size: dense_below_pages follows the planned batch (320 / 160 / 80 /
 # 40 ... pages), and a specialized int would build once per class (multiple of 16, 1, other)
 @triton.jit(do_not_specialize=["dense_below_pages", "mvar_programs", "num_slots"])
-def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_masses,
+def _estimate_kernel(query, key_cache, summaries, codes, block_table, seq_lens, log_masses,
                      new_keys, new_values, value_cache, slot_mapping,
                      stride_qb, stride_qh, stride_qd,
                      stride_kp, stride_kt, stride_kh, stride_kd,
-                     stride_sp, stride_sh, stride_ss, stride_sd,
+                     stride_sp, stride_sh, stride_ss, stride_sd, stride_cp, stride_ch,
                      stride_bt, stride_lr, stride_lg,
                      stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
                      stride_vp, stride_vt, stride_vh, stride_vd,
                      num_kv_heads, max_pages, scale, dense_below_pages, mvar_programs,
                      num_slots,
-                     GROUP: tl.constexpr, GROUP_DOT: tl.constexpr,
+                     GROUP: tl.constexpr, GROUP_DOT: tl.constexpr, CODE_DOT: tl.constexpr,
                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
+                     BITS: tl.constexpr,
                      EXACT: tl.constexpr, WRITE_KV: tl.constexpr, QUERY_AHEAD: tl.constexpr,
                      PDL: tl.constexpr):
     launch.after_previous_kernel(PDL)
@@ -172,9 +212,10 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
                              stride_vp, stride_vt, stride_vh, stride_vd, HEAD_DIM, PAGE)
             tl.debug_barrier()  # the block's own global stores, seen by all its threads
         if (pages_in_row > 0) & (seq_len == pages_in_row * PAGE):  # the step filled it
-            summarize_page(key_cache, summaries, tl.load(row_table + last), head,
-                            stride_kp, stride_kt, stride_kh, stride_kd,
-                            stride_sp, stride_sh, stride_ss, stride_sd, HEAD_DIM, PAGE)
+            summarize_page(key_cache, summaries, codes, tl.load(row_table + last), head,
+                           stride_kp, stride_kt, stride_kh, stride_kd,
+                           stride_sp, stride_sh, stride_ss, stride_sd, stride_cp, stride_ch,
+                           HEAD_DIM, PAGE, BITS)
     if pages_in_row <= dense_below_pages:  # Select keeps the whole row: nothing to estimate
         return
     query_row = query + b.to(tl.int64) * stride_qb + head * GROUP * stride_qh
@@ -223,6 +264,14 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
     tiles = tl.cdiv(pages_in_row, BLOCK_P)
     share = tl.cdiv(tiles, mvar_programs)
     first_tile = (block - 2) * share
+    if BITS > 0:  # page by page: each is a [64, G] product of its codes
+        for page in range(tl.maximum(first_tile * BLOCK_P, 1),
+                          tl.minimum((first_tile + share) * BLOCK_P, last)):
+            _codes_store(query_row, dst, summaries, codes, tl.load(row_table + page), page,
+                         head, scale, stride_qh, stride_qd, stride_sp, stride_sh, stride_ss,
+                         stride_sd, stride_cp, stride_ch, stride_lg, GROUP, CODE_DOT,
+                         HEAD_DIM, PAGE, BITS)
+        return
     for tile in range(first_tile, tl.minimum(first_tile + share, tiles)):
         pages = tile * BLOCK_P + tl.arange(0, BLOCK_P)
         middle = (pages > 0) & (pages < last)  # full pages, summarized
@@ -234,7 +283,7 @@ def _estimate_kernel(query, key_cache, summaries, block_table, seq_lens, log_mas
 
 
 def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_masses,
-             options, dense_below_pages=0, programmatic_launch=False, new_kv=None):
+             options, dense_below_pages=0, programmatic_launch=False, new_kv=None, bits=0):
     """Fill ``log_masses`` ``[batch * num_kv_heads, G, >= max_pages]`` float32 (pages past a
     row's end, and rows of at most ``dense_below_pages`` pages, are not written), and write
     ``summaries`` of every row's current page that is full.
@@ -243,7 +292,8 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     key and value (``[batch, num_kv_heads, head_dim]``) written to slot ``slot_mapping[b]``
     (``b < len(slot_mapping)``, negative: not written) before anything reads the page, so a
     decode step needs no separate cache-write launch. ``options``: the ``KernelOptions``
-    whose ``estimate.*`` tuning builds the kernel."""
+    whose ``estimate.*`` tuning builds the kernel. ``bits``: the estimator's
+    (``config.ESTIMATOR_BITS``, 0 = mvar)."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -255,16 +305,19 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
     # without new_kv the write's code is not compiled: any tensors of the right ranks will do
     new_keys, new_values, value_cache, slot_mapping = new_kv or (query, query, key_cache,
                                                                  seq_lens)
+    codes, stride_cp, stride_ch = code_view(summaries, bits)
     launch.on(_estimate_kernel, grid)(
-        query, key_cache, summaries, block_table, seq_lens, log_masses,
+        query, key_cache, summaries, codes, block_table, seq_lens, log_masses,
         new_keys, new_values, value_cache, slot_mapping,
-        *query.stride(), *key_cache.stride(), *summaries.stride(),
+        *query.stride(), *key_cache.stride(), *summaries.stride(), stride_cp, stride_ch,
         block_table.stride(0), log_masses.stride(0), log_masses.stride(1),
         *new_keys.stride(), *new_values.stride(), *value_cache.stride(),
         num_kv_heads, max_pages, scale, dense_below_pages, per_row,
         slot_mapping.shape[0] if new_kv else 0,
-        GROUP=group, GROUP_DOT=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-        PAGE=PAGE_SIZE, BLOCK_P=options.value("estimate.pages_per_program"),
+        GROUP=group, GROUP_DOT=triton.next_power_of_2(group),
+        CODE_DOT=max(16, triton.next_power_of_2(group)),  # tl.dot's smallest N
+        HEAD_DIM=head_dim, PAGE=PAGE_SIZE, BLOCK_P=options.value("estimate.pages_per_program"),
+        BITS=bits,
         EXACT=options.value("estimate.exact_pages"), WRITE_KV=new_kv is not None,
         QUERY_AHEAD=options.value("estimate.query_head_ahead"),
         num_warps=options.value("estimate.num_warps"), maxnreg=max_registers(group, options),
