@@ -48,11 +48,15 @@ def tbps(bytes_read, us):
     return bytes_read / us / 1e6
 
 
-def estimate_bytes(rows, pages, summary_size, cache_size=2, group=GROUP, head_dim=HEAD_DIM):
+def estimate_bytes(rows, pages, summary_size, cache_size=2, group=GROUP, head_dim=HEAD_DIM,
+                   estimator="mvar"):
     """HBM bytes of one Estimate launch over ``rows`` rows of ``pages`` pages each (>= 2):
-    every page's summary (mean and variance), the sink's and the current page's keys (computed
-    exactly), and the G float32 log-masses written per page."""
-    summaries = rows * pages * 2 * head_dim * summary_size
+    every page's summary (``estimator``'s rows: mean and variance, or bounds and codes), the
+    sink's and the current page's keys (computed exactly), and the G float32 log-masses
+    written per page."""
+    from moira.config import summary_rows
+
+    summaries = rows * pages * summary_rows(estimator, summary_size) * head_dim * summary_size
     exact_keys = rows * 2 * PAGE * head_dim * cache_size
     log_masses = rows * group * pages * 4
     return summaries + exact_keys + log_masses
@@ -225,6 +229,7 @@ def estimate(workspace, query, key_cache, summaries, block_table, seq_lens, scal
     """One Estimate launch as ``sparse_decode`` runs it on ``workspace`` (its options pick the
     backend; never fused with Select). ``parts``: the CUDA kernel's exact or mvar programs
     alone ("exact", "mvar"; a measurement, not a step)."""
+    from moira.config import ESTIMATOR_BITS
     from moira.kernels import backends
     from moira.kernels.cuda import estimate as cuda_estimate
     from moira.kernels.triton import estimate as triton_estimate
@@ -242,7 +247,8 @@ def estimate(workspace, query, key_cache, summaries, block_table, seq_lens, scal
         triton_estimate.estimate(query, key_cache, summaries, block_table, seq_lens, scale,
                                  log_masses, options, dense_below_pages=dense_below_pages,
                                  programmatic_launch=workspace.config.programmatic_launch,
-                                 new_kv=new_kv)
+                                 new_kv=new_kv,
+                                 bits=ESTIMATOR_BITS[workspace.config.estimator])
 
 
 def select(workspace, log_masses, seq_lens, page_lists, page_counts, *, max_pages, gamma=0.98,

@@ -42,7 +42,7 @@ TARGET = GPUTarget("cuda", 90, 32)  # H200
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 GROUP, HEAD_DIM, PAGE = 4, 128, 64
 CACHE = dict(query="*bf16", key_cache="*bf16", value_cache="*bf16", out="*bf16",
-             summaries="*bf16", new_keys="*bf16", new_values="*bf16")
+             summaries="*bf16", new_keys="*bf16", new_values="*bf16", codes="*u8")
 INDICES = dict(block_table="*i32", seq_lens="*i32", page_lists="*i32", page_counts="*i32",
                slot_mapping="*i32", page_stats="*i64")
 FLOATS = dict(log_masses="*fp32", partial_out="*fp32", partial_lse="*fp32", row_values="*fp32",
@@ -123,7 +123,7 @@ def kernels(group, head_dim, block, pdl=False):
     tag = f"G={group} D={head_dim}" + (" PDL" if pdl else "")
     decode_step = [
         (f"estimate {tag}", estimate._estimate_kernel,
-         dict(GROUP=group, GROUP_DOT=group_pad,
+         dict(GROUP=group, GROUP_DOT=group_pad, CODE_DOT=max(16, group_pad), BITS=0,
               HEAD_DIM=head_dim, PAGE=PAGE, BLOCK_P=DEFAULTS.value("estimate.pages_per_program"),
               EXACT=DEFAULTS.value("estimate.exact_pages"), WRITE_KV=False,
               QUERY_AHEAD=DEFAULTS.value("estimate.query_head_ahead"), PDL=pdl),
@@ -156,7 +156,7 @@ def kernels(group, head_dim, block, pdl=False):
         return decode_step
     return decode_step + [
         (f"summarize (filled slots) D={head_dim}", summarize._summarize_filled_slots_kernel,
-         dict(HEAD_DIM=head_dim, PAGE=PAGE), 4, 3, None),
+         dict(HEAD_DIM=head_dim, PAGE=PAGE, BITS=0), 4, 3, None),
         ("imposed fractions (32 layers x 8 heads)", imposed._imposed_fractions_kernel,
          dict(KNOTS=8, ENTRIES=256), 4, 3, None)]
 
@@ -212,6 +212,16 @@ def main():
                 build(f"{name} max registers {registers}", kernel,
                       dict(constexprs, WRITE_KV=True), warps, stages, registers,
                       slot_mapping="*i64")
+    # the int2 / int4 estimators (MoiraConfig.estimator): Estimate's code path and summarize
+    for group, head_dim in ((GROUP, HEAD_DIM), (1, 64), (8, 128)):
+        for name, kernel, constexprs, warps, stages, maxnreg in kernels(group, head_dim, 2048):
+            for bits in (2, 4):
+                registers = (estimate.max_registers(group, DEFAULTS, bits)
+                             if name.startswith("estimate") else maxnreg)
+                if (name.startswith(("estimate", "summarize"))
+                        and build(f"{name} int{bits}", kernel, dict(constexprs, BITS=bits),
+                                  warps, stages, registers)):
+                    spilled.append(f"{name} int{bits}")
     spilled += build_cuda()
     if spilled:
         sys.exit(f"spills registers: {', '.join(spilled)}")

@@ -6,12 +6,14 @@ replays. Every routine takes ``--kernels`` (``moira.KernelOptions``' text form, 
     PYTHONPATH=. python3 benchmarks/kernel_bench.py suite [--shapes 8k32,32k16] [--arms ...]
     PYTHONPATH=. python3 benchmarks/kernel_bench.py single [--contexts 2048,8192] [--gemm] ...
     PYTHONPATH=. python3 benchmarks/kernel_bench.py cache-write
+    PYTHONPATH=. python3 benchmarks/kernel_bench.py estimators [--shapes 8k32]
     PYTHONPATH=. python3 benchmarks/kernel_bench.py timeline [--shapes 8k32] [--variants ...]
     PYTHONPATH=. ncu ... python3 benchmarks/kernel_bench.py profile [--shapes 131072x4]
     python3 benchmarks/kernel_bench.py single|cache-write|timeline --plot RESULT.json  # PNG again
 
 Results go to ``$OUT`` (``kernels.json``, ``single.json``, ``cache-write.json``,
-``timeline.json``) as they arrive; ``report.py kernels`` / ``report.py single`` tabulate them.
+``estimators.json``, ``timeline.json``) as they arrive; ``report.py kernels`` / ``report.py
+single`` tabulate them.
 
 suite: one decode layer per shape (context x batch: 8k32, 32k16, 64k8, 131k4; 16k32 when
 named) and spread of list lengths (CV of the per-(request, KV head) page counts at a mean of
@@ -64,6 +66,11 @@ per-call times; ``--gemm-probes`` arms that only write, read or gather memory be
 
 cache-write: Estimate with the decode token's K/V write in its launch (``fused``) against
 Estimate alone and a separate write before it, in a 2,048-page table.
+
+estimators: per shape and estimator (``MoiraConfig.estimator``: mvar, int2, int4), Estimate
+alone (rotating over summaries that exceed twice the L2), Estimate then the coverage Select,
+and the whole step at 22% of the pages, against dense FA3 in the same run: what reading the
+codes costs per layer, to weigh against the pages a better estimate saves.
 
 timeline: the CUDA Attend's timeline probe (``moira.benchmarking.timeline``): per program its
 start, first page landed, end and SM; from them the bytes' arrival rate, ramp, tail and
@@ -1134,6 +1141,70 @@ def spread_lists(pages, rows, spread):
     return layer_lists(pages, rows, MEAN_FRACTION, cv, seed=int(10 * cv))
 
 
+ESTIMATORS = ("mvar", "int2", "int4")
+
+
+def estimators(parser, args):
+    unknown = [name for name in args.shapes.split(",") if name not in {**SHAPES, **EXTRA_SHAPES}]
+    if unknown:
+        parser.error(f"unknown shapes {', '.join(unknown)}")
+    options = common.kernel_options(parser, args)
+    import moira
+
+    try:
+        from vllm.vllm_flash_attn import flash_attn_interface as fa
+    except Exception as error:  # noqa: BLE001 -- dense FA3 is the yardstick when present
+        fa = None
+        print(f"no dense FA3 arm: {error}")
+    report = dict(common.run_info("vllm"), kernels=options.describe(),
+                  geometry=dict(kv_heads=KV_HEADS, group=GROUP, head_dim=HEAD_DIM, page=PAGE,
+                                dtype="bfloat16"), results=[])
+
+    def timed(shape_name, arm, fn, bytes_read=None, calls=1):
+        try:
+            us = common.timed_us(fn)[0] / calls
+        except Exception as error:  # noqa: BLE001 -- one failing arm must not lose the rest
+            traceback.print_exc()
+            report["results"].append(dict(shape=shape_name, arm=arm, us=None, error=str(error)))
+            return
+        row = dict(shape=shape_name, arm=arm, us=round(us, 2))
+        if bytes_read:
+            row.update(bytes=bytes_read, tbps=round(tbps(bytes_read, us), 3))
+        report["results"].append(row)
+        print(f"{shape_name:>6} {arm:<26} {us:9.1f} us"
+              + (f"  {row['tbps']:.2f} TB/s" if bytes_read else ""), flush=True)
+        common.write_json(common.out_path("estimators.json"), report)
+
+    for shape_name in args.shapes.split(","):
+        context, batch = {**SHAPES, **EXTRA_SHAPES}[shape_name]
+        s = Shape(context, batch, options)
+        step_lens = s.seq_lens - 1  # the common step: one token short of a full page
+        top_k = round(MEAN_FRACTION * s.pages)
+        if fa is not None:
+            timed(shape_name, "dense_fa3", s.dense_fa3(fa, 0),
+                  bytes_read=s.rows * s.pages * PAGE_BYTES)
+        for estimator in ESTIMATORS:
+            config = config_with(options).replace(estimator=estimator)
+            space = workspace(batch, s.pages, config)
+            summaries = moira.summarize(s.key_nhd, s.table, s.seq_lens, estimator=estimator)
+            log_masses, lists, counts = space.selection_buffers(batch, s.pages)
+            read = common.estimate_bytes(s.rows, s.pages, summaries.element_size(),
+                                         estimator=estimator)
+            rotation = common.estimate_rotation(summaries, s.table, s.pages, read)
+            timed(shape_name, f"estimate_{estimator}", lambda: [common.estimate(
+                space, s.query, s.key_nhd, copy, table, step_lens, s.scale, log_masses)
+                for copy, table in rotation], bytes_read=read, calls=len(rotation))
+            timed(shape_name, f"estimate_select_{estimator}", lambda: [
+                (common.estimate(space, s.query, s.key_nhd, copy, table, step_lens, s.scale,
+                                 log_masses),
+                 common.select(space, log_masses, step_lens, lists, counts, max_pages=s.pages))
+                for copy, table in rotation], calls=len(rotation))
+            timed(shape_name, f"step_top22_{estimator}", lambda: moira.sparse_decode(
+                s.query, s.key_nhd, s.value_nhd, summaries, s.table, step_lens, top_k=top_k,
+                scale=s.scale, workspace=space, out=s.out),
+                bytes_read=top_k * s.rows * PAGE_BYTES + read)
+
+
 def compact(records):
     """One launch's records as ``RAW_FIELDS`` rows (first page -1 where none landed)."""
     import torch
@@ -1400,6 +1471,9 @@ def main(argv=None):
     one.add_argument("--out", default=common.out_path("cache-write.json"))
     one.add_argument("--plot", metavar="JSON", help="only draw the PNG of a result file")
 
+    one = routines.add_parser("estimators", help="Estimate, Select and the step per estimator")
+    one.add_argument("--shapes", default=",".join(SHAPES))
+
     one = routines.add_parser("timeline", help="the CUDA Attend's programs over one launch")
     one.add_argument("--shapes", default="8k32,32k16,131k4")
     one.add_argument("--spreads", default="cv0,cv1,real5")
@@ -1421,6 +1495,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     routine = dict(suite=suite, single=single, timeline=timeline, profile=profile)
     routine["cache-write"] = cache_write
+    routine["estimators"] = estimators
     routine[args.routine](routines.choices[args.routine], args)
 
 

@@ -41,12 +41,12 @@ from .. import launch
 from .summarize import code_view, summarize_page
 
 
-def max_registers(group, options):
+def max_registers(group, options, bits=0):
     """Triton's ``maxnreg`` for Estimate's build at ``group`` query heads per KV head: the
     ``estimate.max_registers`` ceiling up to ``estimate.max_registers_group`` heads (96
     registers fit 5 blocks per SM without spills at G <= 4; G = 8 spills), ptxas's choice
-    above."""
-    if group <= options.value("estimate.max_registers_group"):
+    above and for the codes (``bits`` > 0: their [64, D * bits / 8] tiles spill under 96)."""
+    if bits == 0 and group <= options.value("estimate.max_registers_group"):
         return options.value("estimate.max_registers")
     return None
 
@@ -320,7 +320,8 @@ def estimate(query, key_cache, summaries, block_table, seq_lens, scale, log_mass
         BITS=bits,
         EXACT=options.value("estimate.exact_pages"), WRITE_KV=new_kv is not None,
         QUERY_AHEAD=options.value("estimate.query_head_ahead"),
-        num_warps=options.value("estimate.num_warps"), maxnreg=max_registers(group, options),
+        num_warps=options.value("estimate.num_warps"),
+        maxnreg=max_registers(group, options, bits),
         **launch.options(programmatic_launch, "estimate",
                          options.value("launch.chained")),
     )
