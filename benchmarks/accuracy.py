@@ -528,6 +528,29 @@ STUDY_ARMS = ([(name, "fraction", 0.25) for name in
               + [("mvar", "gamma", 0.98)])
 
 
+def study_arms(text):
+    """``--arms`` as ``(estimator, mode, value)``: comma-separated ``NAME@GAMMA`` (the coverage
+    rule) or ``NAME@readFRACTION`` (a fixed share of each row's pages), e.g.
+    ``int2@0.99,mvar@read0.25``; empty: ``STUDY_ARMS``."""
+    from moira import estimators
+
+    if not text:
+        return STUDY_ARMS
+    arms = []
+    for item in text.split(","):
+        name, _, value = item.partition("@")
+        mode = "fraction" if value.startswith("read") else "gamma"
+        try:
+            number = float(value.removeprefix("read"))
+        except ValueError:
+            number = -1.0
+        if name not in estimators.CANDIDATES or not 0 < number <= 1:
+            raise SystemExit(f"--arms: {item!r} is not NAME@GAMMA or NAME@readFRACTION with "
+                             f"NAME in {sorted(estimators.CANDIDATES)} and a value in (0, 1]")
+        arms.append((name, mode, number))
+    return arms
+
+
 def estimator_study(args):
     """Every estimator's statistics and every arm on each task's samples: ``--out`` (rewritten
     after every sample), the table on stdout; ``--merge`` combines such files instead."""
@@ -549,6 +572,10 @@ def estimator_study(args):
         if args.plot:
             study_plot(table, args.plot, meta)
         return
+    arms, stats = study_arms(args.arms), args.stats.split(",")
+    unknown = sorted(set(stats) - set(estimators.CANDIDATES))
+    if unknown:
+        raise SystemExit(f"--stats: unknown estimators {unknown}")
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
     lm, _, evaluation_ids = load(args)
@@ -567,7 +594,7 @@ def estimator_study(args):
                 fractions=list(study.FRACTIONS), gammas=list(study.GAMMAS),
                 needle_share=study.NEEDLE_SHARE,
                 bytes_per_page_per_kv_head={name: estimators.BYTES[name](head_dim)
-                                            for name in STUDY_STATS},
+                                            for name in stats},
                 key_bytes_per_page_per_kv_head=estimators.BYTES["exact"](head_dim),
                 **common.run_info("transformers"))
     for task in args.tasks.split(","):
@@ -575,7 +602,7 @@ def estimator_study(args):
                                                           evaluation_ids, args.context)):
             if index < args.first:
                 continue
-            samples.append(dict(study.run_sample(lm, sample, decode, STUDY_STATS, STUDY_ARMS),
+            samples.append(dict(study.run_sample(lm, sample, decode, stats, arms),
                                 sample=index))
             with open(args.out, "w") as f:
                 json.dump(dict(meta, seconds=round(time.time() - start), samples=samples), f)
@@ -697,6 +724,10 @@ def main(argv=None):
     one.add_argument("--samples", type=int, default=20, help="samples per task")
     one.add_argument("--first", type=int, default=0, help="skip each task's first samples")
     one.add_argument("--threads", type=int, default=1)
+    one.add_argument("--arms", default="", help="NAME@GAMMA or NAME@readFRACTION, "
+                     "comma-separated (default: the study's set)")
+    one.add_argument("--stats", default=",".join(STUDY_STATS),
+                     help="estimators whose per-step statistics are gathered")
     one.add_argument("--merge", nargs="+", help="combine these --out files instead")
     one.add_argument("--plot", help="with --merge: a PNG of accuracy and KL against reads")
     one.add_argument("--out", required=True)

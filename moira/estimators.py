@@ -1,5 +1,6 @@
-"""Candidate page-mass estimators beside mvar, in float32 PyTorch (study code: the accuracy
-study ``benchmarks/accuracy.py estimators`` compares them; Moira's Estimate is still mvar).
+"""Candidate page-mass estimators, in float32 PyTorch (study code: the accuracy study
+``benchmarks/accuracy.py estimators`` compares them; of these Moira's Estimate ships mvar,
+int2 and int4, ``MoiraConfig.estimator``).
 
 Every estimator maps one request's scaled queries ``q`` ``[kv_heads, G, D]`` (``s q``) and its
 keys ``keys`` ``[pages, 64, kv_heads, D]`` (``valid`` ``[pages, 64]`` marks the tokens in the
@@ -13,9 +14,9 @@ once when the page fills (built here from the keys, each step, for simplicity);
   per-channel min and max, as the log-mass of one key: a ranking, not a share. ``sub`` tokens
   per box (64 / 32 / 16): the page's mass is the log-sum-exp of its boxes' bounds.
 - ``quantized``: every key at ``bits`` bits per channel (2, 4: uniform between the page's
-  per-channel min and max, which Quest's box holds; 1: the mean plus or minus the mean absolute
-  deviation, by the sign of the deviation), each token's logit from the dequantized key,
-  log-sum-exp'd per page.
+  per-channel min and max, which Quest's box holds, as ``reference.quantize_page``; 1: the
+  mean plus or minus the mean absolute deviation, by the sign of the deviation), each token's
+  logit from the dequantized key, log-sum-exp'd per page.
 - ``landmarks``: ``count`` keys per page stored exactly (chosen when the page fills, by
   ``by``: ``"norm"`` largest key norm, ``"deviation"`` largest standardized distance from the
   page's mean, ``"channel"`` largest standardized deviation in one channel), logaddexp'd with
@@ -31,6 +32,7 @@ import math
 
 import torch
 
+from . import reference
 from .config import PAGE_SIZE
 
 NEG = -math.inf
@@ -96,11 +98,11 @@ def _dequantized(keys, valid, bits):
         mean, _, n = _moments(keys, valid)
         mad = _masked((keys - mean[:, None]).abs(), valid, 0.0).sum(1) / n
         return mean[:, None] + torch.where(keys >= mean[:, None], 1.0, -1.0) * mad[:, None]
-    hi = _masked(keys, valid, NEG).amax(1, keepdim=True)
-    lo = _masked(keys, valid, math.inf).amin(1, keepdim=True)
-    levels = 2**bits - 1
-    step = ((hi - lo) / levels).clamp(min=1e-12)
-    return lo + torch.round((keys - lo) / step).clamp(0, levels) * step
+    # the shipped quantizer (float32 bounds here); a partial page's empty slots repeat its
+    # first key, which changes neither bound
+    keys = torch.where(valid[:, :, None, None], keys, keys[:, :1])
+    lo, hi, codes = reference.quantize_page(keys, bits, torch.float32)
+    return lo[:, None] + codes * ((hi - lo) / (2**bits - 1))[:, None]
 
 
 def quantized(q, keys, valid, bits=4):

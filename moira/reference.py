@@ -63,18 +63,19 @@ def write_tokens(key_cache, value_cache, new_keys, new_values, slot_mapping):
 
 
 def quantize_page(keys, bits, dtype):
-    """Codes of a full page's keys ``[64, kv_heads, D]`` at ``bits`` bits per channel.
+    """Codes of a full page's keys ``[..., 64, kv_heads, D]`` at ``bits`` bits per channel.
 
     The page's per-channel min ``lo`` and max ``hi`` are rounded to the summaries' ``dtype``
     first (they are what is stored); ``code = floor((k - lo) / step + 1/2)`` clamped to
     ``[0, 2**bits - 1]``, ``step = (hi - lo) / (2**bits - 1)`` (0 where ``hi == lo``).
-    Returns ``(lo, hi, codes)``: ``[kv_heads, D]`` float32 twice, ``[64, kv_heads, D]`` int64.
+    Returns ``(lo, hi, codes)``: ``[..., kv_heads, D]`` float32 twice, ``keys``' shape int64.
     """
     levels = 2**bits - 1
-    lo = keys.amin(dim=0).to(dtype).float()
-    hi = keys.amax(dim=0).to(dtype).float()
-    step = (hi - lo) / levels
-    scaled = torch.where(step > 0, (keys - lo) / torch.where(step > 0, step, 1.0), 0.0)
+    lo = keys.amin(dim=-3).to(dtype).float()
+    hi = keys.amax(dim=-3).to(dtype).float()
+    step = ((hi - lo) / levels).unsqueeze(-3)
+    scaled = torch.where(step > 0, (keys - lo.unsqueeze(-3)) / torch.where(step > 0, step, 1.0),
+                         0.0)
     codes = torch.floor(scaled + 0.5).clamp(0, levels).long()
     return lo, hi, codes
 
