@@ -235,11 +235,23 @@ def exact_log_masses(query, key_cache, block_table, seq_lens, scale=None):
     return log_masses
 
 
+def unreadable(log_masses):
+    """Pages whose estimate is not finite for some query head of the group (NaN or infinite:
+    non-finite keys, summaries or queries): ``[batch, num_kv_heads, max_pages]`` bool. Select
+    keeps them in every mode, as it cannot tell their mass (past a row's pages every entry is
+    ``-inf``: callers slice the row)."""
+    return ~torch.isfinite(log_masses).all(dim=2)
+
+
 def group_shares(log_masses):
     """Attention share of each page, softmax over pages per query head, averaged over the G
-    query heads of the group: ``[batch, num_kv_heads, max_pages]`` (0 past a row's pages)."""
-    shares = torch.softmax(log_masses.float(), dim=-1).mean(dim=2)
-    return torch.nan_to_num(shares, nan=0.0)  # rows without pages
+    query heads of the group: ``[batch, num_kv_heads, max_pages]`` (0 past a row's pages).
+    A non-finite estimate takes no part in its head's softmax, and an ``unreadable`` page's
+    share is 0."""
+    finite = torch.isfinite(log_masses)
+    shares = torch.softmax(log_masses.float().masked_fill(~finite, -math.inf), dim=-1)
+    shares = torch.nan_to_num(shares, nan=0.0).mean(dim=2)  # a head with no finite estimate: 0
+    return shares.masked_fill(~finite.all(dim=2), 0.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,7 +313,8 @@ def select(log_masses, seq_lens, *, gamma=0.98, top_k=None, keep_fractions=None,
     """The pages each row keeps: coverage rule (default; ``gamma`` a number, or per-row
     targets ``[num_kv_heads]`` or ``[batch, num_kv_heads]``) or, with ``top_k``, the ``top_k``
     largest (sink and current page included; rows of at most ``top_k`` pages keep all; ties
-    broken by lower page index). ``top_k`` is an int or a ``[batch, num_kv_heads]`` tensor of
+    broken by lower page index). A middle page whose estimate is not finite (``unreadable``)
+    is kept under the coverage rule and ranks first under ``top_k``, never dropped unseen. ``top_k`` is an int or a ``[batch, num_kv_heads]`` tensor of
     per-row counts; ``keep_fractions`` (``[num_kv_heads]`` or ``[batch, num_kv_heads]``) sets
     them from each row's length (``fraction_counts``). Rows of at most ``dense_below_pages``
     pages keep every page, in every mode.
@@ -315,20 +328,24 @@ def select(log_masses, seq_lens, *, gamma=0.98, top_k=None, keep_fractions=None,
         pages = len(row)
         if pages <= max(2, dense_below_pages):
             return list(range(pages))
+        bad = unknown[b, h, 1:pages - 1]  # middle pages whose estimate is not finite
         if top_k is not None:
             count = int(top_k[b, h]) if torch.is_tensor(top_k) else top_k
-            order = torch.sort(row[1:-1], descending=True, stable=True).indices
+            # unreadable pages rank above every share (in page order among themselves)
+            order = torch.sort(torch.where(bad, 2.0, row[1:-1]), descending=True,
+                               stable=True).indices
             chosen = sorted((order[: max(count - 2, 0)] + 1).tolist())
         else:
             target = gamma
             if torch.is_tensor(gamma):
                 target = float(gamma[h] if gamma.dim() == 1 else gamma[b, h])
             tau, _ = coverage_threshold(row, target)
-            chosen = (torch.nonzero(row[1:-1] >= tau).flatten() + 1).tolist()
+            chosen = (torch.nonzero((row[1:-1] >= tau) | bad).flatten() + 1).tolist()
         return [0] + chosen + [pages - 1]
 
     if keep_fractions is not None:
         top_k = fraction_counts(keep_fractions, seq_lens, log_masses.shape[-1])
+    unknown = unreadable(log_masses).cpu()
     return _pack(group_shares(log_masses), seq_lens, choose)
 
 

@@ -631,3 +631,28 @@ def test_programmatic_launch_before_hopper_raises(monkeypatch):
     with pytest.raises(ValueError, match="programmatic_launch needs a Hopper.*sm_80"):
         moira.DecodeWorkspace(1, 4, 8, 2, 64, device="cuda",
                               config=moira.MoiraConfig(programmatic_launch=True))
+
+
+@pytest.mark.parametrize("estimator", ["mvar", "int2"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_summary_never_drops_its_page(estimator, bad):
+    """One page's summary poisoned (a NaN or infinite key summarized, or memory never
+    written): gamma = 1 still reads every page (output as dense), and under the coverage
+    rule that page is kept rather than dropped unseen."""
+    keys, values = make_cache(24, 2, 64)
+    table, seq_lens = make_table([64 * 9 + 5, 64 * 6], 24)
+    query = make_query(2, 8, 64)
+    config = moira.MoiraConfig(estimator=estimator)
+    summaries = moira.summarize(keys, table, seq_lens, estimator=estimator)
+    poisoned_page = int(table[0, 4])
+    summaries[poisoned_page, :, :2] = bad
+    dense = ref.dense_attention(query.cpu(), keys.cpu(), values.cpu(), table.cpu(),
+                                seq_lens.cpu())
+    out, lists, counts = moira.sparse_decode(query, keys, values, summaries, table, seq_lens,
+                                             gamma=1.0, config=config, return_pages=True)
+    assert counts.tolist() == [[10, 10], [6, 6]]
+    torch.testing.assert_close(out.float().cpu(), dense, rtol=2e-2, atol=2e-2)
+    _, lists, counts = moira.sparse_decode(query, keys, values, summaries, table, seq_lens,
+                                           gamma=0.5, config=config, return_pages=True)
+    for h in range(2):
+        assert 4 in lists[0, h, : counts[0, h]].tolist()

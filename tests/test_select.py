@@ -119,6 +119,71 @@ def test_gamma_one_keeps_every_page_even_underflowing_ones():
     check_lists(page_lists, page_counts, seq_lens)
 
 
+def poison_estimates(log_masses, seq_lens, seed=0):
+    """Non-finite estimates (NaN, +inf, -inf) at random (page, head) entries of each row's
+    pages, the sink and the current page included, as non-finite keys, summaries or queries
+    give them; one row keeps every estimate finite, one has every middle page poisoned."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.tensor([math.nan, math.inf, -math.inf])
+    for b, length in enumerate(seq_lens.tolist()):
+        pages = ref.num_pages(length, log_masses.shape[-1])
+        if b == 1 or pages == 0:
+            continue
+        hit = torch.rand(log_masses.shape[1], log_masses.shape[2], pages,
+                         generator=generator) < (1.0 if b == 2 else 0.08)
+        if b == 2:
+            hit[:, :, [0, pages - 1]] = False
+        picks = values[torch.randint(0, 3, hit.shape, generator=generator)]
+        log_masses[b, :, :, :pages] = torch.where(hit, picks, log_masses[b, :, :, :pages])
+    return log_masses
+
+
+NON_FINITE_ROWS = [64 * 40 + 3, 64 * 37 + 9, 64 * 20, 64 * 300, 65, 1]
+
+
+@pytest.mark.parametrize("gamma", [0.5, 0.9, 0.98, 1.0])
+@pytest.mark.parametrize("group", [1, 4])
+def test_non_finite_estimates_are_kept_and_do_not_disturb_the_rest(gamma, group):
+    """A page whose estimate is NaN or infinite for some head is kept; the other pages are
+    chosen from the finite estimates as the reference chooses them; gamma = 1 keeps all."""
+    log_masses, seq_lens = random_log_masses(NON_FINITE_ROWS, 2, group, 2.0)
+    log_masses = poison_estimates(log_masses, seq_lens)
+    page_lists, page_counts = run_select(log_masses, seq_lens, gamma=gamma)
+    check_coverage(log_masses, seq_lens, page_lists, page_counts, gamma)
+    unreadable = ref.unreadable(log_masses)
+    for b, length in enumerate(seq_lens.tolist()):
+        pages = ref.num_pages(length, log_masses.shape[-1])
+        for h in range(2):
+            kept = set(page_lists[b, h, : page_counts[b, h]].tolist())
+            bad = set(torch.nonzero(unreadable[b, h, :pages]).flatten().tolist())
+            assert bad <= kept
+    assert unreadable[0].any() and unreadable[2, :, 1:19].all()  # the cases are there
+
+
+@pytest.mark.parametrize("top_k", [3, 17])
+def test_non_finite_estimates_rank_first_under_a_fixed_count(top_k):
+    log_masses, seq_lens = random_log_masses(NON_FINITE_ROWS, 2, 4, 2.0)
+    log_masses = poison_estimates(log_masses, seq_lens, seed=1)
+    page_lists, page_counts = run_select(log_masses, seq_lens, top_k=top_k)
+    check_lists(page_lists, page_counts, seq_lens)
+    expected_lists, expected_counts = ref.select(log_masses, seq_lens, top_k=top_k)
+    assert torch.equal(page_counts, expected_counts)
+    unreadable = ref.unreadable(log_masses)
+    shares = ref.group_shares(log_masses)
+    for b, length in enumerate(seq_lens.tolist()):
+        pages = ref.num_pages(length, log_masses.shape[-1])
+        for h in range(2):
+            got = set(page_lists[b, h, : page_counts[b, h]].tolist())
+            want = set(expected_lists[b, h, : expected_counts[b, h]].tolist())
+            # the same pages but where shares tie within NEAR at the cut
+            differ = got ^ want
+            assert all(not unreadable[b, h, p] for p in differ)
+            assert all(abs(shares[b, h, p] - shares[b, h, q]) <= NEAR
+                       for p in got - want for q in want - got)
+            bad = torch.nonzero(unreadable[b, h, 1:pages - 1]).flatten() + 1
+            assert set(bad.tolist()[:max(top_k - 2, 0)]) <= got  # first, in page order
+
+
 def test_one_page_holding_the_mass_is_kept_alone():
     """The others' shares underflow to 0: no share lies inside (0, top), so the bisection stops
     before its first pass, and must still keep the top page only, not every page at share 0."""

@@ -146,6 +146,18 @@ def test_coverage_matches_reference(cuda_select, group, spread, gamma):
 
 
 @cuda
+@pytest.mark.parametrize("gamma", [0.5, 0.98, 1.0])
+def test_non_finite_estimates_are_kept(cuda_select, gamma):
+    test_select.test_non_finite_estimates_are_kept_and_do_not_disturb_the_rest(gamma, 4)
+
+
+@cuda
+@pytest.mark.parametrize("top_k", [3, 17])
+def test_non_finite_estimates_rank_first_under_a_fixed_count(cuda_select, top_k):
+    test_select.test_non_finite_estimates_rank_first_under_a_fixed_count(top_k)
+
+
+@cuda
 @pytest.mark.parametrize("case", ["test_gamma_one_keeps_every_page_even_underflowing_ones",
                                   "test_one_page_holding_the_mass_is_kept_alone",
                                   "test_target_met_by_forced_pages_keeps_only_them",

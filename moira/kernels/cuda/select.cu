@@ -288,7 +288,11 @@ __device__ void select_row(const Params& p) {
   // group-mean share of every page: each head's softmax, then their mean. A thread loads its
   // pages of every head at once, at addresses clamped into the row and to a real head (so no
   // load waits behind a branch: loads in per-head branches ran one after another), and keeps
-  // its own maximum and sum; the block combines them.
+  // its own maximum and sum; the block combines them. An estimate that is NaN or infinite
+  // takes no part in its head's softmax, and its page is unreadable (the reference's
+  // `unreadable`): kept below, never dropped unseen. Bit k: this thread's page base + k.
+  static_assert(P <= 32, "one bit per page of the thread");
+  unsigned unreadable = 0;
   float peak[GP], total[GP];
 #pragma unroll
   for (int g = 0; g < GP; ++g) {
@@ -299,7 +303,10 @@ __device__ void select_row(const Params& p) {
     peak[g] = -infinity();
 #pragma unroll
     for (int k = 0; k < P; ++k) {
-      ell[k] = g < p.group && base + k < n ? ell[k] : -infinity();
+      const bool here = g < p.group && base + k < n;
+      const bool finite = fabsf(ell[k]) <= 3.402823466e38f;  // false for NaN too
+      unreadable |= unsigned(here && !finite) << k;
+      ell[k] = here && finite ? ell[k] : -infinity();
       peak[g] = fmaxf(peak[g], ell[k]);
     }
     total[g] = 0.f;
@@ -321,7 +328,8 @@ __device__ void select_row(const Params& p) {
   // from being issued together
   float weight[GP];  // 1 / (G total_g), 0 for padding heads
 #pragma unroll
-  for (int g = 0; g < GP; ++g) weight[g] = g < p.group ? 1.f / (total[g] * p.group) : 0.f;
+  for (int g = 0; g < GP; ++g)  // a head without a finite estimate: 0, not infinite
+    weight[g] = g < p.group && total[g] > 0.f ? 1.f / (total[g] * p.group) : 0.f;
   const int last = n - 1;
   float candidate[P];  // a middle page's share, -1 elsewhere (below every threshold)
 #pragma unroll
@@ -339,8 +347,11 @@ __device__ void select_row(const Params& p) {
 #pragma unroll
   for (int k = 0; k < P; ++k) {
     const int page = base + k;
-    const float share = page < n ? candidate[k] : 0.f;
+    // an unreadable page's sum holds its own NaN or infinite terms alone: its share is 0
+    const float share = page < n && !(unreadable >> k & 1u) ? candidate[k] : 0.f;
     candidate[k] = page > 0 && page < last ? share : -1.f;
+    // fixed count: an unreadable middle page ranks above every share (1 at most)
+    if (p.fixed_count && page > 0 && page < last && (unreadable >> k & 1u)) candidate[k] = 2.f;
     edges[1] += (page == 0 || page == last) ? share : 0.f;  // page 0 once when last == 0
   }
   {
@@ -421,7 +432,8 @@ __device__ void select_row(const Params& p) {
     // pages already meet keeps no middle page
     lo = gamma >= 1.f ? -0.5f : (gamma - forced <= 0.f ? 2.f : lo);
 #pragma unroll
-    for (int k = 0; k < P; ++k) keep[k] = candidate[k] >= lo;
+    for (int k = 0; k < P; ++k)
+      keep[k] = candidate[k] >= lo || ((unreadable >> k & 1u) && base + k > 0 && base + k < last);
   }
 
   // compaction: sink, kept middle pages in order, current page
