@@ -314,9 +314,10 @@ def select(log_masses, seq_lens, *, gamma=0.98, top_k=None, keep_fractions=None,
     targets ``[num_kv_heads]`` or ``[batch, num_kv_heads]``) or, with ``top_k``, the ``top_k``
     largest (sink and current page included; rows of at most ``top_k`` pages keep all; ties
     broken by lower page index). A middle page whose estimate is not finite (``unreadable``)
-    is kept under the coverage rule and ranks first under ``top_k``, never dropped unseen. ``top_k`` is an int or a ``[batch, num_kv_heads]`` tensor of
-    per-row counts; ``keep_fractions`` (``[num_kv_heads]`` or ``[batch, num_kv_heads]``) sets
-    them from each row's length (``fraction_counts``). Rows of at most ``dense_below_pages``
+    is kept under the coverage rule and ranks first under ``top_k``, never dropped unseen.
+    ``top_k`` is an int or a ``[batch, num_kv_heads]`` tensor of per-row counts;
+    ``keep_fractions`` (``[num_kv_heads]`` or ``[batch, num_kv_heads]``) sets them from each
+    row's length (``fraction_counts``). Rows of at most ``dense_below_pages``
     pages keep every page, in every mode.
 
     Returns ``(page_lists, page_counts)``: ``[batch, num_kv_heads, max_pages]`` int32 logical
