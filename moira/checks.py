@@ -155,6 +155,27 @@ def summaries(summaries, key_cache, estimator_name="mvar"):
     device(summaries=summaries, key_cache=key_cache)
 
 
+def distinct_pages(page_lists, page_counts, max_pages):
+    """No row lists a page of its block table twice among its first ``page_counts`` entries
+    (Attend would count it twice). One synchronizing reduction, so it is skipped while a CUDA
+    graph is captured (there the lists' contract is the caller's, as Select's lists meet it)."""
+    if page_lists.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    width = page_lists.shape[-1]
+    columns = torch.arange(width, device=page_lists.device)
+    entries = page_lists.long()
+    read = (columns < page_counts[..., None].long()) & (entries >= 0) & (entries < max_pages)
+    # entries that read nothing become distinct negatives, so only real pages can collide
+    keys = torch.where(read, entries, -1 - columns).sort(dim=-1).values
+    repeated = (keys[..., 1:] == keys[..., :-1]) & (keys[..., 1:] >= 0)
+    if bool(repeated.any()):
+        b, h, j = (int(i) for i in torch.nonzero(repeated)[0])
+        raise ValueError(f"page_lists: row (request {b}, KV head {h}) lists page "
+                         f"{int(keys[b, h, j])} more than once, and attend would count it "
+                         f"each time: pass each page at most once per row (e.g. "
+                         f"torch.unique over the row's entries)")
+
+
 def out(out, query):
     if out is not None:
         require(out.shape == query.shape and out.dtype == query.dtype

@@ -260,8 +260,9 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     Parameters
     ----------
     page_lists : ``[batch, num_kv_heads, max_list]`` int32 logical page indices, each page at
-        most once; tokens at or past ``seq_lens[b]`` are masked, and entries outside
-        ``[0, max_pages_per_seq)`` read nothing.
+        most once (a ValueError otherwise; not checked while a CUDA graph is captured, where
+        the check's synchronization is not allowed); tokens at or past ``seq_lens[b]`` are
+        masked, and entries outside ``[0, max_pages_per_seq)`` read nothing.
     page_counts : ``[batch, num_kv_heads]`` int32, how many entries of each list are valid
         (0: the row's output is zeros).
     scale : softmax scale, default ``1 / sqrt(head_dim)``.
@@ -292,6 +293,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     checks.page_stats(page_stats, query)
     scale = checks.scale(scale, head_dim)
     checks.table_width(block_table)
+    checks.distinct_pages(page_lists, page_counts, block_table.shape[1])
     _check_config_fits(config, workspace)
     if workspace is None:
         workspace = DecodeWorkspace(batch, block_table.shape[1], num_heads, num_kv_heads,

@@ -440,3 +440,22 @@ def test_equal_chunks_and_eq4_chunks(even):
                  workspace=workspace, out=out)
     args = [t.cpu() for t in (query, keys, values, table, seq_lens, page_lists, page_counts)]
     assert_attention_close(out, ref.attend(*args), ref.attend(*args, dtype=query.dtype))
+
+
+def test_a_page_listed_twice_is_refused():
+    """Attend reads every listed entry: a page listed twice would count twice (a silent wrong
+    answer), so the public call refuses it; repeats past the count or outside the table read
+    nothing and pass."""
+    keys, values = make_cache(12, 2, 64)
+    table, seq_lens = make_table([64 * 4, 64 * 3], 12, extra_columns=1)
+    query = make_query(2, 8, 64)
+    counts = torch.tensor([[3, 3], [3, 2]], dtype=torch.int32, device=DEVICE)
+    lists = torch.tensor([[[0, 1, 3, 1], [0, 2, 3, 3]], [[0, 1, 2, 0], [0, 2, 2, 2]]],
+                         dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"row \(request 1, KV head 1\) lists page 2 more "
+                                         r"than once"):
+        moira.attend(query, keys, values, table, seq_lens, lists, counts.clone().fill_(3))
+    moira.attend(query, keys, values, table, seq_lens, lists, counts)  # repeats past the count
+    outside = torch.tensor([[[0, -1, -1, 9], [0, 9, 9, 1]], [[0, 1, 2, 0], [0, 2, 1, 1]]],
+                           dtype=torch.int32, device=DEVICE)
+    moira.attend(query, keys, values, table, seq_lens, outside, counts.clone().fill_(3))
