@@ -235,23 +235,27 @@ def exact_log_masses(query, key_cache, block_table, seq_lens, scale=None):
     return log_masses
 
 
+def _unknown(log_masses):
+    """Estimates that say nothing of a mass: NaN or +inf (-inf is a mass of zero)."""
+    return torch.isnan(log_masses) | torch.isposinf(log_masses)
+
+
 def unreadable(log_masses):
-    """Pages whose estimate is not finite for some query head of the group (NaN or infinite:
-    non-finite keys, summaries or queries): ``[batch, num_kv_heads, max_pages]`` bool. Select
-    keeps them in every mode, as it cannot tell their mass (past a row's pages every entry is
-    ``-inf``: callers slice the row)."""
-    return ~torch.isfinite(log_masses).all(dim=2)
+    """Pages whose estimate is NaN or +inf for some query head of the group (non-finite keys,
+    summaries or queries): ``[batch, num_kv_heads, max_pages]`` bool. Select keeps them in
+    every mode, as it cannot tell their mass."""
+    return _unknown(log_masses).any(dim=2)
 
 
 def group_shares(log_masses):
     """Attention share of each page, softmax over pages per query head, averaged over the G
     query heads of the group: ``[batch, num_kv_heads, max_pages]`` (0 past a row's pages).
-    A non-finite estimate takes no part in its head's softmax, and an ``unreadable`` page's
-    share is 0."""
-    finite = torch.isfinite(log_masses)
-    shares = torch.softmax(log_masses.float().masked_fill(~finite, -math.inf), dim=-1)
-    shares = torch.nan_to_num(shares, nan=0.0).mean(dim=2)  # a head with no finite estimate: 0
-    return shares.masked_fill(~finite.all(dim=2), 0.0)
+    An estimate that is NaN or +inf takes no part in its head's softmax, and an
+    ``unreadable`` page's share is 0."""
+    unknown = _unknown(log_masses)
+    shares = torch.softmax(log_masses.float().masked_fill(unknown, -math.inf), dim=-1)
+    shares = torch.nan_to_num(shares, nan=0.0).mean(dim=2)  # a head with nothing readable: 0
+    return shares.masked_fill(unknown.any(dim=2), 0.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,7 +317,7 @@ def select(log_masses, seq_lens, *, gamma=0.98, top_k=None, keep_fractions=None,
     """The pages each row keeps: coverage rule (default; ``gamma`` a number, or per-row
     targets ``[num_kv_heads]`` or ``[batch, num_kv_heads]``) or, with ``top_k``, the ``top_k``
     largest (sink and current page included; rows of at most ``top_k`` pages keep all; ties
-    broken by lower page index). A middle page whose estimate is not finite (``unreadable``)
+    broken by lower page index). A middle page whose estimate is NaN or +inf (``unreadable``)
     is kept under the coverage rule and ranks first under ``top_k``, never dropped unseen.
     ``top_k`` is an int or a ``[batch, num_kv_heads]`` tensor of per-row counts;
     ``keep_fractions`` (``[num_kv_heads]`` or ``[batch, num_kv_heads]``) sets them from each

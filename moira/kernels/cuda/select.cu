@@ -288,9 +288,9 @@ __device__ void select_row(const Params& p) {
   // group-mean share of every page: each head's softmax, then their mean. A thread loads its
   // pages of every head at once, at addresses clamped into the row and to a real head (so no
   // load waits behind a branch: loads in per-head branches ran one after another), and keeps
-  // its own maximum and sum; the block combines them. An estimate that is NaN or infinite
-  // takes no part in its head's softmax, and its page is unreadable (the reference's
-  // `unreadable`): kept below, never dropped unseen. Bit k: this thread's page base + k.
+  // its own maximum and sum; the block combines them. An estimate that is NaN or +inf takes
+  // no part in its head's softmax, and its page is unreadable (the reference's `unreadable`):
+  // kept below, never dropped unseen (-inf is a mass of zero). Bit k: page base + k.
   static_assert(P <= 32, "one bit per page of the thread");
   unsigned unreadable = 0;
   float peak[GP], total[GP];
@@ -304,9 +304,9 @@ __device__ void select_row(const Params& p) {
 #pragma unroll
     for (int k = 0; k < P; ++k) {
       const bool here = g < p.group && base + k < n;
-      const bool finite = fabsf(ell[k]) <= 3.402823466e38f;  // false for NaN too
-      unreadable |= unsigned(here && !finite) << k;
-      ell[k] = here && finite ? ell[k] : -infinity();
+      const bool known = ell[k] <= 3.402823466e38f;  // false for NaN and +inf
+      unreadable |= unsigned(here && !known) << k;
+      ell[k] = here && known ? ell[k] : -infinity();
       peak[g] = fmaxf(peak[g], ell[k]);
     }
     total[g] = 0.f;

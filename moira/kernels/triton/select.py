@@ -30,10 +30,10 @@ head's coverage too high or too low).
 Rows of at most ``dense_below_pages`` pages keep every page in every mode (short rows, where
 estimating and selecting would cost more than reading everything; Estimate skips them).
 
-A middle page whose estimate is NaN or infinite for some head (non-finite keys, summaries or
+A middle page whose estimate is NaN or +inf for some head (non-finite keys, summaries or
 queries) cannot be ranked: the estimate takes no part in its head's softmax, and the page is
 kept under the coverage rule and ranks first in fixed-count mode (``reference.unreadable``), so
-bad data never drops a page.
+bad data never drops a page. (-inf is a mass of zero, as a page past the row has.)
 
 Output: ``page_lists[b, h, :count]`` logical pages (sink, kept middle pages in increasing order,
 current page) and ``page_counts[b, h] = count``. Entries past the count are not written.
@@ -75,8 +75,8 @@ def _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_ro
     """Select one row of 1 to ``BLOCK`` pages: its page list and count."""
     pages = tl.arange(0, BLOCK)
     in_row = pages < pages_in_row
-    # group-mean attention share of every page. A non-finite estimate takes no part in its
-    # head's softmax, and its page is "unreadable": share 0, kept below
+    # group-mean attention share of every page. An estimate that is NaN or +inf takes no part
+    # in its head's softmax, and its page is "unreadable": kept below
     row_masses = log_masses + row.to(tl.int64) * stride_lr
     if GROUP_PAD * BLOCK <= SOFTMAX_TILE:
         # all G softmaxes in one [G, BLOCK] tile: their maxima and sums are two reductions
@@ -84,11 +84,10 @@ def _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_ro
         heads = tl.arange(0, GROUP_PAD)
         real = heads < GROUP
         ell = tl.load(row_masses + heads[:, None] * stride_lg + pages[None, :],
-                      mask=real[:, None] & in_row[None, :], other=0.0)
-        here = real[:, None] & in_row[None, :]
-        finite = tl.abs(ell) < float("inf")  # false for NaN too
-        unreadable = tl.max((here & ~finite).to(tl.int32), axis=0) > 0
-        ell = tl.where(here & finite, ell, float("-inf"))
+                      mask=real[:, None] & in_row[None, :], other=float("-inf"))
+        bad = (ell != ell) | (ell == float("inf"))  # NaN or +inf; -inf is a zero mass
+        unreadable = tl.max(bad.to(tl.int32), axis=0) > 0
+        ell = tl.where(bad, float("-inf"), ell)
         peak = tl.max(ell, axis=1)
         peak = tl.where(peak > float("-inf"), peak, 0.0)  # padding heads, nothing finite
         weights = tl.exp(ell - peak[:, None])
@@ -99,23 +98,23 @@ def _select_row(log_masses, row_values, lists, counts, row, b, head, pages_in_ro
         unreadable = pages < 0
         shares = tl.zeros([BLOCK], dtype=tl.float32)
         for g in range(GROUP):
-            ell = tl.load(row_masses + g * stride_lg + pages, mask=in_row, other=0.0)
-            finite = tl.abs(ell) < float("inf")
-            unreadable = unreadable | (in_row & ~finite)
-            ell = tl.where(in_row & finite, ell, float("-inf"))
+            ell = tl.load(row_masses + g * stride_lg + pages, mask=in_row, other=float("-inf"))
+            bad = (ell != ell) | (ell == float("inf"))
+            unreadable = unreadable | bad
+            ell = tl.where(bad, float("-inf"), ell)
             peak = tl.max(ell, axis=0)
             weights = tl.exp(ell - tl.where(peak > float("-inf"), peak, 0.0))
             total = tl.sum(weights, axis=0)
             shares += weights / tl.where(total > 0.0, total, 1.0)
         shares = shares / GROUP
-    shares = tl.where(unreadable, 0.0, shares)
+    # unreadable: no share under the coverage rule (kept below), above every share (at most 1)
+    # in fixed-count mode, so it ranks first
+    shares = tl.where(unreadable, 2.0 if FIXED_COUNT else 0.0, shares)
 
     last = pages_in_row - 1
     forced = tl.sum(tl.where((pages == 0) | (pages == last), shares, 0.0), axis=0)
     middle = (pages > 0) & (pages < last)
     candidate = tl.where(middle, shares, -1.0)  # shares are >= 0: -1 is below every threshold
-    if FIXED_COUNT:  # unreadable pages rank above every share (1 at most)
-        candidate = tl.where(middle & unreadable, 2.0, candidate)
     top = tl.max(candidate, axis=0)
     fractions = tl.arange(0, WAYS).to(tl.float32) / WAYS
 
