@@ -155,16 +155,19 @@ def summaries(summaries, key_cache, estimator_name="mvar"):
     device(summaries=summaries, key_cache=key_cache)
 
 
-def distinct_pages(page_lists, page_counts, max_pages):
-    """No row lists a page of its block table twice among its first ``page_counts`` entries
-    (Attend would count it twice). One synchronizing reduction, so it is skipped while a CUDA
-    graph is captured (there the lists' contract is the caller's, as Select's lists meet it)."""
+def distinct_pages(page_lists, page_counts, seq_lens, max_pages):
+    """No row lists one of its pages twice among its first ``page_counts`` entries (Attend
+    would count it twice; entries past the row's pages read nothing and may repeat). One
+    synchronizing reduction, so it is skipped while a CUDA graph is captured (there the
+    lists' contract is the caller's, as Select's lists meet it)."""
     if page_lists.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     width = page_lists.shape[-1]
     columns = torch.arange(width, device=page_lists.device)
     entries = page_lists.long()
-    read = (columns < page_counts[..., None].long()) & (entries >= 0) & (entries < max_pages)
+    pages = ((seq_lens.long().clamp(min=0) + PAGE_SIZE - 1) // PAGE_SIZE).clamp(max=max_pages)
+    read = ((columns < page_counts[..., None].long()) & (entries >= 0)
+            & (entries < pages[:, None, None]))
     # entries that read nothing become distinct negatives, so only real pages can collide
     keys = torch.where(read, entries, -1 - columns).sort(dim=-1).values
     repeated = (keys[..., 1:] == keys[..., :-1]) & (keys[..., 1:] >= 0)

@@ -293,7 +293,7 @@ def attend(query, key_cache, value_cache, block_table, seq_lens, page_lists, pag
     checks.page_stats(page_stats, query)
     scale = checks.scale(scale, head_dim)
     checks.table_width(block_table)
-    checks.distinct_pages(page_lists, page_counts, block_table.shape[1])
+    checks.distinct_pages(page_lists, page_counts, seq_lens, block_table.shape[1])
     _check_config_fits(config, workspace)
     if workspace is None:
         workspace = DecodeWorkspace(batch, block_table.shape[1], num_heads, num_kv_heads,

@@ -66,13 +66,14 @@ def quantize_page(keys, bits, dtype):
     """Codes of a full page's keys ``[..., 64, kv_heads, D]`` at ``bits`` bits per channel.
 
     The page's per-channel min ``lo`` and max ``hi`` are rounded to the summaries' ``dtype``
-    first (they are what is stored); ``code = floor((k - lo) / step + 1/2)`` clamped to
+    first (they are what is stored; a NaN key makes its channel's ``lo`` NaN, and so the
+    page's estimate, which Select then keeps); ``code = floor((k - lo) / step + 1/2)`` clamped to
     ``[0, 2**bits - 1]``, ``step = (hi - lo) / (2**bits - 1)`` (0 where ``hi == lo``).
     Returns ``(lo, hi, codes)``: ``[..., kv_heads, D]`` float32 twice, ``keys``' shape int64.
     """
     levels = 2**bits - 1
-    lo = keys.amin(dim=-3).to(dtype).float()
-    hi = keys.amax(dim=-3).to(dtype).float()
+    lo = keys.amin(dim=-3).to(dtype).float()  # NaN in a channel holding a NaN key
+    hi = keys.nan_to_num(nan=-math.inf).amax(dim=-3).to(dtype).float()
     step = ((hi - lo) / levels).unsqueeze(-3)
     scaled = torch.where(step > 0, (keys - lo.unsqueeze(-3)) / torch.where(step > 0, step, 1.0),
                          0.0)

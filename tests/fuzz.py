@@ -126,9 +126,9 @@ def check(config: dict, device: str) -> list[str]:
     want_lists, want_counts = ref.select(estimates, seq_lens_c, **reference,
                                          dense_below_pages=config["dense_below_pages"])
     shares = ref.group_shares(estimates)
-    # the kernels' estimates may differ from the spec's by float32 rounding (mvar) or tf32
-    # products (int2 / int4 on the GPU): a share may move by about that much
-    slack = NEAR if device == "cpu" or config["estimator"] == "mvar" else 2e-3
+    # the kernels' estimates differ from the spec's by float32 rounding (mvar) or the codes'
+    # tf32x3 products on the GPU (int2 / int4): a share may move by NEAR, or that relative part
+    slack = 0.0 if device == "cpu" or config["estimator"] == "mvar" else 1e-4
     for b in range(batch):
         pages = ref.num_pages(int(lengths[b]), width)
         for h in range(num_kv_heads):
@@ -144,7 +144,8 @@ def check(config: dict, device: str) -> list[str]:
             differ = set(got) ^ set(want)
             if differ:
                 edge = min(row[sorted(set(want) - {0, pages - 1})].tolist() or [0.0])
-                far = [p for p in differ if abs(float(row[p]) - edge) > slack * (1 + edge)]
+                far = [p for p in differ
+                       if abs(float(row[p]) - edge) > NEAR + slack * max(edge, float(row[p]))]
                 # the coverage rule's margin (2e-6 over the target) may add the next page
                 if far and not ("gamma" in selection and len(far) <= 1
                                 and set(got) > set(want)):
@@ -152,7 +153,7 @@ def check(config: dict, device: str) -> list[str]:
                                     f"beyond rounding (edge share {edge:.3g})")
             if "gamma" in selection and pages > 2:
                 kept = float(row[got].sum())
-                if kept < min(selection["gamma"], float(row.sum())) - 1e-5 - 10 * slack:
+                if kept < min(selection["gamma"], float(row.sum())) - 1e-5 - slack:
                     problems.append(f"{where}: keeps {kept:.6f} of the share, gamma "
                                     f"{selection['gamma']}")
     inputs = (query_c, keys_c, values_c, table_c, seq_lens_c, lists, counts)

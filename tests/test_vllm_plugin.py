@@ -59,6 +59,8 @@ def test_settings_come_from_additional_config_then_environment():
         == "int4"
     with pytest.raises(ValueError, match="estimator must be one of"):
         MoiraSettings.from_sources({"moira": {"estimator": "quest"}}, {})
+    with pytest.raises(ValueError, match="measured with the mvar estimate"):
+        MoiraSettings.from_sources({"moira": {"estimator": "int2", "calibration": "c.json"}}, {})
     assert MoiraSettings().describe().startswith(
         "Moira attention: gamma=0.98, other settings default (")
     assert split.describe().startswith("Moira attention: gamma=0.98, floor_rows=96, "
@@ -225,7 +227,7 @@ def test_fa3_gets_the_whole_batch_in_mixed_steps(num_decodes, num_reqs, decode_t
 def test_summary_size_against_the_kv_cache():
     kv_bytes = 1000 * 8 * 64 * 2 * 128 * 2  # blocks, heads, tokens, K and V, dims, bf16
     assert summary_bytes(1000, 8, 128, 2) * 64 == kv_bytes  # mvar: a 64th
-    # int2: min and max (a 64th) + 2 bits of every key (a 16th of the K cache, 1/32 of K+V)
+    # int2: min and max (a 64th of K+V) + 2 bits of every key (an 8th of K, 1/16 of K+V)
     assert summary_bytes(1000, 8, 128, 2, "int2") * 64 == kv_bytes * 5
     assert summary_bytes(1000, 8, 128, 2, "int4") * 64 == kv_bytes * 9
 

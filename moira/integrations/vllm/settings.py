@@ -179,6 +179,10 @@ class MoiraSettings:
             if self.top_k is not None or self.imposed_fraction is not None:
                 raise ValueError("moira calibration sets per-head coverage targets; it does "
                                  "not combine with top_k or imposed_fraction")
+            if self.estimator != "mvar":
+                raise ValueError(f"moira calibration's per-head targets are measured with the "
+                                 f"mvar estimate; with estimator={self.estimator!r} use one "
+                                 f"gamma (unset calibration)")
         for name in BOOL_SETTINGS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"moira {name} must be true or false, got "

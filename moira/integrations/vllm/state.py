@@ -3,9 +3,10 @@
 - **Page summaries**: ``[num_blocks, num_kv_heads, rows, head_dim]`` in the cache's dtype
   (``config.summary_rows``: 2 for mvar), one per attention layer, allocated on first use
   *outside* the memory vLLM reserves for the KV cache (``settings.summary_bytes``: 1/64 of
-  the K+V cache for mvar, 5/64 for int2; lower ``--gpu-memory-utilization`` by that share of
-  the cache if memory is tight). Written for every page a step completes, by a kernel inside
-  the step (prefill, chunked prefill and decode alike), and never zeroed again: a buffer
+  the K+V cache for mvar, 5/64 for int2, 9/64 for int4; lower ``--gpu-memory-utilization``
+  by that share of the cache if memory is tight: an allocation that fails says so). Written
+  for every page a step completes, by a kernel inside the step (prefill, chunked prefill and
+  decode alike), and never zeroed again: a buffer
   allocated or zeroed during CUDA-graph capture would be re-zeroed by every replay, so that
   is refused with an error.
 - **Page counters**: int64 ``[2]`` per layer (pages read, pages present, summed over decode
@@ -55,8 +56,18 @@ class LayerState:
         if self.summaries is None or self._cache_ptr != kv_cache.data_ptr():
             not_capturing(f"the page-summary buffer of {self.layer_name}")
             rows = summary_rows(estimator, kv_cache.element_size())
-            self.summaries = torch.zeros(kv_cache.shape[0], num_kv_heads, rows, head_dim,
-                                         dtype=kv_cache.dtype, device=kv_cache.device)
+            shape = (kv_cache.shape[0], num_kv_heads, rows, head_dim)
+            try:
+                self.summaries = torch.zeros(shape, dtype=kv_cache.dtype,
+                                             device=kv_cache.device)
+            except torch.OutOfMemoryError:
+                share = rows * head_dim / (2 * 64 * head_dim)  # of the layer's K+V cache
+                raise RuntimeError(
+                    f"Moira: no memory for the page summaries of {self.layer_name} "
+                    f"({math.prod(shape) * kv_cache.element_size() / 2**20:.0f} MiB, "
+                    f"{share:.1%} of its KV cache, estimator={estimator!r}), which live "
+                    f"beside vLLM's cache: lower --gpu-memory-utilization by about "
+                    f"{share * 0.9:.2f} (or use estimator='mvar', 1.6%)") from None
             self._cache_ptr = kv_cache.data_ptr()
             if self.with_stats and self.page_stats is None:
                 self.page_stats = torch.zeros(2, dtype=torch.int64, device=kv_cache.device)

@@ -340,7 +340,9 @@ __device__ void select_row(const Params& p) {
 #pragma unroll
     for (int k = 0; k < P; ++k) {
       const float ell = head_masses[min(base + k, n - 1)];
-      candidate[k] += g < p.group ? __expf(ell - row_peak[g]) * weight[g] : 0.f;
+      // weight 0: a head with no readable estimate, whose peak is -inf (-inf - -inf is NaN)
+      candidate[k] += g < p.group && weight[g] > 0.f ? __expf(ell - row_peak[g]) * weight[g]
+                                                     : 0.f;
     }
   }
   float edges[2] = {-1.f, 0.f};  // (top middle share, the sink's and current page's shares)

@@ -143,7 +143,7 @@ def _codes_store(query_row, dst, summaries, codes, physical, page, head, scale,
                     mask=heads[None, :] < GROUP, other=0.0).to(tl.float32) * scale
         base += tl.sum(q * lo[:, None], axis=0)
         plane = ((packed >> (part * BITS)) & LEVELS).to(tl.float32)  # [PAGE, WIDTH]
-        logits += tl.dot(plane, q * step[:, None], input_precision="tf32")
+        logits += tl.dot(plane, q * step[:, None], input_precision="tf32x3")
     logits += base[None, :]
     peak = tl.max(logits, axis=0)
     lse = peak + tl.log(tl.sum(tl.exp(logits - peak[None, :]), axis=0))

@@ -49,7 +49,10 @@ def summarize_page(key_cache, summaries, codes, page, head,
         for part in tl.static_range(8 // BITS):
             dims = part * WIDTH + cols
             keys = tl.load(src + dims[None, :] * stride_kd).to(tl.float32)
-            lo = tl.min(keys, axis=0).to(summaries.dtype.element_ty)
+            # tl.min / tl.max skip NaN: a NaN key makes its channel's min NaN here, as the
+            # spec's, so the page's estimate is NaN and Select keeps it
+            nan = tl.max((keys != keys).to(tl.int32), axis=0) > 0
+            lo = tl.where(nan, float("nan"), tl.min(keys, axis=0)).to(summaries.dtype.element_ty)
             hi = tl.max(keys, axis=0).to(summaries.dtype.element_ty)
             tl.store(dst + dims * stride_sd, lo)
             tl.store(dst + stride_ss + dims * stride_sd, hi)
