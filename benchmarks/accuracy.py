@@ -650,17 +650,24 @@ def study_plot(table, path, meta):
             for mode, marker in (("fraction", "o"), ("gamma", "s")):
                 arms = [a for a in entry["arms"].values()
                         if a["estimator"] == name and a["mode"] == mode]
+                if not arms:
+                    continue
                 ax.scatter([a["read_fraction"] for a in arms], [a[key] for a in arms],
                            marker=marker, color=colors[name], s=40,
                            label=("oracle (exact)" if name == "exact" else name)
-                           if mode == "fraction" else None)
+                           if mode == "fraction" or not any(
+                               a["estimator"] == name and a["mode"] == "fraction"
+                               for a in entry["arms"].values()) else None)
+                for a in arms:  # the fraction or gamma beside each point
+                    ax.annotate(f"{a['value']:g}", (a["read_fraction"], a[key]), fontsize=6,
+                                xytext=(3, 3), textcoords="offset points")
         if key == "accuracy":
             ax.axhline(entry["dense_accuracy"], color="gray", linestyle="--", label="dense")
             ax.legend(fontsize=7)
         else:
             ax.set_yscale("log")
-        ax.set_xlabel("fraction of pages read (circles: 25% of each row; squares: coverage "
-                      "rule, gamma 0.95, mvar also 0.98)", fontsize=8)
+        ax.set_xlabel("pages read (circles: a fixed fraction; squares: the coverage rule "
+                      "at the gamma shown)", fontsize=8)
         ax.set_title(label, fontsize=9)
     fig.suptitle(f"{meta.get('model')}, {meta.get('context')} tokens, "
                  f"{entry['samples']} samples over the retrieval tasks", fontsize=9)
