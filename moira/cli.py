@@ -81,6 +81,16 @@ def _share(upper_open):
     return parse
 
 
+def _estimator_list(text):
+    """Comma-separated estimators beside mvar: int2, int4 (empty: none)."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in ("int2", "int4")]
+    if unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated estimators among int2, int4, "
+                                         f"each once, got {text!r}")
+    return names
+
+
 def _gamma_list(text):
     """Comma-separated coverage targets in (0, 1]."""
     parse = _share(upper_open=False)
@@ -403,6 +413,7 @@ def evaluate(args, command, fail):
     progress = _Progress(None)
     header = dict(command=command, model=args.model, text=args.text, context=args.context,
                   documents=args.documents, gammas=args.gammas, calibrated=args.calibrated,
+                  estimators=args.estimators,
                   device=f"{device} (float32 model, Moira's float32 reference)",
                   torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
     last_write = [time.monotonic()]
@@ -419,7 +430,7 @@ def evaluate(args, command, fail):
         documents=args.documents, gammas=args.gammas, tasks=args.tasks,
         new_tokens=args.new_tokens, seed=args.seed, calibration=args.calibration,
         progress=progress, checkpoint=checkpoint, tail_ratios=tail_ratios,
-        calibrate_documents=args.calibrate)
+        calibrate_documents=args.calibrate, estimators=args.estimators)
     result.update(header)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
@@ -516,6 +527,9 @@ def build_parser():
     ev.add_argument("--gammas", type=_gamma_list, default="0.95,0.98,0.99,1.0",
                     help="coverage targets to compare with dense, comma-separated, each in "
                          "(0, 1]")
+    ev.add_argument("--estimators", type=_estimator_list, default="",
+                    help="also run every gamma < 1 with these page-mass estimators beside "
+                         "mvar, comma-separated: int2, int4 (MoiraConfig.estimator)")
     ev.add_argument("--tasks", type=_task_list, default=",".join(EVAL_TASKS),
                     help=f"comma-separated, any of {', '.join(EVAL_TASKS)}")
     ev.add_argument("--calibration", type=_whole(1, "calibration documents"), default=5,

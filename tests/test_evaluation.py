@@ -298,3 +298,14 @@ def test_estimator_study_on_a_tiny_model(lm):
     assert table["all"]["samples"] == 2 and set(table) == {"fact", "other", "all"}
     arm = table["fact"]["arms"]["exact @ read 0.5"]
     assert 0 < arm["read_fraction"] <= 1 and arm["kl"] >= 0
+
+
+def test_evaluate_with_the_codes_beside_mvar(lm):
+    """``estimators=("int2",)`` adds a "<gamma> int2" arm for every gamma below 1."""
+    result = experiments.evaluate(
+        lm.model, encode, decode, text(30000), context=640, documents=1, gammas=[0.5, 1.0],
+        tasks=("kl",), new_tokens=4, progress=lambda m: None, estimators=("int2",))
+    table = result["table"]
+    assert set(table) == {"0.5", "0.5 int2", "1.0"}
+    assert 0 < table["0.5 int2"]["kl_read_fraction"] < 1.0
+    assert "0.5 int2" in experiments.format_table(table)

@@ -87,18 +87,32 @@ class Calibrated:
         return f"{self.gamma} calibrated"
 
 
+@dataclasses.dataclass(frozen=True)
+class Estimated:
+    """An arm at one gamma with another estimator than mvar (``MoiraConfig.estimator``); its
+    rows carry the label ``"<gamma> <estimator>"``."""
+
+    gamma: float
+    estimator: str
+
+    def __str__(self):
+        return f"{self.gamma} {self.estimator}"
+
+
 def sparse_arm(key):
-    """The ``SparseDecoding`` of an arm: a gamma, or a ``Calibrated``."""
+    """The ``SparseDecoding`` of an arm: a gamma, an ``Estimated`` or a ``Calibrated``."""
     if isinstance(key, Calibrated):
         table = torch.as_tensor(key.targets, dtype=torch.float32)
         return SparseDecoding(select=lambda layer, *inputs: moira_pages(*inputs,
                                                                         gamma=table[layer]))
+    if isinstance(key, Estimated):
+        return SparseDecoding(gamma=key.gamma, estimator=key.estimator)
     return SparseDecoding(gamma=key)
 
 
 def label(key):
     """How an arm is named in the rows and tables (JSON-friendly)."""
-    return str(key) if isinstance(key, Calibrated) else key
+    return str(key) if isinstance(key, (Calibrated, Estimated)) else key
 
 
 def kl(p_log, q_log):
@@ -478,7 +492,7 @@ def format_table(table):
 def evaluate(model, tokenizer_encode, tokenizer_decode, text, *, context, documents, gammas,
              tasks=("kl", "retrieval", "repeat"), new_tokens=32, passage_tokens=PASSAGE_TOKENS,
              seed=0, calibration=5, progress=print, checkpoint=None, tail_ratios=None,
-             calibrate_documents=0):
+             calibrate_documents=0, estimators=()):
     """Run the chosen measurements; returns ``{"rows": {...}, "table": {...}, "seconds": s}``.
 
     ``documents`` samples per task, each from a different part of ``text`` (a long string).
@@ -487,6 +501,8 @@ def evaluate(model, tokenizer_encode, tokenizer_decode, text, *, context, docume
     repeated passage. ``calibrate_documents`` > 0 measures them first, on documents from the
     third of the text the KL and retrieval samples never use (the repeated passage's third,
     which then gets no calibrated arm).
+    ``estimators`` (e.g. ``("int2",)``) adds, for every gamma below 1, an arm with that
+    estimator (``"<gamma> <estimator>"``) beside mvar's.
     ``checkpoint(rows)``, if given, is called after every document with the rows so far (so a
     long GPU run that is cut short keeps what it measured).
     """
@@ -501,9 +517,10 @@ def evaluate(model, tokenizer_encode, tokenizer_decode, text, *, context, docume
             new_tokens=new_tokens, progress=progress)
         results["calibration"] = covered
         tail_ratios = head_targets.tail_ratios(covered, head_targets.GAMMA)
+    plain = list(gammas)
+    gammas = plain + [Estimated(g, name) for name in estimators for g in plain if g < 1]
     if tail_ratios is not None:
-        gammas = list(gammas) + [Calibrated(g, head_targets.targets(tail_ratios, g))
-                                 for g in gammas if g < 1]
+        gammas += [Calibrated(g, head_targets.targets(tail_ratios, g)) for g in plain if g < 1]
 
     def report(message):
         progress(message)

@@ -28,14 +28,20 @@ ATTENTION_NAME = "moira"
 _active: SparseDecoding | None = None
 
 
+ESTIMATORS = ("mvar", "int2", "int4", "mean")
+
+
 def moira_pages(query, key_cache, block_table, seq_lens, scale, *, gamma=0.98, top_k=None,
                 estimator="mvar"):
-    """Moira's Estimate -> Select (``moira.reference``): ``(page_lists, page_counts)``.
-    ``estimator="mean"`` drops the variance term of Eq. 2 (the ablation)."""
-    summaries = reference.summarize(key_cache, block_table, seq_lens)
+    """Moira's Estimate -> Select (``moira.reference``): ``(page_lists, page_counts)``, with
+    ``MoiraConfig.estimator``'s choices (float32 summaries); ``estimator="mean"`` drops the
+    variance term of Eq. 2 (the ablation)."""
+    shipped = "mvar" if estimator == "mean" else estimator
+    summaries = reference.summarize(key_cache, block_table, seq_lens, estimator=shipped)
     if estimator == "mean":
         summaries[:, :, 1] = 0.0
-    log_masses = reference.estimate(query, key_cache, summaries, block_table, seq_lens, scale)
+    log_masses = reference.estimate(query, key_cache, summaries, block_table, seq_lens, scale,
+                                    shipped)
     return reference.select(log_masses, seq_lens, gamma=gamma, top_k=top_k)
 
 
@@ -45,7 +51,7 @@ class SparseDecoding:
     Parameters
     ----------
     gamma, top_k, estimator : Moira's selection (``moira_pages``): coverage target, or a fixed
-        count per row (int or ``[batch, kv_heads]``), and "mvar" or "mean".
+        count per row (int or ``[batch, kv_heads]``), and the estimator (``ESTIMATORS``).
     select : instead, any ``select(layer, query [batch, heads, D], key_cache, block_table,
         seq_lens, scale) -> (page_lists, page_counts)`` (e.g. ``moira.selectors``).
     observe : called with the same arguments before selecting (e.g. to record oracle sets).
@@ -55,8 +61,8 @@ class SparseDecoding:
 
     def __init__(self, gamma=0.98, top_k=None, estimator="mvar", *, select=None, observe=None,
                  record_rows=False):
-        if estimator not in ("mvar", "mean"):
-            raise ValueError(f"estimator must be 'mvar' or 'mean', got {estimator!r}")
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
         self.select = select or (lambda layer, *inputs: moira_pages(
             *inputs, gamma=gamma, top_k=top_k, estimator=estimator))
         self.observe = observe
