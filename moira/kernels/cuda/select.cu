@@ -291,8 +291,6 @@ __device__ void select_row(const Params& p) {
   // its own maximum and sum; the block combines them. An estimate that is NaN or +inf takes
   // no part in its head's softmax, and its page is unreadable (the reference's `unreadable`):
   // kept below, never dropped unseen (-inf is a mass of zero). Bit k: page base + k.
-  static_assert(P <= 32, "one bit per page of the thread");
-  unsigned unreadable = 0;
   float peak[GP], total[GP];
 #pragma unroll
   for (int g = 0; g < GP; ++g) {
@@ -303,10 +301,8 @@ __device__ void select_row(const Params& p) {
     peak[g] = -infinity();
 #pragma unroll
     for (int k = 0; k < P; ++k) {
-      const bool here = g < p.group && base + k < n;
-      const bool known = ell[k] <= 3.402823466e38f;  // false for NaN and +inf
-      unreadable |= unsigned(here && !known) << k;
-      ell[k] = here && known ? ell[k] : -infinity();
+      // (false for NaN and +inf)
+      ell[k] = g < p.group && base + k < n && ell[k] <= 3.402823466e38f ? ell[k] : -infinity();
       peak[g] = fmaxf(peak[g], ell[k]);
     }
     total[g] = 0.f;
@@ -340,20 +336,24 @@ __device__ void select_row(const Params& p) {
 #pragma unroll
     for (int k = 0; k < P; ++k) {
       const float ell = head_masses[min(base + k, n - 1)];
+      // a NaN or +inf estimate makes the page's sum +inf, which marks it unreadable below;
       // weight 0: a head with no readable estimate, whose peak is -inf (-inf - -inf is NaN)
-      candidate[k] += g < p.group && weight[g] > 0.f ? __expf(ell - row_peak[g]) * weight[g]
-                                                     : 0.f;
+      candidate[k] += g >= p.group ? 0.f
+                      : !(ell <= 3.402823466e38f) ? infinity()
+                      : weight[g] > 0.f ? __expf(ell - row_peak[g]) * weight[g] : 0.f;
     }
   }
   float edges[2] = {-1.f, 0.f};  // (top middle share, the sink's and current page's shares)
 #pragma unroll
   for (int k = 0; k < P; ++k) {
     const int page = base + k;
-    // an unreadable page's sum holds its own NaN or infinite terms alone: its share is 0
-    const float share = page < n && !(unreadable >> k & 1u) ? candidate[k] : 0.f;
-    candidate[k] = page > 0 && page < last ? share : -1.f;
-    // fixed count: an unreadable middle page ranks above every share (1 at most)
-    if (p.fixed_count && page > 0 && page < last && (unreadable >> k & 1u)) candidate[k] = 2.f;
+    const bool unknown = page < n && !(candidate[k] <= 3.402823466e38f);
+    const float share = page < n && !unknown ? candidate[k] : 0.f;
+    // an unreadable middle page: above every share (at most 1) under a fixed count, so it
+    // ranks first; -0 under the coverage rule, a share of 0 to the bisection whose sign marks
+    // the page for keeping (no register held across the bisection: one spilled)
+    candidate[k] = page > 0 && page < last ? (unknown ? (p.fixed_count ? 2.f : -0.f) : share)
+                                           : -1.f;
     edges[1] += (page == 0 || page == last) ? share : 0.f;  // page 0 once when last == 0
   }
   {
@@ -434,8 +434,8 @@ __device__ void select_row(const Params& p) {
     // pages already meet keeps no middle page
     lo = gamma >= 1.f ? -0.5f : (gamma - forced <= 0.f ? 2.f : lo);
 #pragma unroll
-    for (int k = 0; k < P; ++k)
-      keep[k] = candidate[k] >= lo || ((unreadable >> k & 1u) && base + k > 0 && base + k < last);
+    for (int k = 0; k < P; ++k)  // shares are +0 or more: -0 is an unreadable middle page
+      keep[k] = candidate[k] >= lo || __float_as_uint(candidate[k]) == 0x80000000u;
   }
 
   // compaction: sink, kept middle pages in order, current page
