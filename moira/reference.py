@@ -82,13 +82,14 @@ def quantize_page(keys, bits, dtype):
 
 
 def pack_codes(codes, bits):
-    """``[64, kv_heads, D]`` codes -> ``[kv_heads, 64 * D * bits / 8]`` uint8 (the layout of
-    ``config.summary_rows``: byte j of a token holds channels j + s * D * bits / 8)."""
-    tokens, num_kv_heads, head_dim = codes.shape
+    """``[..., 64, kv_heads, D]`` codes -> ``[..., kv_heads, 64 * D * bits / 8]`` uint8 (the
+    layout of ``config.summary_rows``: byte j of a token holds channels j + s * D * bits / 8)."""
+    *pages, tokens, num_kv_heads, head_dim = codes.shape
     width = head_dim * bits // 8  # bytes per token
-    planes = codes.view(tokens, num_kv_heads, 8 // bits, width)
-    packed = sum(planes[:, :, s] << (s * bits) for s in range(8 // bits))
-    return packed.to(torch.uint8).permute(1, 0, 2).reshape(num_kv_heads, tokens * width)
+    planes = codes.reshape(*pages, tokens, num_kv_heads, 8 // bits, width)
+    packed = sum(planes[..., s, :] << (s * bits) for s in range(8 // bits))
+    return packed.to(torch.uint8).transpose(-3, -2).reshape(*pages, num_kv_heads,
+                                                            tokens * width)
 
 
 def unpack_codes(packed, bits, head_dim):
@@ -124,17 +125,19 @@ def summarize(key_cache, block_table, seq_lens, summaries=None, estimator="mvar"
                                 dtype=torch.float32, device=key_cache.device)
     for b in range(block_table.shape[0]):
         full_pages = min(int(seq_lens[b]) // PAGE_SIZE, block_table.shape[1])
-        for physical in block_table[b, :full_pages].long().tolist():
-            keys = key_cache[physical].float()  # [64, num_kv_heads, head_dim]
-            if bits == 0:
-                summaries[physical, :, 0] = keys.mean(dim=0)
-                summaries[physical, :, 1] = keys.var(dim=0, unbiased=False)
-                continue
-            lo, hi, codes = quantize_page(keys, bits, summaries.dtype)
-            summaries[physical, :, 0] = lo
-            summaries[physical, :, 1] = hi
-            raw = summaries[physical].view(torch.uint8).view(num_kv_heads, -1)
-            raw[:, 2 * head_dim * summaries.element_size():] = pack_codes(codes, bits)
+        if full_pages == 0:
+            continue
+        pages = block_table[b, :full_pages].long()
+        keys = key_cache[pages].float()  # [pages, 64, num_kv_heads, head_dim]
+        if bits == 0:
+            summaries[pages, :, 0] = keys.mean(dim=1).to(summaries.dtype)
+            summaries[pages, :, 1] = keys.var(dim=1, unbiased=False).to(summaries.dtype)
+            continue
+        lo, hi, codes = quantize_page(keys, bits, summaries.dtype)
+        summaries[pages, :, 0] = lo.to(summaries.dtype)
+        summaries[pages, :, 1] = hi.to(summaries.dtype)
+        raw = summaries.view(torch.uint8).view(total_pages, num_kv_heads, -1)
+        raw[pages, :, 2 * head_dim * summaries.element_size():] = pack_codes(codes, bits)
     return summaries
 
 
